@@ -1,0 +1,144 @@
+// Kimi Linear (spec/MODEL.md §4): embedding, per layer [KDA | MLA] + [dense FFN | MoE], final norm,
+// lm_head. Weight names are the on-disk (Moonshot) names of §4.6.
+#include <fmt/format.h>
+
+#include "graph/models/registry.h"
+
+namespace plow {
+
+namespace {
+
+class KimiLinearBuilder {
+ public:
+  explicit KimiLinearBuilder(const ModelConfig& config) : c_(config) {}
+
+  Graph build() {
+    const std::string model = c_.tensor_prefix + "model.";
+    const int tokens = g_.add(Op::kTokens, {}, {}, {}, "tokens");
+    int h = g_.add(Op::kEmbedding, {tokens}, {weight(model + "embed_tokens.weight", {c_.vocab_size, c_.hidden_size})}, {}, "embed");
+    for (int64_t i = 0; i < c_.num_layers; ++i) {
+      const std::string p = fmt::format("{}layers.{}.", model, i);
+      const std::string label = fmt::format("layers.{}", i);
+      int x = norm(h, p + "input_layernorm.weight", c_.hidden_size, c_.rms_norm_eps, label + ".input_norm");
+      const bool kda = c_.mixers[static_cast<size_t>(i)] == MixerKind::kKda;
+      int a = kda ? kda_mixer(x, p + "self_attn.", label + ".kda") : mla_mixer(x, p + "self_attn.", label + ".mla");
+      h = g_.add(Op::kAdd, {h, a}, {}, {}, label + ".attn_residual");
+      x = norm(h, p + "post_attention_layernorm.weight", c_.hidden_size, c_.rms_norm_eps, label + ".post_attn_norm");
+      int m = c_.ffns[static_cast<size_t>(i)] == FfnKind::kMoe ? moe(x, p + "block_sparse_moe.", label + ".moe")
+                                                               : mlp(x, p + "mlp.", c_.intermediate_size, label + ".mlp");
+      h = g_.add(Op::kAdd, {h, m}, {}, {}, label + ".ffn_residual");
+    }
+    h = norm(h, model + "norm.weight", c_.hidden_size, c_.rms_norm_eps, "final_norm");
+    const std::string head = c_.tie_word_embeddings ? model + "embed_tokens.weight" : c_.tensor_prefix + "lm_head.weight";
+    const int logits = linear(h, head, c_.vocab_size, "lm_head");
+    g_.set_output(logits);
+    g_.verify();
+    return std::move(g_);
+  }
+
+ private:
+  int weight(const std::string& name, std::vector<int64_t> shape, bool reshape_ok = false) {
+    return g_.add_weight({name, {name}, std::move(shape), reshape_ok});
+  }
+
+  int linear(int x, const std::string& name, int64_t out, const std::string& label) {
+    const int64_t in = g_.node(x).width;
+    return g_.add(Op::kLinear, {x}, {weight(name, {out, in})}, {}, label);
+  }
+
+  int norm(int x, const std::string& name, int64_t width, float eps, const std::string& label) {
+    return g_.add(Op::kRmsNorm, {x}, {weight(name, {width})}, {{"eps", eps}}, label);
+  }
+
+  int kda_mixer(int x, const std::string& p, const std::string& label) {
+    const int64_t heads = c_.kda.num_heads, d = c_.kda.head_dim, width = c_.kda_width(), kernel = c_.kda.conv_kernel;
+    const Attrs shape = {{"heads", static_cast<double>(heads)}, {"head_dim", static_cast<double>(d)}};
+    int qkv[3];
+    const char* names[3] = {"q", "k", "v"};
+    for (int j = 0; j < 3; ++j) {
+      const int projected = linear(x, p + names[j] + "_proj.weight", width, label + "." + names[j] + "_proj");
+      const int window = g_.add_state({StateKind::kConvWindow, width, kernel - 1, label + "." + names[j] + "_conv"});
+      qkv[j] = g_.add(Op::kShortConvSilu, {projected}, {weight(p + names[j] + "_conv1d.weight", {width, 1, kernel})},
+                      {{"kernel", static_cast<double>(kernel)}}, label + "." + names[j] + "_conv", window);
+    }
+    const int f = linear(linear(x, p + "f_a_proj.weight", d, label + ".f_a"), p + "f_b_proj.weight", width, label + ".f_b");
+    const int gate = g_.add(Op::kKdaGate, {f}, {weight(p + "A_log", {heads}, true), weight(p + "dt_bias", {width}, true)},
+                            shape, label + ".gate");
+    const int beta = g_.add(Op::kSigmoid, {linear(x, p + "b_proj.weight", heads, label + ".b_proj")}, {}, {}, label + ".beta");
+    const int state = g_.add_state({StateKind::kKdaRecurrent, width, heads, label + ".state"});
+    const int core = g_.add(Op::kKdaDeltaRule, {qkv[0], qkv[1], qkv[2], gate, beta}, {}, shape, label + ".core", state);
+    const int z = linear(linear(x, p + "g_a_proj.weight", d, label + ".g_a"), p + "g_b_proj.weight", width, label + ".g_b");
+    Attrs norm_attrs = shape;
+    norm_attrs.set("eps", c_.rms_norm_eps);
+    const int y = g_.add(Op::kGatedRmsNorm, {core, z}, {weight(p + "o_norm.weight", {d})}, norm_attrs, label + ".o_norm");
+    return linear(y, p + "o_proj.weight", c_.hidden_size, label + ".o_proj");
+  }
+
+  int mla_mixer(int x, const std::string& p, const std::string& label) {
+    constexpr float kLatentNormEps = 1e-6f;  // kv_a/q_a layernorms use the module default (MODEL.md §9.4)
+    const int64_t heads = c_.num_attention_heads, qk = c_.mla_qk_head_dim();
+    int q;
+    if (c_.q_lora_rank) {
+      const int qa = linear(x, p + "q_a_proj.weight", *c_.q_lora_rank, label + ".q_a");
+      q = linear(norm(qa, p + "q_a_layernorm.weight", *c_.q_lora_rank, kLatentNormEps, label + ".q_a_norm"),
+                 p + "q_b_proj.weight", heads * qk, label + ".q_b");
+    } else {
+      q = linear(x, p + "q_proj.weight", heads * qk, label + ".q_proj");
+    }
+    const int kv_a = linear(x, p + "kv_a_proj_with_mqa.weight", c_.kv_lora_rank + c_.qk_rope_head_dim, label + ".kv_a");
+    const int cache = g_.add_state({StateKind::kMlaLatent, c_.kv_lora_rank + c_.qk_rope_head_dim, 0, label + ".latent"});
+    const Attrs attrs = {{"heads", static_cast<double>(heads)},         {"nope", static_cast<double>(c_.qk_nope_head_dim)},
+                         {"rope", static_cast<double>(c_.qk_rope_head_dim)}, {"v", static_cast<double>(c_.v_head_dim)},
+                         {"rank", static_cast<double>(c_.kv_lora_rank)}, {"eps", kLatentNormEps}};
+    const int o = g_.add(Op::kMlaAttention, {q, kv_a},
+                         {weight(p + "kv_a_layernorm.weight", {c_.kv_lora_rank}),
+                          weight(p + "kv_b_proj.weight", {heads * (c_.qk_nope_head_dim + c_.v_head_dim), c_.kv_lora_rank})},
+                         attrs, label + ".attention", cache);
+    return linear(o, p + "o_proj.weight", c_.hidden_size, label + ".o_proj");
+  }
+
+  int mlp(int x, const std::string& p, int64_t inter, const std::string& label) {
+    const int gate = linear(x, p + "gate_proj.weight", inter, label + ".gate_proj");
+    const int up = linear(x, p + "up_proj.weight", inter, label + ".up_proj");
+    const int act = g_.add(Op::kSiluMul, {gate, up}, {}, {}, label + ".act");
+    return linear(act, p + "down_proj.weight", c_.hidden_size, label + ".down_proj");
+  }
+
+  int moe(int x, const std::string& p, const std::string& label) {
+    const int64_t experts = c_.num_experts, inter = c_.moe_intermediate_size, hidden = c_.hidden_size;
+    const Attrs router_attrs = {{"experts", static_cast<double>(experts)},
+                                {"top_k", static_cast<double>(c_.experts_per_token)},
+                                {"groups", static_cast<double>(c_.num_expert_group)},
+                                {"topk_groups", static_cast<double>(c_.topk_group)},
+                                {"renormalize", c_.moe_renormalize ? 1.0 : 0.0},
+                                {"scale", c_.routed_scaling_factor},
+                                {"softmax", c_.router_activation == RouterActivation::kSoftmax ? 1.0 : 0.0}};
+    const int routes = g_.add(Op::kMoeRouter, {x},
+                              {weight(p + "gate.weight", {experts, hidden}), weight(p + "gate.e_score_correction_bias", {experts})},
+                              router_attrs, label + ".router");
+    int stacks[3];
+    const char* names[3] = {"w1", "w3", "w2"};  // gate, up, down (MODEL.md §9.13)
+    for (int j = 0; j < 3; ++j) {
+      WeightDecl decl;
+      for (int64_t e = 0; e < experts; ++e) decl.parts.push_back(fmt::format("{}experts.{}.{}.weight", p, e, names[j]));
+      decl.name = decl.parts.front();
+      decl.shape = j == 2 ? std::vector<int64_t>{hidden, inter} : std::vector<int64_t>{inter, hidden};
+      stacks[j] = g_.add_weight(std::move(decl));
+    }
+    const int routed = g_.add(Op::kMoeExperts, {x, routes}, {stacks[0], stacks[1], stacks[2]},
+                              {{"experts", static_cast<double>(experts)}, {"top_k", static_cast<double>(c_.experts_per_token)}},
+                              label + ".experts");
+    if (c_.num_shared_experts == 0) return routed;
+    const int shared = mlp(x, p + "shared_experts.", c_.num_shared_experts * inter, label + ".shared");
+    return g_.add(Op::kAdd, {routed, shared}, {}, {}, label + ".combine");
+  }
+
+  const ModelConfig& c_;
+  Graph g_;
+};
+
+}  // namespace
+
+Graph build_kimi_linear(const ModelConfig& config) { return KimiLinearBuilder(config).build(); }
+
+}  // namespace plow

@@ -1,0 +1,71 @@
+// The op table: every op plow knows is one row here (name, arity, weight count, shape rule).
+// Backends implement ops by this enum; a backend that lacks one reports it at load, never at run.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace plow {
+
+enum class Op : uint8_t {
+  kTokens,        // the step's token ids [T] (graph input)
+  kEmbedding,     // [T,H] = W[ids]                                   weights: table [V,H]
+  kRmsNorm,       // [T,F] RMSNorm over F, weight applied after the cast back        weights: w [F]
+  kLinear,        // [T,out] = x·Wᵀ, fp32 accumulate                  weights: W [out,in]
+  kShortConvSilu, // [T,P] depthwise causal conv over the sequence + SiLU (stateful)  weights: C [P,1,K]
+  kKdaGate,       // [T,P] fp32 g = −exp(A_log[h])·softplus(f + dt_bias)  weights: A_log (n_k), dt_bias (P)
+  kSigmoid,       // [T,F] fp32 σ(x)
+  kKdaDeltaRule,  // [T,P] KDA core: l2norm(q)/√d, l2norm(k), gated delta rule over the state (stateful)
+  kGatedRmsNorm,  // [T,P] per-head RMSNorm(o)·w ⊙ σ(z)               weights: w [d]
+  kMlaAttention,  // [T,n_h·d_v] NoPE MLA over the latent cache (stateful)  weights: kv_a norm [r], kv_b [n_h(d_n+d_v), r]
+  kSiluMul,       // [T,F] SiLU(a) ⊙ b
+  kAdd,           // [T,F] a + b
+  kMoeRouter,     // [T,2k] fp32: k routing weights, then k expert ids   weights: W [E,H], bias [E]
+  kMoeExperts,    // [T,H] Σ_k w_k·E_k(x)                              weights: w1 stack, w3 stack, w2 stack
+  kCount,
+};
+
+// Attributes of a node: a short list of named numbers (sizes, epsilons, flags, state slots).
+class Attrs {
+ public:
+  Attrs() = default;
+  Attrs(std::initializer_list<std::pair<std::string, double>> values) : values_(values) {}
+  Attrs& set(std::string key, double value);
+  double get(std::string_view key) const;    // missing key: InternalError
+  int64_t i(std::string_view key) const { return static_cast<int64_t>(get(key)); }
+  float f(std::string_view key) const { return static_cast<float>(get(key)); }
+  bool has(std::string_view key) const;
+  const std::vector<std::pair<std::string, double>>& values() const { return values_; }
+
+ private:
+  std::vector<std::pair<std::string, double>> values_;
+};
+
+struct Node;
+struct WeightDecl;
+
+// Infers the output width from the input widths, the weights' declared shapes and the attributes;
+// throws InternalError when the builder wired something inconsistent.
+using ShapeRule = int64_t (*)(const Node& node, std::span<const int64_t> input_widths,
+                              std::span<const WeightDecl* const> weights);
+
+enum class OutDType : uint8_t { kAct, kF32 };  // kAct: the model's activation dtype (bf16, f16 or f32)
+
+struct OpInfo {
+  Op op;
+  std::string_view name;
+  int num_inputs;
+  int num_weights;
+  OutDType out_dtype;
+  bool stateful;
+  ShapeRule shape_rule;
+};
+
+const OpInfo& op_info(Op op);
+std::string_view op_name(Op op);
+
+}  // namespace plow

@@ -1,0 +1,67 @@
+// What a CPU reference op sees: its node, input activations [T, width] (f32 values already rounded
+// to their dtype), bound weights, the output buffer, the step's sequences and their states.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/dtype.h"
+#include "graph/graph.h"
+#include "graph/weights.h"
+#include "runtime/step.h"
+
+namespace plow {
+
+struct SlotState {
+  int64_t context_tokens = 0;
+  std::vector<std::vector<float>> buffers;  // one per graph StateDecl
+};
+
+struct Activation {
+  const float* data = nullptr;
+  int64_t width = 0;
+};
+
+struct OpContext {
+  const Node& node;
+  std::span<const Activation> inputs;
+  std::span<const BoundWeight* const> weights;
+  float* out;                 // [rows, node.width]
+  int64_t rows;               // T
+  DType act_dtype;
+  const StepInputs& step;
+  std::span<SlotState> slots;
+
+  // Rounds to the dtype of this node's output.
+  float round_out(float value) const { return node.dtype == OutDType::kAct ? round_to(act_dtype, value) : value; }
+  // Rounds to the activation dtype (an intermediate rounding point inside an op).
+  float round_act(float value) const { return round_to(act_dtype, value); }
+  const float* in(size_t i, int64_t row) const { return inputs[i].data + row * inputs[i].width; }
+  float* out_row(int64_t row) const { return out + row * node.width; }
+  std::vector<float>& state(int slot) const { return slots[static_cast<size_t>(slot)].buffers[static_cast<size_t>(node.state)]; }
+};
+
+using CpuOpFn = void (*)(OpContext&);
+
+// Kernel registration: each ops/*.cpp defines the functions for its rows of the op table.
+void cpu_embedding(OpContext&);
+void cpu_rms_norm(OpContext&);
+void cpu_linear(OpContext&);
+void cpu_short_conv_silu(OpContext&);
+void cpu_kda_gate(OpContext&);
+void cpu_sigmoid(OpContext&);
+void cpu_kda_delta_rule(OpContext&);
+void cpu_gated_rms_norm(OpContext&);
+void cpu_mla_attention(OpContext&);
+void cpu_silu_mul(OpContext&);
+void cpu_add(OpContext&);
+void cpu_moe_router(OpContext&);
+void cpu_moe_experts(OpContext&);
+
+// Shared helpers (ops/math.h would be one more file for two functions).
+float dot_weight_row(const TensorView& weight, int64_t row, const float* x, int64_t n);
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float silu(float x) { return x * sigmoid(x); }
+
+}  // namespace plow

@@ -1,0 +1,96 @@
+// MoE router (spec/MODEL.md §4.5 R1–R7: select with s + bias, weight with unbiased s, renormalize then
+// scale; ties go to the lower expert index) and routed experts (X1–X2: fp32 sum over k, one rounding).
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "runtime/cpu/op_context.h"
+
+namespace plow {
+
+namespace {
+
+// Indices of the `count` largest values, larger first, ties to the lower index.
+std::vector<int64_t> top_indices(const std::vector<float>& values, int64_t count) {
+  std::vector<int64_t> order(values.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return values[static_cast<size_t>(a)] > values[static_cast<size_t>(b)]; });
+  order.resize(static_cast<size_t>(count));
+  return order;
+}
+
+}  // namespace
+
+void cpu_moe_router(OpContext& ctx) {
+  const TensorView& weight = *ctx.weights[0]->parts[0];
+  const TensorView& bias = *ctx.weights[1]->parts[0];
+  const Attrs& a = ctx.node.attrs;
+  const int64_t experts = a.i("experts"), top_k = a.i("top_k"), groups = a.i("groups"), keep_groups = a.i("topk_groups");
+  const int64_t per_group = experts / groups;
+  const int64_t hidden = ctx.inputs[0].width;
+  std::vector<float> scores(static_cast<size_t>(experts)), choice(static_cast<size_t>(experts));
+  for (int64_t t = 0; t < ctx.rows; ++t) {
+    const float* x = ctx.in(0, t);
+    for (int64_t e = 0; e < experts; ++e) scores[static_cast<size_t>(e)] = dot_weight_row(weight, e, x, hidden);  // fp32 logits
+    if (a.get("softmax") != 0.0) {
+      const float max_logit = *std::max_element(scores.begin(), scores.end());
+      float total = 0.0f;
+      for (float& s : scores) total += (s = std::exp(s - max_logit));
+      for (float& s : scores) s /= total;
+    } else {
+      for (float& s : scores) s = sigmoid(s);
+    }
+    for (int64_t e = 0; e < experts; ++e) choice[static_cast<size_t>(e)] = scores[static_cast<size_t>(e)] + bias.at(static_cast<size_t>(e));
+    if (groups > 1) {
+      std::vector<float> group_scores(static_cast<size_t>(groups));
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        std::vector<float> members(choice.begin() + gi * per_group, choice.begin() + (gi + 1) * per_group);
+        for (int64_t best : top_indices(members, std::min<int64_t>(2, per_group))) group_scores[static_cast<size_t>(gi)] += members[static_cast<size_t>(best)];
+      }
+      std::vector<bool> kept(static_cast<size_t>(groups), false);
+      for (int64_t gi : top_indices(group_scores, keep_groups)) kept[static_cast<size_t>(gi)] = true;
+      for (int64_t e = 0; e < experts; ++e) {
+        if (!kept[static_cast<size_t>(e / per_group)]) choice[static_cast<size_t>(e)] = -INFINITY;
+      }
+    }
+    const std::vector<int64_t> chosen = top_indices(choice, top_k);
+    std::vector<float> weights(static_cast<size_t>(top_k));
+    float total = 0.0f;
+    for (int64_t k = 0; k < top_k; ++k) total += (weights[static_cast<size_t>(k)] = scores[static_cast<size_t>(chosen[static_cast<size_t>(k)])]);
+    float* out = ctx.out_row(t);
+    for (int64_t k = 0; k < top_k; ++k) {
+      float w = weights[static_cast<size_t>(k)];
+      if (a.get("renormalize") != 0.0) w = w / (total + 1e-20f);
+      out[k] = w * a.f("scale");
+      out[top_k + k] = static_cast<float>(chosen[static_cast<size_t>(k)]);  // expert id, exact in f32
+    }
+  }
+}
+
+void cpu_moe_experts(OpContext& ctx) {
+  const int64_t top_k = ctx.node.attrs.i("top_k"), hidden = ctx.node.width;
+  const BoundWeight& w1 = *ctx.weights[0];  // gate [I,H] per expert
+  const BoundWeight& w3 = *ctx.weights[1];  // up   [I,H]
+  const BoundWeight& w2 = *ctx.weights[2];  // down [H,I]
+  const int64_t inter = w1.decl->shape[0];
+  std::vector<float> act(static_cast<size_t>(inter)), acc(static_cast<size_t>(hidden));
+  for (int64_t t = 0; t < ctx.rows; ++t) {
+    const float* x = ctx.in(0, t);
+    const float* route = ctx.in(1, t);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t k = 0; k < top_k; ++k) {
+      const auto e = static_cast<size_t>(route[top_k + k]);
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gate = ctx.round_act(dot_weight_row(*w1.parts[e], i, x, hidden));
+        const float up = ctx.round_act(dot_weight_row(*w3.parts[e], i, x, hidden));
+        act[static_cast<size_t>(i)] = ctx.round_act(ctx.round_act(silu(gate)) * up);
+      }
+      for (int64_t o = 0; o < hidden; ++o) {
+        acc[static_cast<size_t>(o)] += route[k] * ctx.round_act(dot_weight_row(*w2.parts[e], o, act.data(), inter));
+      }
+    }
+    for (int64_t o = 0; o < hidden; ++o) ctx.out_row(t)[o] = ctx.round_out(acc[static_cast<size_t>(o)]);
+  }
+}
+
+}  // namespace plow

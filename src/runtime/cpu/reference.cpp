@@ -1,0 +1,111 @@
+#include "runtime/cpu/reference.h"
+
+#include "core/error.h"
+
+namespace plow {
+
+namespace {
+
+CpuOpFn kernel_for(Op op) {
+  switch (op) {
+    case Op::kTokens: return nullptr;  // filled from StepInputs, not computed
+    case Op::kEmbedding: return cpu_embedding;
+    case Op::kRmsNorm: return cpu_rms_norm;
+    case Op::kLinear: return cpu_linear;
+    case Op::kShortConvSilu: return cpu_short_conv_silu;
+    case Op::kKdaGate: return cpu_kda_gate;
+    case Op::kSigmoid: return cpu_sigmoid;
+    case Op::kKdaDeltaRule: return cpu_kda_delta_rule;
+    case Op::kGatedRmsNorm: return cpu_gated_rms_norm;
+    case Op::kMlaAttention: return cpu_mla_attention;
+    case Op::kSiluMul: return cpu_silu_mul;
+    case Op::kAdd: return cpu_add;
+    case Op::kMoeRouter: return cpu_moe_router;
+    case Op::kMoeExperts: return cpu_moe_experts;
+    case Op::kCount: break;
+  }
+  return nullptr;
+}
+
+size_t initial_state_size(const StateDecl& decl) {
+  switch (decl.kind) {
+    case StateKind::kConvWindow: return static_cast<size_t>(decl.width * decl.depth);
+    case StateKind::kKdaRecurrent: return static_cast<size_t>(decl.width * (decl.width / decl.depth));  // heads·d·d
+    case StateKind::kMlaLatent: return 0;
+  }
+  return 0;
+}
+
+}  // namespace
+
+ReferenceBackend::ReferenceBackend(const Graph& graph, const BoundWeights& weights, DType act_dtype, int num_slots)
+    : graph_(graph), weights_(weights), act_dtype_(act_dtype), slots_(static_cast<size_t>(num_slots)) {
+  if (act_dtype != DType::F32 && act_dtype != DType::BF16 && act_dtype != DType::F16) {
+    fail("cpu reference: activation dtype {} is not supported (expected F32, BF16 or F16)", dtype_name(act_dtype));
+  }
+  for (const Node& node : graph.nodes()) {
+    CpuOpFn fn = kernel_for(node.op);
+    if (!fn && node.op != Op::kTokens) fail("cpu reference backend has no kernel for op '{}' (node {})", op_name(node.op), node.label);
+    kernels_[static_cast<size_t>(node.op)] = fn;
+  }
+  for (int slot = 0; slot < num_slots; ++slot) reset_slot(slot);
+}
+
+void ReferenceBackend::reset_slot(int slot) {
+  SlotState& state = slots_.at(static_cast<size_t>(slot));
+  state.context_tokens = 0;
+  state.buffers.resize(graph_.states().size());
+  for (size_t i = 0; i < graph_.states().size(); ++i) state.buffers[i].assign(initial_state_size(graph_.states()[i]), 0.0f);
+}
+
+int64_t ReferenceBackend::context_tokens(int slot) const { return slots_.at(static_cast<size_t>(slot)).context_tokens; }
+
+StepOutput ReferenceBackend::step(const StepInputs& inputs) {
+  const auto rows = static_cast<int64_t>(inputs.token_ids.size());
+  int64_t total = 0;
+  for (const SequenceStep& seq : inputs.sequences) {
+    PLOW_CHECK(seq.slot >= 0 && seq.slot < num_slots(), "slot {} out of range", seq.slot);
+    PLOW_CHECK(seq.query_tokens > 0, "sequence in slot {} has no tokens", seq.slot);
+    total += seq.query_tokens;
+  }
+  PLOW_CHECK(total == rows, "sequences cover {} tokens, step has {}", total, rows);
+
+  const std::vector<Node>& nodes = graph_.nodes();
+  std::vector<std::vector<float>> values(nodes.size());
+  for (size_t id = 0; id < nodes.size(); ++id) {
+    const Node& node = nodes[id];
+    std::vector<float>& out = values[id];
+    out.assign(static_cast<size_t>(rows * node.width), 0.0f);
+    if (node.op == Op::kTokens) {
+      for (int64_t t = 0; t < rows; ++t) out[static_cast<size_t>(t)] = static_cast<float>(inputs.token_ids[static_cast<size_t>(t)]);
+      continue;
+    }
+    std::vector<Activation> args;
+    for (int input : node.inputs) args.push_back({values[static_cast<size_t>(input)].data(), nodes[static_cast<size_t>(input)].width});
+    std::vector<const BoundWeight*> bound;
+    for (int w : node.weights) bound.push_back(&weights_[w]);
+    OpContext ctx{node, args, bound, out.data(), rows, act_dtype_, inputs, slots_};
+    kernels_[static_cast<size_t>(node.op)](ctx);
+  }
+  for (const SequenceStep& seq : inputs.sequences) slots_[static_cast<size_t>(seq.slot)].context_tokens += seq.query_tokens;
+
+  const Node& head = nodes[static_cast<size_t>(graph_.output())];
+  const std::vector<float>& logits = values[static_cast<size_t>(graph_.output())];
+  StepOutput result;
+  result.vocab = head.width;
+  if (inputs.all_logits) {
+    result.rows = rows;
+    result.logits = logits;
+    return result;
+  }
+  int64_t end = 0;
+  for (const SequenceStep& seq : inputs.sequences) {
+    end += seq.query_tokens;
+    const float* row = logits.data() + (end - 1) * head.width;
+    result.logits.insert(result.logits.end(), row, row + head.width);
+    result.rows += 1;
+  }
+  return result;
+}
+
+}  // namespace plow

@@ -1,0 +1,37 @@
+// cpu/reference: runs the graph op by op, naive loops, fp32 accumulation, rounding to the activation
+// dtype at the points spec/MODEL.md fixes. This backend is THE SPECIFICATION every faster path is
+// tested against: keep it simple (no tiling, no fusion, no threads).
+#pragma once
+
+#include <array>
+#include <vector>
+
+#include "core/dtype.h"
+#include "graph/graph.h"
+#include "graph/weights.h"
+#include "runtime/cpu/op_context.h"
+#include "runtime/step.h"
+
+namespace plow {
+
+class ReferenceBackend {
+ public:
+  // act_dtype: F32, BF16 or F16 (the precision activations are rounded to). num_slots: sequences
+  // that can hold state at once.
+  ReferenceBackend(const Graph& graph, const BoundWeights& weights, DType act_dtype, int num_slots);
+
+  StepOutput step(const StepInputs& inputs);
+  void reset_slot(int slot);                 // a new sequence: zero conv windows and KDA state, empty MLA cache
+  int64_t context_tokens(int slot) const;    // tokens this slot has consumed
+  int num_slots() const { return static_cast<int>(slots_.size()); }
+  DType act_dtype() const { return act_dtype_; }
+
+ private:
+  const Graph& graph_;
+  const BoundWeights& weights_;
+  DType act_dtype_;
+  std::vector<SlotState> slots_;
+  std::array<CpuOpFn, static_cast<size_t>(Op::kCount)> kernels_{};
+};
+
+}  // namespace plow
