@@ -11,6 +11,7 @@
 #include "core/npy.h"
 #include "engine/generate.h"
 #include "engine/model.h"
+#include "graph/footprint.h"
 #include "runtime/cpu/reference.h"
 
 namespace {
@@ -18,28 +19,54 @@ namespace {
 using nlohmann::json;
 using namespace plow;
 
-struct GenerateArgs {
+// Where the model comes from: a checkpoint directory, or a config with random weights.
+struct ModelSource {
   std::string model_dir;
+  std::string config_path;
+  bool random_weights = false;
+  uint64_t seed = 0;
+  std::string dtype = "auto";
+
+  void add_options(CLI::App* cmd) {
+    auto* dir = cmd->add_option("--model", model_dir, "model directory (config.json + safetensors)");
+    auto* config = cmd->add_option("--config", config_path, "config.json of a model to build without a checkpoint")->excludes(dir);
+    cmd->add_flag("--random-weights", random_weights, "with --config: draw every weight from --seed at load")->needs(config);
+    cmd->add_option("--dtype", dtype, "weights/activations: auto (the checkpoint's or config's dtype), f32, bf16, f16");
+  }
+};
+
+DType parse_dtype(const std::string& name) {
+  if (name == "f32") return DType::F32;
+  if (name == "bf16") return DType::BF16;
+  if (name == "f16") return DType::F16;
+  fail("--dtype '{}': expected auto, f32, bf16 or f16", name);
+}
+
+std::unique_ptr<LoadedModel> load_model(const ModelSource& source) {
+  if (!source.model_dir.empty()) return LoadedModel::load(source.model_dir);
+  if (source.config_path.empty()) fail("one of --model DIR or --config FILE is required");
+  if (!source.random_weights) fail("--config {} needs --random-weights (there is no checkpoint to read)", source.config_path);
+  const auto described = LoadedModel::describe(source.config_path);
+  const DType dtype = source.dtype == "auto" ? config_dtype(described->config) : parse_dtype(source.dtype);
+  return LoadedModel::random(source.config_path, source.seed, dtype);
+}
+
+struct GenerateArgs {
+  ModelSource source;
   std::vector<int64_t> prompt_ids;
   std::string prompt_text;
   int64_t max_new_tokens = 16;
   float temperature = 0.0f;
   float top_p = 1.0f;
   int64_t top_k = 0;
-  uint64_t seed = 0;
   std::string backend = "cpu";
-  std::string dtype = "auto";
   int64_t prefill_chunk = 0;
   bool ignore_eos = false;
   std::string dump_logits;
 };
 
 DType compute_dtype(const std::string& name, const LoadedModel& model) {
-  if (name == "auto") return model.weights->storage_dtype();
-  if (name == "f32") return DType::F32;
-  if (name == "bf16") return DType::BF16;
-  if (name == "f16") return DType::F16;
-  fail("--dtype '{}': expected auto, f32, bf16 or f16", name);
+  return name == "auto" ? model.weights->storage_dtype() : parse_dtype(name);
 }
 
 int run_generate(const GenerateArgs& args) {
@@ -52,7 +79,7 @@ int run_generate(const GenerateArgs& args) {
   if (args.top_k < 0) fail("--top-k must be >= 0, found {}", args.top_k);
   if (args.prefill_chunk < 0) fail("--prefill-chunk must be >= 0, found {}", args.prefill_chunk);
 
-  auto model = LoadedModel::load(args.model_dir);
+  auto model = load_model(args.source);
   GenerateOptions options;
   for (size_t i = 0; i < args.prompt_ids.size(); ++i) {
     const int64_t id = args.prompt_ids[i];
@@ -63,12 +90,12 @@ int run_generate(const GenerateArgs& args) {
     options.prompt.push_back(static_cast<int32_t>(id));
   }
   options.max_new_tokens = args.max_new_tokens;
-  options.sampling = {args.temperature, args.top_p, args.top_k, args.seed};
+  options.sampling = {args.temperature, args.top_p, args.top_k, args.source.seed};
   options.prefill_chunk_tokens = args.prefill_chunk;
   options.keep_logits = !args.dump_logits.empty();
   if (!args.ignore_eos) options.stop_ids = model->config.eos_token_ids;
 
-  ReferenceBackend backend(model->graph, *model->weights, compute_dtype(args.dtype, *model), 1);
+  ReferenceBackend backend(model->graph, *model->weights, compute_dtype(args.source.dtype, *model), 1);
   const GenerateResult result = generate(backend, 0, options);
   if (options.keep_logits) {
     const auto rows = static_cast<int64_t>(result.logits.size()) / result.vocab;
@@ -85,40 +112,53 @@ int run_generate(const GenerateArgs& args) {
   return 0;
 }
 
-int run_inspect(const std::string& model_dir) {
-  auto model = LoadedModel::load(model_dir);
+int run_inspect(const ModelSource& source) {
+  // A config alone is described without materializing its weights (real K3 shapes do not fit here).
+  auto model = source.model_dir.empty() && !source.config_path.empty() ? LoadedModel::describe(source.config_path) : load_model(source);
   const ModelConfig& c = model->config;
   json schedule = json::array();
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const auto at = static_cast<size_t>(i);
     schedule.push_back(std::string(c.mixers[at] == MixerKind::kKda ? "kda" : "mla") + "+" + (c.ffns[at] == FfnKind::kMoe ? "moe" : "dense"));
   }
-  int64_t parameters = 0;
-  std::map<std::string, int64_t> bytes_by_dtype;
-  for (const auto& [name, view] : model->checkpoint.tensors()) {
-    parameters += view->numel();
-    bytes_by_dtype[std::string(dtype_name(view->dtype))] += static_cast<int64_t>(view->nbytes);
+  const DType assumed = source.dtype == "auto" ? config_dtype(c) : parse_dtype(source.dtype);
+  std::map<const WeightDecl*, DType> stored;
+  if (model->weights) {
+    for (size_t i = 0; i < model->weights->size(); ++i) {
+      const BoundWeight& bound = (*model->weights)[static_cast<int>(i)];
+      stored[bound.decl] = bound.parts.front()->dtype;
+    }
   }
-  json out = {{"model_type", c.model_type},
+  const DType act = model->weights ? model->weights->storage_dtype() : assumed;
+  const Footprint cost = footprint(model->graph, [&](const WeightDecl& decl) { return stored.count(&decl) ? stored[&decl] : assumed; }, act);
+  json out = {{"model_type", c.wrapper_type.empty() ? c.model_type : c.wrapper_type},
+              {"source", model->weights ? (source.model_dir.empty() ? "random weights" : "checkpoint") : "config only"},
               {"vocab_size", c.vocab_size},
               {"hidden_size", c.hidden_size},
               {"num_layers", c.num_layers},
               {"kda_layers", c.num_layers_of(MixerKind::kKda)},
               {"mla_layers", c.num_layers_of(MixerKind::kMla)},
-              {"kda", {{"heads", c.kda.num_heads}, {"head_dim", c.kda.head_dim}, {"conv_kernel", c.kda.conv_kernel}}},
+              {"kda", {{"heads", c.kda.num_heads}, {"head_dim", c.kda.head_dim}, {"conv_kernel", c.kda.conv_kernel},
+                       {"gate_lower_bound", c.kda.gate_lower_bound ? json(*c.kda.gate_lower_bound) : json(nullptr)},
+                       {"full_rank_gate", c.kda.full_rank_gate}}},
               {"mla", {{"heads", c.num_attention_heads}, {"q_lora_rank", c.q_lora_rank ? json(*c.q_lora_rank) : json(nullptr)},
                        {"kv_lora_rank", c.kv_lora_rank}, {"qk_nope_head_dim", c.qk_nope_head_dim},
-                       {"qk_rope_head_dim", c.qk_rope_head_dim}, {"v_head_dim", c.v_head_dim}}},
+                       {"qk_rope_head_dim", c.qk_rope_head_dim}, {"v_head_dim", c.v_head_dim}, {"output_gate", c.mla_output_gate}}},
               {"moe", {{"experts", c.num_experts}, {"experts_per_token", c.experts_per_token},
                        {"shared_experts", c.num_shared_experts}, {"intermediate_size", c.moe_intermediate_size},
+                       {"latent_size", c.latent_moe_size ? json(*c.latent_moe_size) : json(nullptr)},
                        {"groups", c.num_expert_group}, {"topk_group", c.topk_group}, {"renormalize", c.moe_renormalize},
-                       {"routed_scaling_factor", c.routed_scaling_factor}}},
+                       {"routed_scaling_factor", c.routed_scaling_factor}, {"experts_mxfp4", c.experts_mxfp4}}},
+              {"activation", c.activation == FfnActivation::kSitu ? "situ" : "silu"},
+              {"attn_res_block_size", c.attn_res_block_size ? json(*c.attn_res_block_size) : json(nullptr)},
               {"tie_word_embeddings", c.tie_word_embeddings},
               {"layer_schedule", schedule},
-              {"tensors", model->checkpoint.tensors().size()},
               {"graph_nodes", model->graph.nodes().size()},
-              {"parameters", parameters},
-              {"bytes_by_dtype", bytes_by_dtype}};
+              {"parameters", cost.parameters},
+              {"bytes_by_dtype", cost.bytes_by_dtype},
+              {"decode_bytes_per_token", {{"weights", cost.weight_bytes_per_token},
+                                          {"state", cost.state_bytes_per_token},
+                                          {"mla_cache_per_context_token", cost.mla_cache_bytes_per_context_token}}}};
   std::cout << out.dump(2) << std::endl;
   return 0;
 }
@@ -131,23 +171,23 @@ int main(int argc, char** argv) {
 
   GenerateArgs gen;
   CLI::App* generate_cmd = app.add_subcommand("generate", "generate tokens from a prompt");
-  generate_cmd->add_option("--model", gen.model_dir, "model directory (config.json + safetensors)")->required();
+  gen.source.add_options(generate_cmd);
   auto* ids_opt = generate_cmd->add_option("--prompt-ids", gen.prompt_ids, "comma-separated prompt token ids")->delimiter(',');
   generate_cmd->add_option("--prompt", gen.prompt_text, "prompt text (needs the model's tokenizer)")->excludes(ids_opt);
   generate_cmd->add_option("--max-new-tokens", gen.max_new_tokens, "tokens to generate");
   generate_cmd->add_option("--temperature", gen.temperature, "0 = greedy");
   generate_cmd->add_option("--top-p", gen.top_p);
   generate_cmd->add_option("--top-k", gen.top_k, "0 = no limit");
-  generate_cmd->add_option("--seed", gen.seed);
+  generate_cmd->add_option("--seed", gen.source.seed, "sampling seed, and the weights' seed with --random-weights");
   generate_cmd->add_option("--backend", gen.backend, "cpu");
-  generate_cmd->add_option("--dtype", gen.dtype, "activation precision: auto (the weights' dtype), f32, bf16, f16");
   generate_cmd->add_option("--prefill-chunk", gen.prefill_chunk, "split the prompt into steps of this many tokens (0 = one step)");
   generate_cmd->add_flag("--ignore-eos", gen.ignore_eos, "do not stop at the config's eos_token_id");
   generate_cmd->add_option("--dump-logits", gen.dump_logits, "write [P+N-1, vocab] float32 logits to this .npy file");
 
-  std::string inspect_dir;
+  ModelSource inspect_source;
   CLI::App* inspect_cmd = app.add_subcommand("inspect", "print a model's configuration, schedule and sizes as JSON");
-  inspect_cmd->add_option("--model", inspect_dir, "model directory")->required();
+  inspect_source.add_options(inspect_cmd);
+  inspect_cmd->add_option("--seed", inspect_source.seed, "weights' seed with --random-weights");
 
   try {
     app.parse(argc, argv);
@@ -156,7 +196,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (generate_cmd->parsed()) return run_generate(gen);
-    if (inspect_cmd->parsed()) return run_inspect(inspect_dir);
+    if (inspect_cmd->parsed()) return run_inspect(inspect_source);
   } catch (const plow::Error& e) {
     std::fprintf(stderr, "plow: error: %s\n", e.what());
     return 1;

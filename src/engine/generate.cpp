@@ -43,7 +43,7 @@ GenerateResult generate(ReferenceBackend& backend, int slot, const GenerateOptio
     const bool stop = std::find(options.stop_ids.begin(), options.stop_ids.end(), token) != options.stop_ids.end();
     if (stop || n + 1 == options.max_new_tokens) break;
     StepInputs step;
-    step.token_ids = {token};
+    step.token_ids = {n < static_cast<int64_t>(options.forced_tokens.size()) ? options.forced_tokens[static_cast<size_t>(n)] : token};
     step.sequences = {{slot, 1}};
     last = backend.step(step);
     if (options.keep_logits) result.logits.insert(result.logits.end(), last.logits.begin(), last.logits.end());

@@ -16,6 +16,7 @@ struct GenerateOptions {
   int64_t prefill_chunk_tokens = 0;  // 0: the whole prompt in one step
   std::vector<int64_t> stop_ids;     // generation ends after emitting one of these
   bool keep_logits = false;          // collect [P+N−1, V] teacher-forced-equivalent logits
+  std::vector<int32_t> forced_tokens;  // teacher forcing: step n consumes forced_tokens[n] instead of its own choice
 };
 
 struct GenerateResult {

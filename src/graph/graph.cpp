@@ -17,8 +17,8 @@ int Graph::add_state(StateDecl decl) {
 
 int Graph::add(Op op, std::vector<int> inputs, std::vector<int> weights, Attrs attrs, std::string label, int state) {
   const OpInfo& info = op_info(op);
-  PLOW_CHECK(static_cast<int>(inputs.size()) == info.num_inputs, "{} '{}': {} inputs, op takes {}", info.name, label,
-             inputs.size(), info.num_inputs);
+  PLOW_CHECK(info.num_inputs < 0 ? !inputs.empty() : static_cast<int>(inputs.size()) == info.num_inputs,
+             "{} '{}': {} inputs, op takes {}", info.name, label, inputs.size(), info.num_inputs);
   PLOW_CHECK(static_cast<int>(weights.size()) == info.num_weights, "{} '{}': {} weights, op takes {}", info.name, label,
              weights.size(), info.num_weights);
   PLOW_CHECK(info.stateful == (state >= 0), "{} '{}': state {} does not match the op's statefulness", info.name, label, state);
@@ -50,7 +50,8 @@ void Graph::verify() const {
   for (size_t id = 0; id < nodes_.size(); ++id) {
     const Node& node = nodes_[id];
     const OpInfo& info = op_info(node.op);
-    PLOW_CHECK(static_cast<int>(node.inputs.size()) == info.num_inputs, "node {} ({}) arity", id, info.name);
+    PLOW_CHECK(info.num_inputs < 0 ? !node.inputs.empty() : static_cast<int>(node.inputs.size()) == info.num_inputs,
+               "node {} ({}) arity", id, info.name);
     for (int input : node.inputs) PLOW_CHECK(input >= 0 && static_cast<size_t>(input) < id, "node {} reads later node {}", id, input);
     if (info.stateful) PLOW_CHECK(node.state >= 0 && node.state < static_cast<int>(states_.size()), "node {} state", id);
   }

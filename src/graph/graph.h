@@ -19,6 +19,7 @@ struct WeightDecl {
   std::vector<std::string> parts;   // checkpoint names, one per stacked slice
   std::vector<int64_t> shape;       // shape of one part
   bool reshape_ok = false;          // accept any shape with the same element count (A_log, dt_bias)
+  bool mxfp4 = false;               // stored as "<part>_packed" + "<part>_scale" (compressed-tensors MXFP4)
 };
 
 enum class StateKind : uint8_t { kConvWindow, kKdaRecurrent, kMlaLatent };

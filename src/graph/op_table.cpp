@@ -105,6 +105,13 @@ int64_t mla_rule(const Node& node, Widths in, Weights w) {
   return heads * v;
 }
 
+int64_t attn_res_rule(const Node& node, Widths in, Weights w) {
+  for (int64_t width : in) PLOW_CHECK(width == in[0], "{}: AttnRes values differ in width", node.label);
+  expect_shape(node, w[0], {in[0]});
+  expect_shape(node, w[1], {1, in[0]});
+  return in[0];
+}
+
 int64_t router_rule(const Node& node, Widths in, Weights w) {
   const int64_t experts = node.attrs.i("experts");
   expect_shape(node, w[0], {experts, in[0]});
@@ -138,6 +145,9 @@ constexpr std::array<OpInfo, static_cast<size_t>(Op::kCount)> kOps = {{
     {Op::kAdd, "add", 2, 0, OutDType::kAct, false, same_width_rule},
     {Op::kMoeRouter, "moe_router", 1, 2, OutDType::kF32, false, router_rule},
     {Op::kMoeExperts, "moe_experts", 2, 3, OutDType::kAct, false, experts_rule},
+    {Op::kSituMul, "situ_mul", 2, 0, OutDType::kAct, false, same_width_rule},
+    {Op::kSigmoidMul, "sigmoid_mul", 2, 0, OutDType::kAct, false, same_width_rule},
+    {Op::kAttnResMix, "attn_res_mix", -1, 2, OutDType::kAct, false, attn_res_rule},
 }};
 
 constexpr bool table_in_enum_order() {

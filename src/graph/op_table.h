@@ -17,7 +17,8 @@ enum class Op : uint8_t {
   kRmsNorm,       // [T,F] RMSNorm over F, weight applied after the cast back        weights: w [F]
   kLinear,        // [T,out] = x·Wᵀ, fp32 accumulate                  weights: W [out,in]
   kShortConvSilu, // [T,P] depthwise causal conv over the sequence + SiLU (stateful)  weights: C [P,1,K]
-  kKdaGate,       // [T,P] fp32 g = −exp(A_log[h])·softplus(f + dt_bias)  weights: A_log (n_k), dt_bias (P)
+  kKdaGate,       // [T,P] fp32 g = −exp(A_log[h])·softplus(f + dt_bias), or with attr lower_bound (K3)
+                  //       lb·σ(exp(A_log[h])·(f + dt_bias))      weights: A_log (n_k), dt_bias (P)
   kSigmoid,       // [T,F] fp32 σ(x)
   kKdaDeltaRule,  // [T,P] KDA core: l2norm(q)/√d, l2norm(k), gated delta rule over the state (stateful)
   kGatedRmsNorm,  // [T,P] per-head RMSNorm(o)·w ⊙ σ(z)               weights: w [d]
@@ -25,7 +26,10 @@ enum class Op : uint8_t {
   kSiluMul,       // [T,F] SiLU(a) ⊙ b
   kAdd,           // [T,F] a + b
   kMoeRouter,     // [T,2k] fp32: k routing weights, then k expert ids   weights: W [E,H], bias [E]
-  kMoeExperts,    // [T,H] Σ_k w_k·E_k(x)                              weights: w1 stack, w3 stack, w2 stack
+  kMoeExperts,    // [T,W] Σ_k w_k·E_k(x), W = H or the latent width   weights: w1 stack, w3 stack, w2 stack
+  kSituMul,       // [T,F] SiTU(a, b) = β·tanh(a/β)·σ(a)·β_lin·tanh(b/β_lin), one rounding (K3)
+  kSigmoidMul,    // [T,F] a ⊙ σ(g): the K3 MLA output gate
+  kAttnResMix,    // [T,H] Block AttnRes: softmax over depth of the inputs (variadic)  weights: norm [H], proj [1,H]
   kCount,
 };
 
@@ -58,7 +62,7 @@ enum class OutDType : uint8_t { kAct, kF32 };  // kAct: the model's activation d
 struct OpInfo {
   Op op;
   std::string_view name;
-  int num_inputs;
+  int num_inputs;  // −1: variadic (at least one)
   int num_weights;
   OutDType out_dtype;
   bool stateful;

@@ -36,13 +36,47 @@ bool is_float(DType dtype) { return dtype == DType::F32 || dtype == DType::BF16 
 
 }  // namespace
 
-BoundWeights::BoundWeights(const Graph& graph, const Checkpoint& checkpoint) {
+const TensorView* BoundWeights::bind_mxfp4(const WeightDecl& decl, const std::string& part, const Checkpoint& checkpoint,
+                                           std::set<const TensorView*>& claimed) {
+  const std::string& dir = checkpoint.dir();
+  const int64_t out = decl.shape.at(0), in = decl.shape.at(1);
+  if (in % 32 != 0) fail("checkpoint '{}': MXFP4 weight '{}' has input width {}, not a multiple of the 32-element block", dir, part, in);
+  const TensorView* tensors[2] = {nullptr, nullptr};
+  const char* suffixes[2] = {"_packed", "_scale"};
+  const std::vector<int64_t> shapes[2] = {{out, in / 2}, {out, in / 32}};
+  for (int j = 0; j < 2; ++j) {
+    for (const std::string& name : candidate_names(part + suffixes[j])) {
+      if ((tensors[j] = checkpoint.find(name))) break;
+    }
+    if (!tensors[j]) fail("checkpoint '{}': required tensor '{}{}' (U8 {}) is missing", dir, part, suffixes[j], shape_text(shapes[j]));
+    if (tensors[j]->dtype != DType::U8 || tensors[j]->shape != shapes[j]) {
+      fail("checkpoint '{}': tensor '{}' is {} {}, but config.json implies U8 {} (MXFP4 of [{},{}])", dir, tensors[j]->name,
+           dtype_name(tensors[j]->dtype), tensors[j]->shape_string(), shape_text(shapes[j]), out, in);
+    }
+    claimed.insert(tensors[j]);
+  }
+  TensorView view;
+  view.name = part;
+  view.dtype = DType::U8;
+  view.shape = decl.shape;
+  view.data = tensors[0]->data;
+  view.nbytes = tensors[0]->nbytes;
+  view.mx_scales = tensors[1]->data;
+  mxfp4_views_.push_back(std::move(view));
+  return &mxfp4_views_.back();
+}
+
+BoundWeights::BoundWeights(const Graph& graph, const Checkpoint& checkpoint, const std::string& text_prefix) {
   std::set<const TensorView*> claimed;
   const std::string& dir = checkpoint.dir();
   for (const WeightDecl& decl : graph.weights()) {
     BoundWeight bound;
     bound.decl = &decl;
     for (const std::string& part : decl.parts) {
+      if (decl.mxfp4) {
+        bound.parts.push_back(bind_mxfp4(decl, part, checkpoint, claimed));
+        continue;
+      }
       const TensorView* view = nullptr;
       for (const std::string& name : candidate_names(part)) {
         if ((view = checkpoint.find(name))) break;
@@ -62,7 +96,7 @@ BoundWeights::BoundWeights(const Graph& graph, const Checkpoint& checkpoint) {
     bound_.push_back(std::move(bound));
   }
   for (const auto& [name, view] : checkpoint.tensors()) {
-    if (claimed.count(view)) continue;
+    if (claimed.count(view) || !name.starts_with(text_prefix)) continue;
     // A tied checkpoint may still carry lm_head.weight; it is harmless only if it equals the embedding.
     if (name.ends_with("lm_head.weight")) {
       const std::string embed = name.substr(0, name.size() - std::strlen("lm_head.weight")) + "model.embed_tokens.weight";

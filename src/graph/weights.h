@@ -3,6 +3,9 @@
 // tensor must be claimed by some declaration. Failures name the directory, tensor and shapes.
 #pragma once
 
+#include <deque>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "graph/graph.h"
@@ -17,7 +20,9 @@ struct BoundWeight {
 
 class BoundWeights {
  public:
-  BoundWeights(const Graph& graph, const Checkpoint& checkpoint);
+  // Tensors whose names do not start with `text_prefix` (a K3 wrapper's vision tower) are not claimed
+  // and not required; with an empty prefix every tensor must be claimed.
+  BoundWeights(const Graph& graph, const Checkpoint& checkpoint, const std::string& text_prefix = "");
 
   const BoundWeight& operator[](int id) const { return bound_.at(static_cast<size_t>(id)); }
   size_t size() const { return bound_.size(); }
@@ -25,7 +30,11 @@ class BoundWeights {
   DType storage_dtype() const;
 
  private:
+  const TensorView* bind_mxfp4(const WeightDecl& decl, const std::string& part, const Checkpoint& checkpoint,
+                               std::set<const TensorView*>& claimed);
+
   std::vector<BoundWeight> bound_;
+  std::deque<TensorView> mxfp4_views_;  // logical views over packed + scale tensor pairs
 };
 
 }  // namespace plow

@@ -91,38 +91,40 @@ class FieldReader {
 };
 
 // A 1-based layer list from linear_attn_config: integers in 1..L, no duplicates.
-std::vector<int64_t> read_layer_list(const json& object, const char* field, int64_t num_layers, const std::string& source) {
+std::vector<int64_t> read_layer_list(const json& object, const char* field, int64_t num_layers, const std::string& source,
+                                     const std::string& scope) {
   const auto& value = object.at(field);
-  if (!value.is_array()) fail("{}: field 'linear_attn_config.{}' must be a list of 1-based layer numbers, found {}", source, field, value.dump());
+  if (!value.is_array()) fail("{}: field '{}linear_attn_config.{}' must be a list of 1-based layer numbers, found {}", source, scope, field, value.dump());
   std::vector<int64_t> layers;
   for (const auto& entry : value) {
-    if (!entry.is_number_integer()) fail("{}: 'linear_attn_config.{}' holds {}, expected integers", source, field, entry.dump());
+    if (!entry.is_number_integer()) fail("{}: '{}linear_attn_config.{}' holds {}, expected integers", source, scope, field, entry.dump());
     const auto layer = entry.get<int64_t>();
     if (layer < 1 || layer > num_layers) {
-      fail("{}: 'linear_attn_config.{}' holds layer {}, expected 1-based numbers in 1..{} (num_hidden_layers)", source,
-           field, layer, num_layers);
+      fail("{}: '{}linear_attn_config.{}' holds layer {}, expected 1-based numbers in 1..{} (num_hidden_layers)", source,
+           scope, field, layer, num_layers);
     }
-    if (std::find(layers.begin(), layers.end(), layer) != layers.end()) fail("{}: 'linear_attn_config.{}' lists layer {} twice", source, field, layer);
+    if (std::find(layers.begin(), layers.end(), layer) != layers.end()) fail("{}: '{}linear_attn_config.{}' lists layer {} twice", source, scope, field, layer);
     layers.push_back(layer);
   }
   return layers;
 }
 
-std::vector<MixerKind> mixers_from_lists(const json& linear, int64_t num_layers, const std::string& source) {
-  const auto kda = read_layer_list(linear, "kda_layers", num_layers, source);
-  const auto full = read_layer_list(linear, "full_attn_layers", num_layers, source);
+std::vector<MixerKind> mixers_from_lists(const json& linear, int64_t num_layers, const std::string& source,
+                                         const std::string& scope) {
+  const auto kda = read_layer_list(linear, "kda_layers", num_layers, source, scope);
+  const auto full = read_layer_list(linear, "full_attn_layers", num_layers, source, scope);
   std::vector<int> seen(static_cast<size_t>(num_layers), 0);
   std::vector<MixerKind> mixers(static_cast<size_t>(num_layers), MixerKind::kKda);
   for (int64_t layer : kda) seen[static_cast<size_t>(layer - 1)] += 1;
   for (int64_t layer : full) {
-    if (seen[static_cast<size_t>(layer - 1)]) fail("{}: layer {} (1-based) is in both 'linear_attn_config.kda_layers' and 'full_attn_layers'", source, layer);
+    if (seen[static_cast<size_t>(layer - 1)]) fail("{}: layer {} (1-based) is in both '{}linear_attn_config.kda_layers' and 'full_attn_layers'", source, layer, scope);
     seen[static_cast<size_t>(layer - 1)] += 1;
     mixers[static_cast<size_t>(layer - 1)] = MixerKind::kMla;
   }
   for (int64_t i = 0; i < num_layers; ++i) {
     if (!seen[static_cast<size_t>(i)]) {
-      fail("{}: layer {} (1-based) is in neither 'linear_attn_config.kda_layers' nor 'full_attn_layers'; together they must cover 1..{}",
-           source, i + 1, num_layers);
+      fail("{}: layer {} (1-based) is in neither '{}linear_attn_config.kda_layers' nor 'full_attn_layers'; together they must cover 1..{}",
+           source, i + 1, scope, num_layers);
     }
   }
   return mixers;
@@ -143,28 +145,28 @@ std::vector<Kind> kinds_from_strings(const json& value, const char* field, int64
   return kinds;
 }
 
-void read_schedule(const json& root, const json* linear, ModelConfig& config) {
+void read_schedule(const json& root, const json* linear, const std::string& scope, ModelConfig& config) {
   const std::string& source = config.source;
   std::optional<std::vector<MixerKind>> from_lists;
   if (linear && linear->contains("kda_layers") && linear->contains("full_attn_layers")) {
-    from_lists = mixers_from_lists(*linear, config.num_layers, source);
+    from_lists = mixers_from_lists(*linear, config.num_layers, source, scope);
   } else if (linear && (linear->contains("kda_layers") || linear->contains("full_attn_layers"))) {
-    fail("{}: 'linear_attn_config' must give both 'kda_layers' and 'full_attn_layers' (1-based), found only one", source);
+    fail("{}: '{}linear_attn_config' must give both 'kda_layers' and 'full_attn_layers' (1-based), found only one", source, scope);
   }
   std::optional<std::vector<MixerKind>> explicit_types;
   if (auto it = root.find("layer_types"); it != root.end() && !it->is_null()) {
-    explicit_types = kinds_from_strings(*it, "layer_types", config.num_layers, source, "linear_attention", MixerKind::kKda,
+    explicit_types = kinds_from_strings(*it, (scope + "layer_types").c_str(), config.num_layers, source, "linear_attention", MixerKind::kKda,
                                         "full_attention", MixerKind::kMla);
   }
   if (from_lists && explicit_types && *from_lists != *explicit_types) {
-    fail("{}: 'layer_types' contradicts 'linear_attn_config.kda_layers'/'full_attn_layers' (1-based)", source);
+    fail("{}: '{}layer_types' contradicts 'linear_attn_config.kda_layers'/'full_attn_layers' (1-based)", source, scope);
   }
   if (!from_lists && !explicit_types) {
-    fail("{}: no layer schedule: expected 'linear_attn_config.kda_layers' and 'full_attn_layers' (1-based) or 'layer_types'", source);
+    fail("{}: no layer schedule: expected '{}linear_attn_config.kda_layers' and 'full_attn_layers' (1-based) or 'layer_types'", source, scope);
   }
   config.mixers = from_lists ? *from_lists : *explicit_types;
 
-  FieldReader fields(root, source, "");
+  FieldReader fields(root, source, scope.empty() ? "" : scope.substr(0, scope.size() - 1));
   const int64_t first_dense = fields.integer({"first_k_dense_replace"}, 0, 0);
   const int64_t moe_freq = fields.integer({"moe_layer_freq"}, 1, 1);
   std::vector<FfnKind> derived;
@@ -172,10 +174,10 @@ void read_schedule(const json& root, const json* linear, ModelConfig& config) {
     derived.push_back(i >= first_dense && i % moe_freq == 0 ? FfnKind::kMoe : FfnKind::kDense);
   }
   if (auto it = root.find("mlp_layer_types"); it != root.end() && !it->is_null()) {
-    auto explicit_ffns = kinds_from_strings(*it, "mlp_layer_types", config.num_layers, source, "dense", FfnKind::kDense,
+    auto explicit_ffns = kinds_from_strings(*it, (scope + "mlp_layer_types").c_str(), config.num_layers, source, "dense", FfnKind::kDense,
                                             "sparse", FfnKind::kMoe);
     if (root.contains("first_k_dense_replace") && explicit_ffns != derived) {
-      fail("{}: 'mlp_layer_types' contradicts 'first_k_dense_replace'={} / 'moe_layer_freq'={}", source, first_dense, moe_freq);
+      fail("{}: '{}mlp_layer_types' contradicts 'first_k_dense_replace'={} / 'moe_layer_freq'={}", source, scope, first_dense, moe_freq);
     }
     config.ffns = explicit_ffns;
   } else {
@@ -203,14 +205,76 @@ int64_t ModelConfig::num_layers_of(MixerKind kind) const {
   return std::count(mixers.begin(), mixers.end(), kind);
 }
 
-ModelConfig parse_model_config(const json& root, const std::string& source) {
-  if (!root.is_object()) fail("{}: expected a JSON object at the top level", source);
-  ModelConfig config;
-  config.source = source;
-  FieldReader fields(root, source, "");
-  config.model_type = fields.string({"model_type"}).value_or("");
+namespace {
+
+// K3 fields of the text config (§7.1); all absent for Kimi Linear.
+void read_k3_fields(const json& root, const FieldReader& fields, const FieldReader& linear_fields, ModelConfig& config) {
+  const std::string& source = config.source;
+  const std::string act = fields.string({"hidden_act"}).value_or("silu");
+  if (act == "silu") config.activation = FfnActivation::kSilu;
+  else if (act == "situ") config.activation = FfnActivation::kSitu;
+  else fail("{}: field '{}' is \"{}\", expected \"silu\" or \"situ\"", source, fields.qualified("hidden_act"), act);
+  config.situ.beta = static_cast<float>(fields.number({"activation_situ_beta"}, 4.0));
+  if (auto it = root.find("activation_situ_linear_beta"); it != root.end() && it->is_null()) {
+    config.situ.linear_beta.reset();  // explicit null: the up branch is b (§7.6)
+  } else {
+    config.situ.linear_beta = static_cast<float>(fields.number({"activation_situ_linear_beta"}, 25.0));
+  }
+  if (!(config.situ.beta > 0) || (config.situ.linear_beta && !(*config.situ.linear_beta > 0))) {
+    fail("{}: SiTU betas must be > 0, found {} / {}", source, config.situ.beta, config.situ.linear_beta.value_or(0.0f));
+  }
+  config.mla_output_gate = fields.boolean({"mla_use_output_gate", "mla_output_gate"}, false);
+  config.latent_moe_size = fields.optional_integer({"routed_expert_hidden_size", "moe_latent_size"}, 1);
+  config.latent_moe_norm = fields.boolean({"latent_moe_use_norm"}, false);
+  if (config.latent_moe_norm && !config.latent_moe_size) {
+    fail("{}: '{}' is true but no latent width ('{}') is given", source, fields.qualified("latent_moe_use_norm"),
+         fields.qualified("routed_expert_hidden_size"));
+  }
+  config.attn_res_block_size = fields.optional_integer({"attn_res_block_size"}, 1);
+  if (auto bound = linear_fields.find({"gate_lower_bound"})) {
+    if (!bound->is_number() || !(bound->get<double>() < 0)) {
+      fail("{}: field '{}' must be a negative number, found {}", source, linear_fields.qualified("gate_lower_bound"), bound->dump());
+    }
+    config.kda.gate_lower_bound = bound->get<float>();
+  }
+  config.kda.full_rank_gate = linear_fields.boolean({"use_full_rank_gate"}, false);
+  if (auto format = fields.string({"expert_weight_format"})) {
+    if (*format != "mxfp4") fail("{}: field '{}' is \"{}\", expected \"mxfp4\"", source, fields.qualified("expert_weight_format"), *format);
+    config.experts_mxfp4 = true;
+  }
+}
+
+// quantization_config: only compressed-tensors MXFP4 (4 bits, group 32) on the routed experts.
+void read_quantization(const json& quant, const std::string& where, ModelConfig& config) {
+  const std::string& source = config.source;
+  if (!quant.is_object()) fail("{}: field '{}' must be an object", source, where);
+  const std::string method = quant.value("quant_method", "");
+  const std::string format = quant.value("format", "");
+  if (method != "compressed-tensors" || format != "mxfp4-pack-quantized") {
+    fail("{}: '{}' has quant_method \"{}\" / format \"{}\", expected \"compressed-tensors\" / \"mxfp4-pack-quantized\"", source,
+         where, method, format);
+  }
+  if (auto groups = quant.find("config_groups"); groups != quant.end() && groups->is_object()) {
+    for (const auto& [name, group] : groups->items()) {
+      const json weights = group.value("weights", json::object());
+      const auto bits = weights.value("num_bits", 4);
+      const auto group_size = weights.value("group_size", 32);
+      if (bits != 4 || group_size != 32) {
+        fail("{}: '{}.config_groups.{}.weights' has num_bits {} / group_size {}, expected 4 / 32 (MXFP4)", source, where, name, bits, group_size);
+      }
+    }
+  }
+  config.experts_mxfp4 = true;
+}
+
+void parse_text_config(const json& root, const std::string& scope, ModelConfig& config) {
+  const std::string& source = config.source;
+  if (!root.is_object()) fail("{}: '{}' must be a JSON object", source, scope.empty() ? "top level" : scope.substr(0, scope.size() - 1));
+  FieldReader fields(root, source, scope.empty() ? "" : scope.substr(0, scope.size() - 1));
+  config.model_type = fields.string({"model_type"}).value_or(scope.empty() ? "" : "kimi_linear");
   if (config.model_type != "kimi_linear") {
-    fail("{}: field 'model_type' is \"{}\", expected \"kimi_linear\"", source, config.model_type);
+    fail("{}: field '{}' is \"{}\", expected \"kimi_linear\" (or \"kimi_k3\" with a text_config)", source,
+         fields.qualified("model_type"), config.model_type);
   }
   config.torch_dtype = fields.string({"torch_dtype", "dtype"});
 
@@ -221,8 +285,6 @@ ModelConfig parse_model_config(const json& root, const std::string& source) {
   config.rms_norm_eps = static_cast<float>(fields.number({"rms_norm_eps"}, 1e-5));
   if (!(config.rms_norm_eps > 0)) fail("{}: field 'rms_norm_eps' must be > 0, found {}", source, config.rms_norm_eps);
   config.tie_word_embeddings = fields.boolean({"tie_word_embeddings"}, false);
-  config.hidden_act = fields.string({"hidden_act"}).value_or("silu");
-  if (config.hidden_act != "silu") fail("{}: field 'hidden_act' is \"{}\", expected \"silu\"", source, config.hidden_act);
 
   config.moe_intermediate_size = fields.integer({"moe_intermediate_size"}, std::nullopt, 1);
   config.num_experts = fields.integer({"num_experts", "num_local_experts"}, std::nullopt, 1);
@@ -271,7 +333,7 @@ ModelConfig parse_model_config(const json& root, const std::string& source) {
   }
   // KDA sizes: linear_attn_config.{num_heads,head_dim,short_conv_kernel_size} or HF's flat aliases.
   const json empty = json::object();
-  FieldReader linear_fields(linear ? *linear : empty, source, "linear_attn_config");
+  FieldReader linear_fields(linear ? *linear : empty, source, scope + "linear_attn_config");
   auto kda_field = [&](const char* nested, const char* flat) {
     auto nested_value = linear_fields.optional_integer({nested}, 1);
     auto flat_value = fields.optional_integer({flat}, 1);
@@ -285,8 +347,37 @@ ModelConfig parse_model_config(const json& root, const std::string& source) {
   config.kda.head_dim = kda_field("head_dim", "linear_head_dim");
   config.kda.conv_kernel = kda_field("short_conv_kernel_size", "linear_conv_kernel_dim");
 
-  read_schedule(root, linear, config);
+  read_k3_fields(root, fields, linear_fields, config);
+  read_schedule(root, linear, scope, config);
   read_token_ids(fields, root, config);
+}
+
+}  // namespace
+
+ModelConfig parse_model_config(const json& root, const std::string& source) {
+  if (!root.is_object()) fail("{}: expected a JSON object at the top level", source);
+  ModelConfig config;
+  config.source = source;
+  const json* quant = nullptr;
+  std::string quant_where = "quantization_config";
+  if (root.value("model_type", "") == "kimi_k3") {
+    // K3: a multimodal wrapper around a kimi_linear text model; text tensors carry "language_model." (§7.1)
+    const auto text = root.find("text_config");
+    if (text == root.end()) fail("{}: model_type \"kimi_k3\" needs a 'text_config' object", source);
+    config.wrapper_type = "kimi_k3";
+    config.tensor_prefix = "language_model.";
+    parse_text_config(*text, "text_config.", config);
+    if (auto it = root.find("quantization_config"); it != root.end() && !it->is_null()) {
+      quant = &*it;
+    } else if (auto inner = text->find("quantization_config"); inner != text->end() && !inner->is_null()) {
+      quant = &*inner;
+      quant_where = "text_config.quantization_config";
+    }
+  } else {
+    parse_text_config(root, "", config);
+    if (auto it = root.find("quantization_config"); it != root.end() && !it->is_null()) quant = &*it;
+  }
+  if (quant) read_quantization(*quant, quant_where, config);
   return config;
 }
 

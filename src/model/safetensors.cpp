@@ -199,6 +199,26 @@ Checkpoint Checkpoint::open(const std::string& model_dir) {
   return checkpoint;
 }
 
+Checkpoint Checkpoint::in_memory(std::string label) {
+  Checkpoint checkpoint;
+  checkpoint.dir_ = std::move(label);
+  return checkpoint;
+}
+
+void Checkpoint::add_tensor(std::string name, DType dtype, std::vector<int64_t> shape, std::vector<uint8_t> bytes) {
+  auto view = std::make_unique<TensorView>();
+  view->name = name;
+  view->dtype = dtype;
+  view->shape = std::move(shape);
+  PLOW_CHECK(static_cast<size_t>(view->numel()) * dtype_size(dtype) == bytes.size(), "tensor '{}' size", name);
+  owned_bytes_.push_back(std::make_unique<std::vector<uint8_t>>(std::move(bytes)));
+  view->data = owned_bytes_.back()->data();
+  view->nbytes = owned_bytes_.back()->size();
+  PLOW_CHECK(!index_.count(name), "tensor '{}' added twice", name);
+  index_[name] = view.get();
+  owned_views_.push_back(std::move(view));
+}
+
 const TensorView* Checkpoint::find(const std::string& name) const {
   auto it = index_.find(name);
   return it == index_.end() ? nullptr : it->second;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/mxfp4.h"
 
 namespace plow {
 
@@ -19,9 +20,19 @@ struct TensorView {
   std::vector<int64_t> shape;
   const uint8_t* data = nullptr;
   size_t nbytes = 0;
+  // MXFP4 weights (§7.7) are a logical [out, in] matrix over two stored tensors: `data` holds the
+  // packed codes [out, in/2] and `mx_scales` the E8M0 scales [out, in/32]; dtype is then U8.
+  const uint8_t* mx_scales = nullptr;
 
+  bool is_mxfp4() const { return mx_scales != nullptr; }
   int64_t numel() const;
-  float at(size_t i) const { return load_as_f32(dtype, data, i); }
+  float at(size_t i) const {
+    if (is_mxfp4()) {
+      const int64_t in = shape.back();
+      return mxfp4_at(data, mx_scales, in, static_cast<int64_t>(i) / in, static_cast<int64_t>(i) % in);
+    }
+    return load_as_f32(dtype, data, i);
+  }
   std::string shape_string() const;
 };
 
@@ -48,6 +59,9 @@ class SafetensorsFile {
 class Checkpoint {
  public:
   static Checkpoint open(const std::string& model_dir);
+  // A checkpoint held in memory (random weights for benchmarks); `label` stands in for the directory.
+  static Checkpoint in_memory(std::string label);
+  void add_tensor(std::string name, DType dtype, std::vector<int64_t> shape, std::vector<uint8_t> bytes);
 
   const TensorView* find(const std::string& name) const;
   const std::map<std::string, const TensorView*>& tensors() const { return index_; }
@@ -56,6 +70,8 @@ class Checkpoint {
  private:
   std::string dir_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::vector<std::unique_ptr<std::vector<uint8_t>>> owned_bytes_;
+  std::vector<std::unique_ptr<TensorView>> owned_views_;
   std::map<std::string, const TensorView*> index_;
 };
 

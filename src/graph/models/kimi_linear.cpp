@@ -1,5 +1,6 @@
-// Kimi Linear (spec/MODEL.md §4): embedding, per layer [KDA | MLA] + [dense FFN | MoE], final norm,
-// lm_head. Weight names are the on-disk (Moonshot) names of §4.6.
+// Kimi Linear (spec/MODEL.md §4) and its K3 extensions (§7): embedding, per layer [KDA | MLA] +
+// [dense FFN | MoE], final norm, lm_head; K3 adds Block AttnRes, gated MLA, SiTU, LatentMoE, the
+// bounded/full-rank KDA gates and MXFP4 experts. Weight names are the on-disk names of §4.6 / §7.8.
 #include <fmt/format.h>
 
 #include "graph/models/registry.h"
@@ -15,19 +16,28 @@ class KimiLinearBuilder {
   Graph build() {
     const std::string model = c_.tensor_prefix + "model.";
     const int tokens = g_.add(Op::kTokens, {}, {}, {}, "tokens");
+    // h is the residual stream; with Block AttnRes (K3, §7.2) it is the partial block sum P, and
+    // `blocks` holds the completed block values b₀ = e, b₁, … that every sublayer input mixes over.
     int h = g_.add(Op::kEmbedding, {tokens}, {weight(model + "embed_tokens.weight", {c_.vocab_size, c_.hidden_size})}, {}, "embed");
+    const bool attn_res = c_.attn_res_block_size.has_value();
+    std::vector<int> blocks;
     for (int64_t i = 0; i < c_.num_layers; ++i) {
       const std::string p = fmt::format("{}layers.{}.", model, i);
       const std::string label = fmt::format("layers.{}", i);
-      int x = norm(h, p + "input_layernorm.weight", c_.hidden_size, c_.rms_norm_eps, label + ".input_norm");
+      const bool block_start = attn_res && i % *c_.attn_res_block_size == 0;
+      int u = attn_res ? mix(blocks, h, p + "self_attention_res_", label + ".attn_res") : h;
+      if (block_start) blocks.push_back(h);
+      int x = norm(u, p + "input_layernorm.weight", c_.hidden_size, c_.rms_norm_eps, label + ".input_norm");
       const bool kda = c_.mixers[static_cast<size_t>(i)] == MixerKind::kKda;
-      int a = kda ? kda_mixer(x, p + "self_attn.", label + ".kda") : mla_mixer(x, p + "self_attn.", label + ".mla");
-      h = g_.add(Op::kAdd, {h, a}, {}, {}, label + ".attn_residual");
-      x = norm(h, p + "post_attention_layernorm.weight", c_.hidden_size, c_.rms_norm_eps, label + ".post_attn_norm");
-      int m = c_.ffns[static_cast<size_t>(i)] == FfnKind::kMoe ? moe(x, p + "block_sparse_moe.", label + ".moe")
-                                                               : mlp(x, p + "mlp.", c_.intermediate_size, label + ".mlp");
+      const int a = kda ? kda_mixer(x, p + "self_attn.", label + ".kda") : mla_mixer(x, p + "self_attn.", label + ".mla");
+      h = block_start ? a : g_.add(Op::kAdd, {h, a}, {}, {}, label + ".attn_residual");
+      u = attn_res ? mix(blocks, h, p + "mlp_res_", label + ".mlp_res") : h;
+      x = norm(u, p + "post_attention_layernorm.weight", c_.hidden_size, c_.rms_norm_eps, label + ".post_attn_norm");
+      const int m = c_.ffns[static_cast<size_t>(i)] == FfnKind::kMoe ? moe(x, p + "block_sparse_moe.", label + ".moe")
+                                                                     : mlp(x, p + "mlp.", c_.intermediate_size, label + ".mlp");
       h = g_.add(Op::kAdd, {h, m}, {}, {}, label + ".ffn_residual");
     }
+    if (attn_res) h = mix(blocks, h, model + "output_attn_res_", "output_attn_res");
     h = norm(h, model + "norm.weight", c_.hidden_size, c_.rms_norm_eps, "final_norm");
     const std::string head = c_.tie_word_embeddings ? model + "embed_tokens.weight" : c_.tensor_prefix + "lm_head.weight";
     const int logits = linear(h, head, c_.vocab_size, "lm_head");
@@ -50,6 +60,26 @@ class KimiLinearBuilder {
     return g_.add(Op::kRmsNorm, {x}, {weight(name, {width})}, {{"eps", eps}}, label);
   }
 
+  // AttnRes over the completed blocks and the current partial sum (one value: the identity).
+  int mix(const std::vector<int>& blocks, int partial, const std::string& p, const std::string& label) {
+    std::vector<int> values = blocks;
+    values.push_back(partial);
+    return g_.add(Op::kAttnResMix, values,
+                  {weight(p + "norm.weight", {c_.hidden_size}), weight(p + "proj.weight", {1, c_.hidden_size})},
+                  {{"eps", c_.rms_norm_eps}}, label);
+  }
+
+  Attrs activation_attrs() const {
+    return {{"situ", c_.activation == FfnActivation::kSitu ? 1.0 : 0.0},
+            {"beta", c_.situ.beta},
+            {"linear_beta", c_.situ.linear_beta.value_or(0.0f)}};
+  }
+
+  int activation(int gate, int up, const std::string& label) {
+    if (c_.activation == FfnActivation::kSitu) return g_.add(Op::kSituMul, {gate, up}, {}, activation_attrs(), label);
+    return g_.add(Op::kSiluMul, {gate, up}, {}, {}, label);
+  }
+
   int kda_mixer(int x, const std::string& p, const std::string& label) {
     const int64_t heads = c_.kda.num_heads, d = c_.kda.head_dim, width = c_.kda_width(), kernel = c_.kda.conv_kernel;
     const Attrs shape = {{"heads", static_cast<double>(heads)}, {"head_dim", static_cast<double>(d)}};
@@ -62,12 +92,16 @@ class KimiLinearBuilder {
                       {{"kernel", static_cast<double>(kernel)}}, label + "." + names[j] + "_conv", window);
     }
     const int f = linear(linear(x, p + "f_a_proj.weight", d, label + ".f_a"), p + "f_b_proj.weight", width, label + ".f_b");
+    Attrs gate_attrs = shape;
+    if (c_.kda.gate_lower_bound) gate_attrs.set("lower_bound", *c_.kda.gate_lower_bound);
     const int gate = g_.add(Op::kKdaGate, {f}, {weight(p + "A_log", {heads}, true), weight(p + "dt_bias", {width}, true)},
-                            shape, label + ".gate");
+                            gate_attrs, label + ".gate");
     const int beta = g_.add(Op::kSigmoid, {linear(x, p + "b_proj.weight", heads, label + ".b_proj")}, {}, {}, label + ".beta");
     const int state = g_.add_state({StateKind::kKdaRecurrent, width, heads, label + ".state"});
     const int core = g_.add(Op::kKdaDeltaRule, {qkv[0], qkv[1], qkv[2], gate, beta}, {}, shape, label + ".core", state);
-    const int z = linear(linear(x, p + "g_a_proj.weight", d, label + ".g_a"), p + "g_b_proj.weight", width, label + ".g_b");
+    const int z = c_.kda.full_rank_gate
+                      ? linear(x, p + "g_proj.weight", width, label + ".g_proj")
+                      : linear(linear(x, p + "g_a_proj.weight", d, label + ".g_a"), p + "g_b_proj.weight", width, label + ".g_b");
     Attrs norm_attrs = shape;
     norm_attrs.set("eps", c_.rms_norm_eps);
     const int y = g_.add(Op::kGatedRmsNorm, {core, z}, {weight(p + "o_norm.weight", {d})}, norm_attrs, label + ".o_norm");
@@ -90,17 +124,21 @@ class KimiLinearBuilder {
     const Attrs attrs = {{"heads", static_cast<double>(heads)},         {"nope", static_cast<double>(c_.qk_nope_head_dim)},
                          {"rope", static_cast<double>(c_.qk_rope_head_dim)}, {"v", static_cast<double>(c_.v_head_dim)},
                          {"rank", static_cast<double>(c_.kv_lora_rank)}, {"eps", kLatentNormEps}};
-    const int o = g_.add(Op::kMlaAttention, {q, kv_a},
+    int o = g_.add(Op::kMlaAttention, {q, kv_a},
                          {weight(p + "kv_a_layernorm.weight", {c_.kv_lora_rank}),
                           weight(p + "kv_b_proj.weight", {heads * (c_.qk_nope_head_dim + c_.v_head_dim), c_.kv_lora_rank})},
                          attrs, label + ".attention", cache);
+    if (c_.mla_output_gate) {  // K3 (§7.4): elementwise σ(x·W_gᵀ) on the head outputs, before o_proj
+      const int gate = linear(x, p + "g_proj.weight", heads * c_.v_head_dim, label + ".g_proj");
+      o = g_.add(Op::kSigmoidMul, {o, gate}, {}, {}, label + ".output_gate");
+    }
     return linear(o, p + "o_proj.weight", c_.hidden_size, label + ".o_proj");
   }
 
   int mlp(int x, const std::string& p, int64_t inter, const std::string& label) {
     const int gate = linear(x, p + "gate_proj.weight", inter, label + ".gate_proj");
     const int up = linear(x, p + "up_proj.weight", inter, label + ".up_proj");
-    const int act = g_.add(Op::kSiluMul, {gate, up}, {}, {}, label + ".act");
+    const int act = activation(gate, up, label + ".act");
     return linear(act, p + "down_proj.weight", c_.hidden_size, label + ".down_proj");
   }
 
@@ -116,18 +154,26 @@ class KimiLinearBuilder {
     const int routes = g_.add(Op::kMoeRouter, {x},
                               {weight(p + "gate.weight", {experts, hidden}), weight(p + "gate.e_score_correction_bias", {experts})},
                               router_attrs, label + ".router");
+    // LatentMoE (§7.3): experts read and write the latent width; the router and shared experts see x.
+    const int64_t io = c_.moe_io_width();
+    const int expert_input = c_.latent_moe_size ? linear(x, p + "routed_expert_down_proj.weight", io, label + ".latent_down") : x;
     int stacks[3];
     const char* names[3] = {"w1", "w3", "w2"};  // gate, up, down (MODEL.md §9.13)
     for (int j = 0; j < 3; ++j) {
       WeightDecl decl;
       for (int64_t e = 0; e < experts; ++e) decl.parts.push_back(fmt::format("{}experts.{}.{}.weight", p, e, names[j]));
       decl.name = decl.parts.front();
-      decl.shape = j == 2 ? std::vector<int64_t>{hidden, inter} : std::vector<int64_t>{inter, hidden};
+      decl.shape = j == 2 ? std::vector<int64_t>{io, inter} : std::vector<int64_t>{inter, io};
+      decl.mxfp4 = c_.experts_mxfp4;
       stacks[j] = g_.add_weight(std::move(decl));
     }
-    const int routed = g_.add(Op::kMoeExperts, {x, routes}, {stacks[0], stacks[1], stacks[2]},
-                              {{"experts", static_cast<double>(experts)}, {"top_k", static_cast<double>(c_.experts_per_token)}},
-                              label + ".experts");
+    Attrs expert_attrs = activation_attrs();
+    expert_attrs.set("experts", static_cast<double>(experts)).set("top_k", static_cast<double>(c_.experts_per_token));
+    int routed = g_.add(Op::kMoeExperts, {expert_input, routes}, {stacks[0], stacks[1], stacks[2]}, expert_attrs, label + ".experts");
+    if (c_.latent_moe_size) {
+      if (c_.latent_moe_norm) routed = norm(routed, p + "routed_expert_norm.weight", io, c_.rms_norm_eps, label + ".latent_norm");
+      routed = linear(routed, p + "routed_expert_up_proj.weight", hidden, label + ".latent_up");
+    }
     if (c_.num_shared_experts == 0) return routed;
     const int shared = mlp(x, p + "shared_experts.", c_.num_shared_experts * inter, label + ".shared");
     return g_.add(Op::kAdd, {routed, shared}, {}, {}, label + ".combine");

@@ -2,6 +2,7 @@
 // to their dtype), bound weights, the output buffer, the step's sequences and their states.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -58,10 +59,18 @@ void cpu_silu_mul(OpContext&);
 void cpu_add(OpContext&);
 void cpu_moe_router(OpContext&);
 void cpu_moe_experts(OpContext&);
+void cpu_situ_mul(OpContext&);
+void cpu_sigmoid_mul(OpContext&);
+void cpu_attn_res_mix(OpContext&);
 
 // Shared helpers (ops/math.h would be one more file for two functions).
 float dot_weight_row(const TensorView& weight, int64_t row, const float* x, int64_t n);
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float silu(float x) { return x * sigmoid(x); }
+// SiTU (spec/MODEL.md §7.6) in fp32; linear_beta <= 0 means the up branch is b itself.
+inline float situ(float a, float b, float beta, float linear_beta) {
+  const float up = linear_beta > 0 ? linear_beta * std::tanh(b / linear_beta) : b;
+  return beta * std::tanh(a / beta) * sigmoid(a) * up;
+}
 
 }  // namespace plow

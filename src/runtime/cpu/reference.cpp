@@ -22,6 +22,9 @@ CpuOpFn kernel_for(Op op) {
     case Op::kAdd: return cpu_add;
     case Op::kMoeRouter: return cpu_moe_router;
     case Op::kMoeExperts: return cpu_moe_experts;
+    case Op::kSituMul: return cpu_situ_mul;
+    case Op::kSigmoidMul: return cpu_sigmoid_mul;
+    case Op::kAttnResMix: return cpu_attn_res_mix;
     case Op::kCount: break;
   }
   return nullptr;

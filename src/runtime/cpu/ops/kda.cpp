@@ -49,14 +49,17 @@ void cpu_kda_gate(OpContext& ctx) {
   const TensorView& a_log = *ctx.weights[0]->parts[0];
   const TensorView& dt_bias = *ctx.weights[1]->parts[0];
   const int64_t heads = ctx.node.attrs.i("heads"), d = ctx.node.attrs.i("head_dim");
+  const bool bounded = ctx.node.attrs.has("lower_bound");
+  const float lower_bound = bounded ? ctx.node.attrs.f("lower_bound") : 0.0f;
   for (int64_t t = 0; t < ctx.rows; ++t) {
     const float* f = ctx.in(0, t);
     float* g = ctx.out_row(t);
     for (int64_t h = 0; h < heads; ++h) {
-      const float decay = std::exp(a_log.at(static_cast<size_t>(h)));
+      const float rate = std::exp(a_log.at(static_cast<size_t>(h)));
       for (int64_t j = 0; j < d; ++j) {
         const int64_t c = h * d + j;
-        g[c] = -decay * softplus(f[c] + dt_bias.at(static_cast<size_t>(c)));
+        const float z = f[c] + dt_bias.at(static_cast<size_t>(c));
+        g[c] = bounded ? lower_bound * sigmoid(rate * z) : -rate * softplus(z);  // K3 gate lies in (lb, 0)
       }
     }
   }

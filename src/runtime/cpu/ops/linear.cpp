@@ -16,6 +16,11 @@ float dot_with(const uint8_t* row, const float* x, int64_t n, Load load) {
 }  // namespace
 
 float dot_weight_row(const TensorView& weight, int64_t row, const float* x, int64_t n) {
+  if (weight.is_mxfp4()) {  // dequantize exactly, then multiply in fp32 (§7.7)
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) sum += mxfp4_at(weight.data, weight.mx_scales, n, row, i) * x[i];
+    return sum;
+  }
   const uint8_t* base = weight.data + static_cast<size_t>(row * n) * dtype_size(weight.dtype);
   switch (weight.dtype) {
     case DType::F32:

@@ -1,5 +1,6 @@
 // MoE router (spec/MODEL.md §4.5 R1–R7: select with s + bias, weight with unbiased s, renormalize then
-// scale; ties go to the lower expert index) and routed experts (X1–X2: fp32 sum over k, one rounding).
+// scale; ties go to the lower expert index) and routed experts (X1–X2: fp32 sum over k, one rounding;
+// SiLU or SiTU; in LatentMoE the experts read and write the latent width).
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -73,6 +74,8 @@ void cpu_moe_experts(OpContext& ctx) {
   const BoundWeight& w3 = *ctx.weights[1];  // up   [I,H]
   const BoundWeight& w2 = *ctx.weights[2];  // down [H,I]
   const int64_t inter = w1.decl->shape[0];
+  const bool use_situ = ctx.node.attrs.get("situ") != 0.0;
+  const float beta = ctx.node.attrs.f("beta"), linear_beta = ctx.node.attrs.f("linear_beta");
   std::vector<float> act(static_cast<size_t>(inter)), acc(static_cast<size_t>(hidden));
   for (int64_t t = 0; t < ctx.rows; ++t) {
     const float* x = ctx.in(0, t);
@@ -83,7 +86,8 @@ void cpu_moe_experts(OpContext& ctx) {
       for (int64_t i = 0; i < inter; ++i) {
         const float gate = ctx.round_act(dot_weight_row(*w1.parts[e], i, x, hidden));
         const float up = ctx.round_act(dot_weight_row(*w3.parts[e], i, x, hidden));
-        act[static_cast<size_t>(i)] = ctx.round_act(ctx.round_act(silu(gate)) * up);
+        act[static_cast<size_t>(i)] = use_situ ? ctx.round_act(situ(gate, up, beta, linear_beta))
+                                               : ctx.round_act(ctx.round_act(silu(gate)) * up);
       }
       for (int64_t o = 0; o < hidden; ++o) {
         acc[static_cast<size_t>(o)] += route[k] * ctx.round_act(dot_weight_row(*w2.parts[e], o, act.data(), inter));

@@ -1,0 +1,41 @@
+# The two README commands:
+#   make run   installs the Debian packages, builds, and runs the main job on the bundled model
+#   make test  installs, builds and runs every CPU test (unit, oracle, bad input; bad input also under ASan/UBSan)
+# GPU tests (CTest label `gpu`) run on the GPU machine only: `make test-gpu`.
+
+BUILD ?= build
+ASAN_BUILD ?= build-asan
+JOBS ?= $(shell nproc)
+MODEL ?= tests/data/tiny-kimi-linear
+CMAKE_FLAGS ?=
+
+.PHONY: setup build run test test-asan test-gpu clean
+
+setup:
+	@bash scripts/setup.sh
+
+$(BUILD)/build.ninja:
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+
+build: setup $(BUILD)/build.ninja
+	cmake --build $(BUILD) -j $(JOBS)
+
+run: build
+	$(BUILD)/bin/plow inspect --model $(MODEL)
+	$(BUILD)/bin/plow generate --model $(MODEL) --prompt-ids 5,17,42,99,7 --max-new-tokens 16
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE gpu
+	$(MAKE) test-asan
+
+# Load-time validation and bad input under AddressSanitizer + UndefinedBehaviorSanitizer.
+test-asan: setup
+	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPLOW_SANITIZE=ON
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target unit_tests cli_tests plow
+	cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS) -L unit
+
+test-gpu: build
+	cd $(BUILD) && ctest --output-on-failure -L gpu
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD)
