@@ -9,7 +9,8 @@ packages=(
   libcli11-dev         # command-line parsing
   libspdlog-dev libfmt-dev  # logging
   libgtest-dev libgmock-dev # tests
-  python3 python3-numpy     # the .npy cross-check in the oracle tests' helper scripts
+  libpcre2-dev         # tokenizer pre-tokenizer regexes (Unicode classes)
+  libcpp-httplib-dev   # HTTP server
 )
 
 missing=()
