@@ -131,23 +131,23 @@ int64_t experts_rule(const Node& node, Widths in, Weights w) {
 }
 
 constexpr std::array<OpInfo, static_cast<size_t>(Op::kCount)> kOps = {{
-    {Op::kTokens, "tokens", 0, 0, OutDType::kF32, false, tokens_rule},
-    {Op::kEmbedding, "embedding", 1, 1, OutDType::kAct, false, embedding_rule},
-    {Op::kRmsNorm, "rms_norm", 1, 1, OutDType::kAct, false, rms_norm_rule},
-    {Op::kLinear, "linear", 1, 1, OutDType::kAct, false, linear_rule},
-    {Op::kShortConvSilu, "short_conv_silu", 1, 1, OutDType::kAct, true, short_conv_rule},
-    {Op::kKdaGate, "kda_gate", 1, 2, OutDType::kF32, false, kda_gate_rule},
-    {Op::kSigmoid, "sigmoid", 1, 0, OutDType::kF32, false, same_width_rule},
-    {Op::kKdaDeltaRule, "kda_delta_rule", 5, 0, OutDType::kAct, true, delta_rule_rule},
-    {Op::kGatedRmsNorm, "gated_rms_norm", 2, 1, OutDType::kAct, false, gated_norm_rule},
-    {Op::kMlaAttention, "mla_attention", 2, 2, OutDType::kAct, true, mla_rule},
-    {Op::kSiluMul, "silu_mul", 2, 0, OutDType::kAct, false, same_width_rule},
-    {Op::kAdd, "add", 2, 0, OutDType::kAct, false, same_width_rule},
-    {Op::kMoeRouter, "moe_router", 1, 2, OutDType::kF32, false, router_rule},
-    {Op::kMoeExperts, "moe_experts", 2, 3, OutDType::kAct, false, experts_rule},
-    {Op::kSituMul, "situ_mul", 2, 0, OutDType::kAct, false, same_width_rule},
-    {Op::kSigmoidMul, "sigmoid_mul", 2, 0, OutDType::kAct, false, same_width_rule},
-    {Op::kAttnResMix, "attn_res_mix", -1, 2, OutDType::kAct, false, attn_res_rule},
+    {Op::kTokens, "tokens", 0, 0, OutDType::kF32, false, tokens_rule, Slicing::kWhole, ""},
+    {Op::kEmbedding, "embedding", 1, 1, OutDType::kAct, false, embedding_rule, Slicing::kColumns, ""},
+    {Op::kRmsNorm, "rms_norm", 1, 1, OutDType::kAct, false, rms_norm_rule, Slicing::kColumns, ""},
+    {Op::kLinear, "linear", 1, 1, OutDType::kAct, false, linear_rule, Slicing::kColumns, ""},
+    {Op::kShortConvSilu, "short_conv_silu", 1, 1, OutDType::kAct, true, short_conv_rule, Slicing::kColumns, ""},
+    {Op::kKdaGate, "kda_gate", 1, 2, OutDType::kF32, false, kda_gate_rule, Slicing::kColumns, ""},
+    {Op::kSigmoid, "sigmoid", 1, 0, OutDType::kF32, false, same_width_rule, Slicing::kColumns, ""},
+    {Op::kKdaDeltaRule, "kda_delta_rule", 5, 0, OutDType::kAct, true, delta_rule_rule, Slicing::kHeads, "head_dim"},
+    {Op::kGatedRmsNorm, "gated_rms_norm", 2, 1, OutDType::kAct, false, gated_norm_rule, Slicing::kHeads, "head_dim"},
+    {Op::kMlaAttention, "mla_attention", 2, 2, OutDType::kAct, true, mla_rule, Slicing::kHeads, "v"},
+    {Op::kSiluMul, "silu_mul", 2, 0, OutDType::kAct, false, same_width_rule, Slicing::kColumns, ""},
+    {Op::kAdd, "add", 2, 0, OutDType::kAct, false, same_width_rule, Slicing::kColumns, ""},
+    {Op::kMoeRouter, "moe_router", 1, 2, OutDType::kF32, false, router_rule, Slicing::kWhole, ""},
+    {Op::kMoeExperts, "moe_experts", 2, 3, OutDType::kAct, false, experts_rule, Slicing::kColumns, ""},
+    {Op::kSituMul, "situ_mul", 2, 0, OutDType::kAct, false, same_width_rule, Slicing::kColumns, ""},
+    {Op::kSigmoidMul, "sigmoid_mul", 2, 0, OutDType::kAct, false, same_width_rule, Slicing::kColumns, ""},
+    {Op::kAttnResMix, "attn_res_mix", -1, 2, OutDType::kAct, false, attn_res_rule, Slicing::kColumns, ""},
 }};
 
 constexpr bool table_in_enum_order() {
@@ -166,5 +166,15 @@ const OpInfo& op_info(Op op) {
 }
 
 std::string_view op_name(Op op) { return op_info(op).name; }
+
+int64_t slice_granularity(const Node& node) {
+  const OpInfo& info = op_info(node.op);
+  switch (info.slicing) {
+    case Slicing::kColumns: return 1;
+    case Slicing::kHeads: return node.attrs.i(info.head_attr);
+    case Slicing::kWhole: return node.width;
+  }
+  PLOW_CHECK(false, "unknown slicing of {}", info.name);
+}
 
 }  // namespace plow

@@ -59,6 +59,10 @@ using ShapeRule = int64_t (*)(const Node& node, std::span<const int64_t> input_w
 
 enum class OutDType : uint8_t { kAct, kF32 };  // kAct: the model's activation dtype (bf16, f16 or f32)
 
+// How a plan splits an op over workers: by output columns, by whole heads (the columns of one head
+// stay together; `head_attr` names the attribute holding a head's output width), or not at all.
+enum class Slicing : uint8_t { kColumns, kHeads, kWhole };
+
 struct OpInfo {
   Op op;
   std::string_view name;
@@ -67,9 +71,14 @@ struct OpInfo {
   OutDType out_dtype;
   bool stateful;
   ShapeRule shape_rule;
+  Slicing slicing;
+  std::string_view head_attr;
 };
 
 const OpInfo& op_info(Op op);
+// Output columns per indivisible unit of work: 1 for column-sliced ops, a head's width for per-head
+// ops, the whole width for ops that run as one task.
+int64_t slice_granularity(const Node& node);
 std::string_view op_name(Op op);
 
 }  // namespace plow

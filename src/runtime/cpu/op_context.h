@@ -15,7 +15,7 @@
 namespace plow {
 
 struct SlotState {
-  int64_t context_tokens = 0;
+  int64_t context_tokens = 0;  // tokens consumed before the current step (updated after it)
   std::vector<std::vector<float>> buffers;  // one per graph StateDecl
 };
 
@@ -33,6 +33,13 @@ struct OpContext {
   DType act_dtype;
   const StepInputs& step;
   std::span<SlotState> slots;
+  // The slice of output columns this call computes: [col_begin, col_end), col_end < 0 = all. Plans
+  // split ops over workers this way (heads-aligned for per-head ops); the reference computes it all.
+  int64_t col_begin = 0;
+  int64_t col_end = -1;
+
+  int64_t begin() const { return col_begin; }
+  int64_t end() const { return col_end < 0 ? node.width : col_end; }
 
   // Rounds to the dtype of this node's output.
   float round_out(float value) const { return node.dtype == OutDType::kAct ? round_to(act_dtype, value) : value; }
@@ -44,6 +51,9 @@ struct OpContext {
 };
 
 using CpuOpFn = void (*)(OpContext&);
+
+// The kernel for `op`, or nullptr when the CPU backends lack it (kTokens is filled by the backend).
+CpuOpFn cpu_kernel(Op op);
 
 // Kernel registration: each ops/*.cpp defines the functions for its rows of the op table.
 void cpu_embedding(OpContext&);

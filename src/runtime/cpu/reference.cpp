@@ -6,30 +6,6 @@ namespace plow {
 
 namespace {
 
-CpuOpFn kernel_for(Op op) {
-  switch (op) {
-    case Op::kTokens: return nullptr;  // filled from StepInputs, not computed
-    case Op::kEmbedding: return cpu_embedding;
-    case Op::kRmsNorm: return cpu_rms_norm;
-    case Op::kLinear: return cpu_linear;
-    case Op::kShortConvSilu: return cpu_short_conv_silu;
-    case Op::kKdaGate: return cpu_kda_gate;
-    case Op::kSigmoid: return cpu_sigmoid;
-    case Op::kKdaDeltaRule: return cpu_kda_delta_rule;
-    case Op::kGatedRmsNorm: return cpu_gated_rms_norm;
-    case Op::kMlaAttention: return cpu_mla_attention;
-    case Op::kSiluMul: return cpu_silu_mul;
-    case Op::kAdd: return cpu_add;
-    case Op::kMoeRouter: return cpu_moe_router;
-    case Op::kMoeExperts: return cpu_moe_experts;
-    case Op::kSituMul: return cpu_situ_mul;
-    case Op::kSigmoidMul: return cpu_sigmoid_mul;
-    case Op::kAttnResMix: return cpu_attn_res_mix;
-    case Op::kCount: break;
-  }
-  return nullptr;
-}
-
 size_t initial_state_size(const StateDecl& decl) {
   switch (decl.kind) {
     case StateKind::kConvWindow: return static_cast<size_t>(decl.width * decl.depth);
@@ -47,7 +23,7 @@ ReferenceBackend::ReferenceBackend(const Graph& graph, const BoundWeights& weigh
     fail("cpu reference: activation dtype {} is not supported (expected F32, BF16 or F16)", dtype_name(act_dtype));
   }
   for (const Node& node : graph.nodes()) {
-    CpuOpFn fn = kernel_for(node.op);
+    CpuOpFn fn = cpu_kernel(node.op);
     if (!fn && node.op != Op::kTokens) fail("cpu reference backend has no kernel for op '{}' (node {})", op_name(node.op), node.label);
     kernels_[static_cast<size_t>(node.op)] = fn;
   }

@@ -29,7 +29,7 @@ void cpu_attn_res_mix(OpContext& ctx) {
     float total = 0.0f;
     for (float& s : scores) total += (s = std::exp(s - max_score));
     float* out = ctx.out_row(t);
-    for (int64_t i = 0; i < width; ++i) {
+    for (int64_t i = ctx.begin(); i < ctx.end(); ++i) {
       float mixed = 0.0f;
       for (size_t j = 0; j < values; ++j) mixed += scores[j] / total * ctx.in(j, t)[i];
       out[i] = ctx.round_out(mixed);

@@ -4,30 +4,35 @@
 
 namespace plow {
 
+namespace {
+// Calls fn(flat index) for every element of the call's column slice; inputs share the output's width.
+template <typename Fn>
+void for_each_element(const OpContext& ctx, Fn fn) {
+  for (int64_t t = 0; t < ctx.rows; ++t) {
+    for (int64_t c = ctx.begin(); c < ctx.end(); ++c) fn(t * ctx.node.width + c);
+  }
+}
+}  // namespace
+
 void cpu_add(OpContext& ctx) {
-  const int64_t n = ctx.rows * ctx.node.width;
-  for (int64_t i = 0; i < n; ++i) ctx.out[i] = ctx.round_out(ctx.inputs[0].data[i] + ctx.inputs[1].data[i]);
+  for_each_element(ctx, [&](int64_t i) { ctx.out[i] = ctx.round_out(ctx.inputs[0].data[i] + ctx.inputs[1].data[i]); });
 }
 
 void cpu_silu_mul(OpContext& ctx) {
-  const int64_t n = ctx.rows * ctx.node.width;
-  for (int64_t i = 0; i < n; ++i) ctx.out[i] = ctx.round_out(ctx.round_act(silu(ctx.inputs[0].data[i])) * ctx.inputs[1].data[i]);
+  for_each_element(ctx, [&](int64_t i) { ctx.out[i] = ctx.round_out(ctx.round_act(silu(ctx.inputs[0].data[i])) * ctx.inputs[1].data[i]); });
 }
 
 void cpu_sigmoid(OpContext& ctx) {
-  const int64_t n = ctx.rows * ctx.node.width;
-  for (int64_t i = 0; i < n; ++i) ctx.out[i] = ctx.round_out(sigmoid(ctx.inputs[0].data[i]));
+  for_each_element(ctx, [&](int64_t i) { ctx.out[i] = ctx.round_out(sigmoid(ctx.inputs[0].data[i])); });
 }
 
 void cpu_situ_mul(OpContext& ctx) {
   const float beta = ctx.node.attrs.f("beta"), linear_beta = ctx.node.attrs.f("linear_beta");
-  const int64_t n = ctx.rows * ctx.node.width;
-  for (int64_t i = 0; i < n; ++i) ctx.out[i] = ctx.round_out(situ(ctx.inputs[0].data[i], ctx.inputs[1].data[i], beta, linear_beta));
+  for_each_element(ctx, [&](int64_t i) { ctx.out[i] = ctx.round_out(situ(ctx.inputs[0].data[i], ctx.inputs[1].data[i], beta, linear_beta)); });
 }
 
 void cpu_sigmoid_mul(OpContext& ctx) {
-  const int64_t n = ctx.rows * ctx.node.width;
-  for (int64_t i = 0; i < n; ++i) ctx.out[i] = ctx.round_out(ctx.inputs[0].data[i] * sigmoid(ctx.inputs[1].data[i]));
+  for_each_element(ctx, [&](int64_t i) { ctx.out[i] = ctx.round_out(ctx.inputs[0].data[i] * sigmoid(ctx.inputs[1].data[i])); });
 }
 
 }  // namespace plow

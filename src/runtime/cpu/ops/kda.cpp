@@ -27,10 +27,10 @@ float softplus(float z) { return z > 20.0f ? z : std::log(1.0f + std::exp(z)); }
 
 void cpu_short_conv_silu(OpContext& ctx) {
   const TensorView& conv = *ctx.weights[0]->parts[0];  // [P,1,K]
-  const int64_t width = ctx.node.width, kernel = ctx.node.attrs.i("kernel"), keep = kernel - 1;
+  const int64_t kernel = ctx.node.attrs.i("kernel"), keep = kernel - 1;
   for_each_sequence(ctx, [&](int slot, int64_t first, int64_t tokens) {
     std::vector<float>& window = ctx.state(slot);  // [P, K−1], oldest column first
-    for (int64_t c = 0; c < width; ++c) {
+    for (int64_t c = ctx.begin(); c < ctx.end(); ++c) {
       // history = window ++ this step's inputs for channel c
       std::vector<float> history(static_cast<size_t>(keep + tokens));
       for (int64_t j = 0; j < keep; ++j) history[static_cast<size_t>(j)] = window[static_cast<size_t>(c * keep + j)];
@@ -48,19 +48,16 @@ void cpu_short_conv_silu(OpContext& ctx) {
 void cpu_kda_gate(OpContext& ctx) {
   const TensorView& a_log = *ctx.weights[0]->parts[0];
   const TensorView& dt_bias = *ctx.weights[1]->parts[0];
-  const int64_t heads = ctx.node.attrs.i("heads"), d = ctx.node.attrs.i("head_dim");
+  const int64_t d = ctx.node.attrs.i("head_dim");
   const bool bounded = ctx.node.attrs.has("lower_bound");
   const float lower_bound = bounded ? ctx.node.attrs.f("lower_bound") : 0.0f;
   for (int64_t t = 0; t < ctx.rows; ++t) {
     const float* f = ctx.in(0, t);
     float* g = ctx.out_row(t);
-    for (int64_t h = 0; h < heads; ++h) {
-      const float rate = std::exp(a_log.at(static_cast<size_t>(h)));
-      for (int64_t j = 0; j < d; ++j) {
-        const int64_t c = h * d + j;
-        const float z = f[c] + dt_bias.at(static_cast<size_t>(c));
-        g[c] = bounded ? lower_bound * sigmoid(rate * z) : -rate * softplus(z);  // K3 gate lies in (lb, 0)
-      }
+    for (int64_t c = ctx.begin(); c < ctx.end(); ++c) {
+      const float rate = std::exp(a_log.at(static_cast<size_t>(c / d)));
+      const float z = f[c] + dt_bias.at(static_cast<size_t>(c));
+      g[c] = bounded ? lower_bound * sigmoid(rate * z) : -rate * softplus(z);  // K3 gate lies in (lb, 0)
     }
   }
 }
@@ -164,11 +161,11 @@ void l2_normalize(float* x, int64_t n, float scale) {
 }  // namespace
 
 void cpu_kda_delta_rule(OpContext& ctx) {
-  const int64_t heads = ctx.node.attrs.i("heads"), d = ctx.node.attrs.i("head_dim");
+  const int64_t d = ctx.node.attrs.i("head_dim");
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(d));
   for_each_sequence(ctx, [&](int slot, int64_t first, int64_t n) {
     std::vector<float>& state = ctx.state(slot);  // [heads, d, d] fp32
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = ctx.begin() / d; h < ctx.end() / d; ++h) {
       HeadInputs in;
       for (auto* m : {&in.q, &in.k, &in.v, &in.g}) m->resize(static_cast<size_t>(n * d));
       in.beta.resize(static_cast<size_t>(n));

@@ -41,7 +41,7 @@ void cpu_embedding(OpContext& ctx) {
     const auto id = static_cast<int64_t>(ctx.in(0, t)[0]);
     PLOW_CHECK(id >= 0 && id < vocab, "token id {} outside the vocabulary of {}", id, vocab);
     float* out = ctx.out_row(t);
-    for (int64_t j = 0; j < width; ++j) out[j] = ctx.round_out(table.at(static_cast<size_t>(id * width + j)));
+    for (int64_t j = ctx.begin(); j < ctx.end(); ++j) out[j] = ctx.round_out(table.at(static_cast<size_t>(id * width + j)));
   }
 }
 
@@ -51,7 +51,7 @@ void cpu_linear(OpContext& ctx) {
   for (int64_t t = 0; t < ctx.rows; ++t) {
     const float* x = ctx.in(0, t);
     float* out = ctx.out_row(t);
-    for (int64_t o = 0; o < ctx.node.width; ++o) out[o] = ctx.round_out(dot_weight_row(weight, o, x, in_width));
+    for (int64_t o = ctx.begin(); o < ctx.end(); ++o) out[o] = ctx.round_out(dot_weight_row(weight, o, x, in_width));
   }
 }
 

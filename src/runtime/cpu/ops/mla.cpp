@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/error.h"
 #include "runtime/cpu/op_context.h"
 
 namespace plow {
@@ -19,33 +20,39 @@ void cpu_mla_attention(OpContext& ctx) {
   int64_t first = 0;
   for (const SequenceStep& seq : ctx.step.sequences) {
     std::vector<float>& cache = ctx.state(seq.slot);  // [context, rank + rope]
-    const auto past = static_cast<int64_t>(cache.size()) / latent;
-    // Append this step's tokens: c = RMSNorm_ε(c̃; w) rounded like every RMSNorm, k_r raw.
+    const int64_t past = ctx.slots[static_cast<size_t>(seq.slot)].context_tokens;
+    // This step's latent rows: c = RMSNorm_ε(c̃; w) rounded like every RMSNorm, k_r raw. Every slice
+    // computes them; only the slice holding head 0 appends them to the cache (slices read rows < past).
+    std::vector<float> fresh(static_cast<size_t>(seq.query_tokens * latent));
     for (int64_t t = 0; t < seq.query_tokens; ++t) {
       const float* kv_a = ctx.in(1, first + t);
+      float* row = fresh.data() + t * latent;
       float sum = 0.0f;
       for (int64_t i = 0; i < rank; ++i) sum += kv_a[i] * kv_a[i];
       const float inv = 1.0f / std::sqrt(sum / static_cast<float>(rank) + eps);
-      for (int64_t i = 0; i < rank; ++i) cache.push_back(ctx.round_act(norm_weight.at(static_cast<size_t>(i)) * ctx.round_act(kv_a[i] * inv)));
-      for (int64_t i = 0; i < rope; ++i) cache.push_back(kv_a[rank + i]);
+      for (int64_t i = 0; i < rank; ++i) row[i] = ctx.round_act(norm_weight.at(static_cast<size_t>(i)) * ctx.round_act(kv_a[i] * inv));
+      for (int64_t i = 0; i < rope; ++i) row[rank + i] = kv_a[rank + i];
     }
     const int64_t context = past + seq.query_tokens;
-    // Expand every cached latent: kv[τ] = c_τ · kv_bᵀ, rounded (HF's kv_b_proj output).
+    auto latent_row = [&](int64_t tau) { return tau < past ? cache.data() + tau * latent : fresh.data() + (tau - past) * latent; };
+    const int64_t head_begin = ctx.begin() / dv, head_end = ctx.end() / dv;
+    // Expand the cached latents for this slice's heads: kv[τ,h] = c_τ · kv_bᵀ, rounded (HF's kv_b_proj output).
     std::vector<float> kv(static_cast<size_t>(context * heads * per_head));
     for (int64_t tau = 0; tau < context; ++tau) {
-      const float* c = cache.data() + tau * latent;
-      for (int64_t o = 0; o < heads * per_head; ++o) kv[static_cast<size_t>(tau * heads * per_head + o)] = ctx.round_act(dot_weight_row(kv_b, o, c, rank));
+      for (int64_t o = head_begin * per_head; o < head_end * per_head; ++o) {
+        kv[static_cast<size_t>(tau * heads * per_head + o)] = ctx.round_act(dot_weight_row(kv_b, o, latent_row(tau), rank));
+      }
     }
     std::vector<float> probs(static_cast<size_t>(context));
     for (int64_t t = 0; t < seq.query_tokens; ++t) {
       const int64_t visible = past + t + 1;  // causal: positions τ ≤ this token's
       const float* q_row = ctx.in(0, first + t);
-      for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t h = head_begin; h < head_end; ++h) {
         const float* q = q_row + h * qk;
         float max_score = -INFINITY;
         for (int64_t tau = 0; tau < visible; ++tau) {
           const float* k_nope = &kv[static_cast<size_t>((tau * heads + h) * per_head)];
-          const float* k_rope = cache.data() + tau * latent + rank;
+          const float* k_rope = latent_row(tau) + rank;
           float s = 0.0f;
           for (int64_t i = 0; i < nope; ++i) s += q[i] * k_nope[i];
           for (int64_t i = 0; i < rope; ++i) s += q[nope + i] * k_rope[i];
@@ -63,6 +70,11 @@ void cpu_mla_attention(OpContext& ctx) {
         }
         for (int64_t i = 0; i < dv; ++i) out[i] = ctx.round_out(out[i]);
       }
+    }
+    if (head_begin == 0) {
+      PLOW_CHECK(static_cast<int64_t>(cache.size()) == past * latent, "{}: latent cache of slot {} holds {} rows, context is {}",
+                 ctx.node.label, seq.slot, static_cast<int64_t>(cache.size()) / latent, past);
+      cache.insert(cache.end(), fresh.begin(), fresh.end());
     }
     first += seq.query_tokens;
   }

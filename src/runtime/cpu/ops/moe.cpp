@@ -5,6 +5,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "core/error.h"
 #include "runtime/cpu/op_context.h"
 
 namespace plow {
@@ -29,6 +30,7 @@ void cpu_moe_router(OpContext& ctx) {
   const int64_t experts = a.i("experts"), top_k = a.i("top_k"), groups = a.i("groups"), keep_groups = a.i("topk_groups");
   const int64_t per_group = experts / groups;
   const int64_t hidden = ctx.inputs[0].width;
+  PLOW_CHECK(ctx.begin() == 0 && ctx.end() == ctx.node.width, "{}: the router runs whole (top-k spans all experts)", ctx.node.label);
   std::vector<float> scores(static_cast<size_t>(experts)), choice(static_cast<size_t>(experts));
   for (int64_t t = 0; t < ctx.rows; ++t) {
     const float* x = ctx.in(0, t);
@@ -69,7 +71,7 @@ void cpu_moe_router(OpContext& ctx) {
 }
 
 void cpu_moe_experts(OpContext& ctx) {
-  const int64_t top_k = ctx.node.attrs.i("top_k"), hidden = ctx.node.width;
+  const int64_t top_k = ctx.node.attrs.i("top_k"), hidden = ctx.inputs[0].width;  // output columns: ctx's slice of W
   const BoundWeight& w1 = *ctx.weights[0];  // gate [I,H] per expert
   const BoundWeight& w3 = *ctx.weights[1];  // up   [I,H]
   const BoundWeight& w2 = *ctx.weights[2];  // down [H,I]
@@ -89,11 +91,11 @@ void cpu_moe_experts(OpContext& ctx) {
         act[static_cast<size_t>(i)] = use_situ ? ctx.round_act(situ(gate, up, beta, linear_beta))
                                                : ctx.round_act(ctx.round_act(silu(gate)) * up);
       }
-      for (int64_t o = 0; o < hidden; ++o) {
+      for (int64_t o = ctx.begin(); o < ctx.end(); ++o) {
         acc[static_cast<size_t>(o)] += route[k] * ctx.round_act(dot_weight_row(*w2.parts[e], o, act.data(), inter));
       }
     }
-    for (int64_t o = 0; o < hidden; ++o) ctx.out_row(t)[o] = ctx.round_out(acc[static_cast<size_t>(o)]);
+    for (int64_t o = ctx.begin(); o < ctx.end(); ++o) ctx.out_row(t)[o] = ctx.round_out(acc[static_cast<size_t>(o)]);
   }
 }
 

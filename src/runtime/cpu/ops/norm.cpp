@@ -22,16 +22,16 @@ void cpu_rms_norm(OpContext& ctx) {
     const float* x = ctx.in(0, t);
     float* out = ctx.out_row(t);
     const float scale = inverse_rms(x, n, eps);
-    for (int64_t i = 0; i < n; ++i) out[i] = ctx.round_out(weight.at(static_cast<size_t>(i)) * ctx.round_act(x[i] * scale));
+    for (int64_t i = ctx.begin(); i < ctx.end(); ++i) out[i] = ctx.round_out(weight.at(static_cast<size_t>(i)) * ctx.round_act(x[i] * scale));
   }
 }
 
 void cpu_gated_rms_norm(OpContext& ctx) {
   const TensorView& weight = *ctx.weights[0]->parts[0];
-  const int64_t heads = ctx.node.attrs.i("heads"), d = ctx.node.attrs.i("head_dim");
+  const int64_t d = ctx.node.attrs.i("head_dim");
   const float eps = ctx.node.attrs.f("eps");
   for (int64_t t = 0; t < ctx.rows; ++t) {
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = ctx.begin() / d; h < ctx.end() / d; ++h) {
       const float* o = ctx.in(0, t) + h * d;
       const float* z = ctx.in(1, t) + h * d;
       float* out = ctx.out_row(t) + h * d;

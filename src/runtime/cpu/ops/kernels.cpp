@@ -1,0 +1,31 @@
+// The CPU kernel of each op of the op table, shared by the reference backend (whole ops) and the plan
+// interpreter (column slices). An op without a kernel maps to nullptr; backends refuse it at load.
+#include "runtime/cpu/op_context.h"
+
+namespace plow {
+
+CpuOpFn cpu_kernel(Op op) {
+  switch (op) {
+    case Op::kTokens: return nullptr;  // filled from StepInputs, not computed
+    case Op::kEmbedding: return cpu_embedding;
+    case Op::kRmsNorm: return cpu_rms_norm;
+    case Op::kLinear: return cpu_linear;
+    case Op::kShortConvSilu: return cpu_short_conv_silu;
+    case Op::kKdaGate: return cpu_kda_gate;
+    case Op::kSigmoid: return cpu_sigmoid;
+    case Op::kKdaDeltaRule: return cpu_kda_delta_rule;
+    case Op::kGatedRmsNorm: return cpu_gated_rms_norm;
+    case Op::kMlaAttention: return cpu_mla_attention;
+    case Op::kSiluMul: return cpu_silu_mul;
+    case Op::kAdd: return cpu_add;
+    case Op::kMoeRouter: return cpu_moe_router;
+    case Op::kMoeExperts: return cpu_moe_experts;
+    case Op::kSituMul: return cpu_situ_mul;
+    case Op::kSigmoidMul: return cpu_sigmoid_mul;
+    case Op::kAttnResMix: return cpu_attn_res_mix;
+    case Op::kCount: break;
+  }
+  return nullptr;
+}
+
+}  // namespace plow
