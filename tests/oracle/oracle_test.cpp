@@ -132,7 +132,7 @@ TEST_P(Oracle, LogitsAndGreedyTokensMatchTransformers) {
   const GenerateResult teacher = generate(backend, 0, forced);
   ASSERT_EQ(teacher.logits.size(), static_cast<size_t>(rows * vocab));
   const Comparison vs_hf = compare(teacher.logits, oracle_logits(run, expected, {rows, vocab}), vocab);
-  std::printf("%s: max |plow − HF| = %.3g, median row max %.3g, argmax agreement %.3f over %lld×%lld logits\n",
+  std::printf("%s: max |plow − oracle| = %.3g, median row max %.3g, argmax agreement %.3f over %lld×%lld logits\n",
               run.label().c_str(), vs_hf.max_abs, vs_hf.median_row_max, vs_hf.argmax_agreement, static_cast<long long>(rows),
               static_cast<long long>(vocab));
 
