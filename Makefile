@@ -1,15 +1,17 @@
 # The two README commands:
 #   make run   installs the Debian packages, builds, and runs the main job on the bundled model
-#   make test  installs, builds and runs every CPU test (unit, oracle, bad input; bad input also under ASan/UBSan)
+#   make test  installs, builds and runs every CPU test (unit, oracle, plan, bad input; bad input, plan
+#              files and the validator also under ASan/UBSan; the plan protocol under ThreadSanitizer)
 # GPU tests (CTest label `gpu`) run on the GPU machine only: `make test-gpu`.
 
 BUILD ?= build
 ASAN_BUILD ?= build-asan
+TSAN_BUILD ?= build-tsan
 JOBS ?= $(shell nproc)
 MODEL ?= tests/data/tiny-kimi-linear
 CMAKE_FLAGS ?=
 
-.PHONY: setup build run test test-asan test-gpu clean
+.PHONY: setup build run test test-asan test-tsan test-gpu clean
 
 setup:
 	@bash scripts/setup.sh
@@ -27,15 +29,23 @@ run: build
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE gpu
 	$(MAKE) test-asan
+	$(MAKE) test-tsan
 
 # Load-time validation and bad input under AddressSanitizer + UndefinedBehaviorSanitizer.
 test-asan: setup
 	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPLOW_SANITIZE=ON
-	cmake --build $(ASAN_BUILD) -j $(JOBS) --target unit_tests cli_tests plow
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target unit_tests cli_tests plan_unit_tests plan_cli_tests plow
 	cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS) -L unit
+
+# The plan interpreter's counter protocol under ThreadSanitizer: stress (random delays, 200 steps),
+# batches and kernel errors; any race report fails the run.
+test-tsan: setup
+	cmake -S . -B $(TSAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPLOW_TSAN=ON
+	cmake --build $(TSAN_BUILD) -j $(JOBS) --target plan_tests
+	cd $(TSAN_BUILD) && TSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j $(JOBS) -L plan -R 'Stress|PlanBatch'
 
 test-gpu: build
 	cd $(BUILD) && ctest --output-on-failure -L gpu
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD)

@@ -3,15 +3,24 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <map>
+#include <thread>
 
 #include "core/error.h"
 #include "core/npy.h"
 #include "engine/generate.h"
 #include "engine/model.h"
+#include "engine/plans.h"
 #include "graph/footprint.h"
+#include "plan/lower.h"
+#include "plan/summary.h"
+#include "plan/validate.h"
+#include "plan/wire.h"
+#include "runtime/cpu/interpreter.h"
 #include "runtime/cpu/reference.h"
 
 namespace {
@@ -51,6 +60,24 @@ std::unique_ptr<LoadedModel> load_model(const ModelSource& source) {
   return LoadedModel::random(source.config_path, source.seed, dtype);
 }
 
+// Config and graph only: lowering needs no weights (--random-weights is accepted and unused).
+std::unique_ptr<LoadedModel> describe_model(const ModelSource& source) {
+  if (!source.model_dir.empty()) return LoadedModel::describe((std::filesystem::path(source.model_dir) / "config.json").string());
+  if (source.config_path.empty()) fail("one of --model DIR or --config FILE is required");
+  return LoadedModel::describe(source.config_path);
+}
+
+int default_workers() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
+// The one place a model's graph becomes a plan; the optimizer goes between the two.
+Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens, int workers, int64_t max_context) {
+  Graph graph_to_lower = model.graph;
+  Plan plan = lower_to_plan(graph_to_lower, {phase, max_tokens, workers, max_context, fingerprint_of(model)});
+  plan.compile.ops_before_fusion = static_cast<int64_t>(model.graph.nodes().size());
+  plan.compile.rules_fired = {};
+  return plan;
+}
+
 struct GenerateArgs {
   ModelSource source;
   std::vector<int64_t> prompt_ids;
@@ -60,6 +87,8 @@ struct GenerateArgs {
   float top_p = 1.0f;
   int64_t top_k = 0;
   std::string backend = "cpu";
+  int workers = 0;                      // cpu-plan: 0 = the plans' worker count, or one per core
+  std::vector<std::string> plan_files;  // cpu-plan: precompiled plans (else compiled here)
   int64_t prefill_chunk = 0;
   bool ignore_eos = false;
   std::string dump_logits;
@@ -69,8 +98,40 @@ DType compute_dtype(const std::string& name, const LoadedModel& model) {
   return name == "auto" ? model.weights->storage_dtype() : parse_dtype(name);
 }
 
+// --backend cpu-plan: the given plans (without --prefill-chunk, the prompt is split by the largest
+// prefill bucket among them), or a decode plan for bucket 1 and a prefill plan for the prompt's chunk
+// compiled here.
+std::unique_ptr<Backend> make_plan_backend(const GenerateArgs& args, const LoadedModel& model, GenerateOptions& options, DType act) {
+  const auto prompt_tokens = static_cast<int64_t>(options.prompt.size());
+  const int64_t max_context = prompt_tokens + options.max_new_tokens;
+  std::vector<Plan> plans;
+  int workers = args.workers;
+  for (const std::string& path : args.plan_files) {
+    plans.push_back(read_plan(path));
+    if (args.workers == 0) workers = std::max(workers, plans.back().workers);
+    if (args.prefill_chunk == 0 && plans.back().phase == PlanPhase::kPrefill) {
+      options.prefill_chunk_tokens = std::max(options.prefill_chunk_tokens, plans.back().max_tokens);
+    }
+  }
+  if (plans.empty()) {
+    if (workers == 0) workers = default_workers();
+    const int64_t chunk = options.prefill_chunk_tokens > 0 ? std::min(options.prefill_chunk_tokens, prompt_tokens) : prompt_tokens;
+    plans.push_back(compile_plan(model, PlanPhase::kDecode, 1, workers, max_context));
+    if (chunk > 1) plans.push_back(compile_plan(model, PlanPhase::kPrefill, chunk, workers, max_context));
+  }
+  InterpreterOptions interp;
+  interp.workers = workers;
+  interp.act_dtype = act;
+  interp.num_slots = 1;
+  interp.max_context_tokens = max_context;
+  interp.model_fingerprint = fingerprint_of(model);
+  return std::make_unique<PlanInterpreter>(*model.weights, std::move(plans), interp);
+}
+
 int run_generate(const GenerateArgs& args) {
-  if (args.backend != "cpu") fail("--backend '{}': this build has the 'cpu' backend only", args.backend);
+  if (args.backend != "cpu" && args.backend != "cpu-plan") fail("--backend '{}': this build has the 'cpu' and 'cpu-plan' backends", args.backend);
+  if (args.backend == "cpu" && (args.workers != 0 || !args.plan_files.empty())) fail("--workers and --plan need --backend cpu-plan");
+  if (args.workers < 0) fail("--workers must be >= 1, found {}", args.workers);
   if (!args.prompt_text.empty()) fail("--prompt: text prompts need the model's tokenizer, which plow does not load yet; use --prompt-ids");
   if (args.prompt_ids.empty()) fail("one of --prompt-ids or --prompt is required");
   if (args.max_new_tokens < 1) fail("--max-new-tokens must be >= 1, found {}", args.max_new_tokens);
@@ -95,8 +156,14 @@ int run_generate(const GenerateArgs& args) {
   options.keep_logits = !args.dump_logits.empty();
   if (!args.ignore_eos) options.stop_ids = model->config.eos_token_ids;
 
-  ReferenceBackend backend(model->graph, *model->weights, compute_dtype(args.source.dtype, *model), 1);
-  const GenerateResult result = generate(backend, 0, options);
+  const DType act = compute_dtype(args.source.dtype, *model);
+  std::unique_ptr<Backend> backend;
+  if (args.backend == "cpu") {
+    backend = std::make_unique<ReferenceBackend>(model->graph, *model->weights, act, 1);
+  } else {
+    backend = make_plan_backend(args, *model, options, act);
+  }
+  const GenerateResult result = generate(*backend, 0, options);
   if (options.keep_logits) {
     const auto rows = static_cast<int64_t>(result.logits.size()) / result.vocab;
     write_npy_f32(args.dump_logits, result.logits.data(), {rows, result.vocab});
@@ -105,7 +172,7 @@ int run_generate(const GenerateArgs& args) {
   json out = {{"generated_ids", result.generated},
               {"prompt_tokens", options.prompt.size()},
               {"backend", args.backend},
-              {"dtype", std::string(dtype_name(backend.act_dtype()))},
+              {"dtype", std::string(dtype_name(backend->act_dtype()))},
               {"prefill_seconds", result.prefill_seconds},
               {"decode_tokens_per_second", decode_steps > 0 ? decode_steps / result.decode_seconds : 0.0}};
   std::cout << out.dump() << std::endl;
@@ -163,6 +230,66 @@ int run_inspect(const ModelSource& source) {
   return 0;
 }
 
+struct CompileArgs {
+  ModelSource source;
+  std::string phase = "decode";
+  int64_t batch = 0;  // decode bucket (default 1)
+  int64_t chunk = 0;  // prefill chunk (default 512)
+  int workers = 0;    // 0: one per core
+  int64_t max_context = 0;
+  std::string output;
+};
+
+int run_compile(const CompileArgs& args) {
+  if (args.phase != "decode" && args.phase != "prefill") fail("--phase '{}': expected decode or prefill", args.phase);
+  const bool decode = args.phase == "decode";
+  if (decode && args.chunk != 0) fail("--chunk sets a prefill plan's chunk; a decode plan takes --batch");
+  if (!decode && args.batch != 0) fail("--batch sets a decode plan's batch; a prefill plan takes --chunk");
+  const int64_t tokens = decode ? (args.batch ? args.batch : 1) : (args.chunk ? args.chunk : 512);
+  const auto model = describe_model(args.source);
+  const Plan plan = compile_plan(*model, decode ? PlanPhase::kDecode : PlanPhase::kPrefill, tokens,
+                                 args.workers ? args.workers : default_workers(), args.max_context);
+  write_plan(args.output, plan);
+  json out = {{"plan", args.output}, {"phase", args.phase}, {"max_tokens", plan.max_tokens}, {"workers", plan.workers},
+              {"ops", plan.ops.size()}, {"tasks", plan.tasks.size()}, {"critical_path_tasks", critical_path_tasks(plan)},
+              {"arena_bytes", plan.arena_bytes()}};
+  std::cout << out.dump() << std::endl;
+  return 0;
+}
+
+int run_inspect_plan(const std::string& path, const std::string& dtype) {
+  const Plan plan = read_plan(path);
+  validate_plan(plan, [](uint8_t) { return true; });  // the op table; the CPU backend's coverage is reported below
+  const DType weight_dtype = dtype == "auto" ? DType::BF16 : parse_dtype(dtype);
+  const PlanSummary summary = summarize_plan(plan, weight_dtype);
+  json by_opcode = json::object();
+  for (const auto& [name, counts] : summary.by_opcode) by_opcode[name] = {{"ops", counts.first}, {"tasks", counts.second}};
+  json missing = json::array();
+  for (const PlanOp& op : plan.ops) {
+    if (!PlanInterpreter::has_op(op.opcode) && std::find(missing.begin(), missing.end(), op_name(op.op())) == missing.end()) missing.push_back(op_name(op.op()));
+  }
+  json out = {{"plan", path},
+              {"format_version", plan.format_version},
+              {"model_fingerprint", fmt::format("{:016x}", plan.model_fingerprint)},
+              {"phase", std::string(phase_name(plan.phase))},
+              {"bucket", plan.max_tokens},
+              {"workers", plan.workers},
+              {"ops_before_fusion", plan.compile.ops_before_fusion},
+              {"ops_after_fusion", summary.ops},
+              {"rules_fired", plan.compile.rules_fired},
+              {"tasks", summary.tasks},
+              {"counters", summary.counters},
+              {"critical_path_tasks", summary.critical_path_tasks},
+              {"queue_tasks", {{"min", summary.min_queue_tasks}, {"max", summary.max_queue_tasks}}},
+              {"activation_arena_bytes", summary.arena_bytes},
+              {"weight_bytes_per_step", summary.weight_bytes_per_step},
+              {"weight_dtype_assumed", std::string(dtype_name(weight_dtype))},
+              {"by_opcode", by_opcode},
+              {"cpu_kernels_missing", missing}};
+  std::cout << out.dump(2) << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -179,7 +306,9 @@ int main(int argc, char** argv) {
   generate_cmd->add_option("--top-p", gen.top_p);
   generate_cmd->add_option("--top-k", gen.top_k, "0 = no limit");
   generate_cmd->add_option("--seed", gen.source.seed, "sampling seed, and the weights' seed with --random-weights");
-  generate_cmd->add_option("--backend", gen.backend, "cpu");
+  generate_cmd->add_option("--backend", gen.backend, "cpu (the reference) or cpu-plan (compiled plans on worker threads)");
+  generate_cmd->add_option("--workers", gen.workers, "cpu-plan: worker threads (default: the plans', or one per core)");
+  generate_cmd->add_option("--plan", gen.plan_files, "cpu-plan: .plow files to run (default: compile for this prompt)");
   generate_cmd->add_option("--prefill-chunk", gen.prefill_chunk, "split the prompt into steps of this many tokens (0 = one step)");
   generate_cmd->add_flag("--ignore-eos", gen.ignore_eos, "do not stop at the config's eos_token_id");
   generate_cmd->add_option("--dump-logits", gen.dump_logits, "write [P+N-1, vocab] float32 logits to this .npy file");
@@ -188,6 +317,18 @@ int main(int argc, char** argv) {
   CLI::App* inspect_cmd = app.add_subcommand("inspect", "print a model's configuration, schedule and sizes as JSON");
   inspect_source.add_options(inspect_cmd);
   inspect_cmd->add_option("--seed", inspect_source.seed, "weights' seed with --random-weights");
+  std::string inspect_plan;
+  inspect_cmd->add_option("plan", inspect_plan, "a .plow file: print its plan instead of a model");
+
+  CompileArgs comp;
+  CLI::App* compile_cmd = app.add_subcommand("compile", "lower a model to a plan for one bucket and write it to a .plow file");
+  comp.source.add_options(compile_cmd);
+  compile_cmd->add_option("--phase", comp.phase, "decode or prefill");
+  compile_cmd->add_option("--batch", comp.batch, "decode: batch bucket (default 1)");
+  compile_cmd->add_option("--chunk", comp.chunk, "prefill: chunk tokens (default 512)");
+  compile_cmd->add_option("--workers", comp.workers, "worker queues (default: one per core)");
+  compile_cmd->add_option("--max-context", comp.max_context, "longest context the plan will serve (0: unbounded)");
+  compile_cmd->add_option("-o,--output", comp.output, "the .plow file to write")->required();
 
   try {
     app.parse(argc, argv);
@@ -196,7 +337,12 @@ int main(int argc, char** argv) {
   }
   try {
     if (generate_cmd->parsed()) return run_generate(gen);
+    if (inspect_cmd->parsed() && !inspect_plan.empty()) {
+      if (!inspect_source.model_dir.empty() || !inspect_source.config_path.empty()) fail("inspect takes a .plow file or --model/--config, not both");
+      return run_inspect_plan(inspect_plan, inspect_source.dtype);
+    }
     if (inspect_cmd->parsed()) return run_inspect(inspect_source);
+    if (compile_cmd->parsed()) return run_compile(comp);
   } catch (const plow::Error& e) {
     std::fprintf(stderr, "plow: error: %s\n", e.what());
     return 1;

@@ -13,7 +13,7 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 }  // namespace
 
-GenerateResult generate(ReferenceBackend& backend, int slot, const GenerateOptions& options) {
+GenerateResult generate(Backend& backend, int slot, const GenerateOptions& options) {
   PLOW_CHECK(!options.prompt.empty(), "empty prompt");
   GenerateResult result;
   Sampler sampler(options.sampling);

@@ -1,11 +1,12 @@
-// Single-sequence generation over a backend: prefill (optionally split into chunks), then decode.
+// Single-sequence generation over any Backend: prefill (optionally split into chunks), then decode.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "engine/sampler.h"
-#include "runtime/cpu/reference.h"
+#include "runtime/backend.h"
+#include "runtime/cpu/reference.h"  // callers construct the reference backend alongside generate()
 
 namespace plow {
 
@@ -27,6 +28,6 @@ struct GenerateResult {
   double decode_seconds = 0;
 };
 
-GenerateResult generate(ReferenceBackend& backend, int slot, const GenerateOptions& options);
+GenerateResult generate(Backend& backend, int slot, const GenerateOptions& options);
 
 }  // namespace plow

@@ -19,8 +19,8 @@ int Graph::add(Op op, std::vector<int> inputs, std::vector<int> weights, Attrs a
   const OpInfo& info = op_info(op);
   PLOW_CHECK(info.num_inputs < 0 ? !inputs.empty() : static_cast<int>(inputs.size()) == info.num_inputs,
              "{} '{}': {} inputs, op takes {}", info.name, label, inputs.size(), info.num_inputs);
-  PLOW_CHECK(static_cast<int>(weights.size()) == info.num_weights, "{} '{}': {} weights, op takes {}", info.name, label,
-             weights.size(), info.num_weights);
+  PLOW_CHECK(info.num_weights < 0 ? !weights.empty() : static_cast<int>(weights.size()) == info.num_weights,
+             "{} '{}': {} weights, op takes {}", info.name, label, weights.size(), info.num_weights);
   PLOW_CHECK(info.stateful == (state >= 0), "{} '{}': state {} does not match the op's statefulness", info.name, label, state);
   Node node;
   node.op = op;

@@ -112,6 +112,77 @@ int64_t attn_res_rule(const Node& node, Widths in, Weights w) {
   return in[0];
 }
 
+int64_t input_rule(const Node& node, Widths, Weights) { return node.attrs.i("width"); }
+
+int64_t linear_out(const Node& node, int64_t in, const WeightDecl* w) {
+  PLOW_CHECK(w->shape.size() == 2 && w->shape[1] == in, "{}: linear input width {} vs weight '{}'", node.label, in, w->name);
+  return w->shape[0];
+}
+
+int64_t norm_linear_rule(const Node& node, Widths in, Weights w) {
+  expect_shape(node, w[0], {in[0]});
+  return linear_out(node, in[0], w[1]);
+}
+
+int64_t multi_linear_rule(const Node& node, Widths in, Weights w) {
+  int64_t total = 0;
+  for (const WeightDecl* weight : w) total += linear_out(node, in[0], weight);
+  return total;
+}
+
+int64_t norm_multi_linear_rule(const Node& node, Widths in, Weights w) {
+  expect_shape(node, w[0], {in[0]});
+  return multi_linear_rule(node, in, w.subspan(1));
+}
+
+int64_t slice_rule(const Node& node, Widths in, Weights) {
+  const int64_t offset = node.attrs.i("offset"), width = node.attrs.i("width");
+  PLOW_CHECK(offset >= 0 && width > 0 && offset + width <= in[0], "{}: slice [{}, +{}) of width {}", node.label, offset, width, in[0]);
+  return width;
+}
+
+int64_t linear_add_rule(const Node& node, Widths in, Weights w) {
+  const int64_t out = linear_out(node, in[0], w[0]);
+  PLOW_CHECK(in[1] == out, "{}: residual width {} vs linear output {}", node.label, in[1], out);
+  return out;
+}
+
+int64_t gate_up_rule(const Node& node, Widths in, Weights w) {
+  const int64_t out = linear_out(node, in[0], w[0]);
+  PLOW_CHECK(linear_out(node, in[0], w[1]) == out, "{}: gate/up widths differ", node.label);
+  return out;
+}
+
+int64_t act_linear_rule(const Node& node, Widths in, Weights w) {
+  PLOW_CHECK(in[0] == in[1], "{}: activation input widths differ", node.label);
+  return linear_out(node, in[0], w[0]);
+}
+
+int64_t experts_rule(const Node& node, Widths in, Weights w);
+
+int64_t experts_add_rule(const Node& node, Widths in, Weights w) {
+  const int64_t out = experts_rule(node, in.subspan(0, 2), w);
+  PLOW_CHECK(in[2] == out, "{}: shared width {} vs experts output {}", node.label, in[2], out);
+  return out;
+}
+
+int64_t gated_norm_linear_rule(const Node& node, Widths in, Weights w) {
+  gated_norm_rule(node, in, w.subspan(0, 1));
+  return linear_out(node, in[0], w[1]);
+}
+
+int64_t add_norm_rule(const Node& node, Widths in, Weights w) {
+  PLOW_CHECK(in[0] == in[1], "{}: add widths differ", node.label);
+  expect_shape(node, w[0], {in[0]});
+  return 2 * in[0];
+}
+
+int64_t attn_res_norm_rule(const Node& node, Widths in, Weights w) {
+  const int64_t width = attn_res_rule(node, in, w.subspan(0, 2));
+  expect_shape(node, w[2], {width});
+  return width;
+}
+
 int64_t router_rule(const Node& node, Widths in, Weights w) {
   const int64_t experts = node.attrs.i("experts");
   expect_shape(node, w[0], {experts, in[0]});
@@ -148,6 +219,18 @@ constexpr std::array<OpInfo, static_cast<size_t>(Op::kCount)> kOps = {{
     {Op::kSituMul, "situ_mul", 2, 0, OutDType::kAct, false, same_width_rule, Slicing::kColumns, ""},
     {Op::kSigmoidMul, "sigmoid_mul", 2, 0, OutDType::kAct, false, same_width_rule, Slicing::kColumns, ""},
     {Op::kAttnResMix, "attn_res_mix", -1, 2, OutDType::kAct, false, attn_res_rule, Slicing::kColumns, ""},
+    {Op::kInput, "input", 0, 0, OutDType::kAct, false, input_rule, Slicing::kWhole, ""},
+    {Op::kNormLinear, "norm_linear", 1, 2, OutDType::kAct, false, norm_linear_rule, Slicing::kColumns, ""},
+    {Op::kMultiLinear, "multi_linear", 1, -1, OutDType::kAct, false, multi_linear_rule, Slicing::kColumns, ""},
+    {Op::kNormMultiLinear, "norm_multi_linear", 1, -1, OutDType::kAct, false, norm_multi_linear_rule, Slicing::kColumns, ""},
+    {Op::kSlice, "slice", 1, 0, OutDType::kAct, false, slice_rule, Slicing::kColumns, ""},
+    {Op::kLinearAdd, "linear_add", 2, 1, OutDType::kAct, false, linear_add_rule, Slicing::kColumns, ""},
+    {Op::kGateUpAct, "gate_up_act", 1, 2, OutDType::kAct, false, gate_up_rule, Slicing::kColumns, ""},
+    {Op::kActLinear, "act_linear", 2, 1, OutDType::kAct, false, act_linear_rule, Slicing::kColumns, ""},
+    {Op::kMoeExpertsAdd, "moe_experts_add", 3, 3, OutDType::kAct, false, experts_add_rule, Slicing::kColumns, ""},
+    {Op::kGatedNormLinear, "gated_norm_linear", 2, 2, OutDType::kAct, false, gated_norm_linear_rule, Slicing::kColumns, ""},
+    {Op::kAddNorm, "add_norm", 2, 1, OutDType::kAct, false, add_norm_rule, Slicing::kColumns, ""},
+    {Op::kAttnResNorm, "attn_res_norm", -1, 3, OutDType::kAct, false, attn_res_norm_rule, Slicing::kColumns, ""},
 }};
 
 constexpr bool table_in_enum_order() {

@@ -30,6 +30,20 @@ enum class Op : uint8_t {
   kSituMul,       // [T,F] SiTU(a, b) = β·tanh(a/β)·σ(a)·β_lin·tanh(b/β_lin), one rounding (K3)
   kSigmoidMul,    // [T,F] a ⊙ σ(g): the K3 MLA output gate
   kAttnResMix,    // [T,H] Block AttnRes: softmax over depth of the inputs (variadic)  weights: norm [H], proj [1,H]
+  kInput,         // [T,width] an activation supplied by the caller (rule certificates; not in model graphs)
+  // Fused ops, produced by the compiler's rewrite rules (src/compiler/rules). Each computes exactly
+  // the composition it replaces, intermediate roundings included, so certificates demand equality.
+  kNormLinear,       // linear(rms_norm(x; w); W)                          weights: w, W
+  kMultiLinear,      // [T, Σ out_i] concat_i linear(x; W_i) (variadic weights)
+  kNormMultiLinear,  // multi_linear(rms_norm(x; w); W_1..W_n)             weights: w, W_1..W_n
+  kSlice,            // [T,width] columns [offset, offset+width) of the input
+  kLinearAdd,        // r + linear(y; W)  (residual add in the epilogue)   inputs: y, r
+  kGateUpAct,        // act(linear(x; W_gate), linear(x; W_up)), act = SiLU·mul or SiTU
+  kActLinear,        // linear(act(a, b); W), act = SiLU·mul, SiTU or a·σ(b) (MLA output gate)
+  kMoeExpertsAdd,    // moe_experts(x, routes) + shared                    inputs: x, routes, shared
+  kGatedNormLinear,  // linear(gated_rms_norm(o, z; w); W)                 weights: w, W
+  kAddNorm,          // [T,2F] concat(a + b, rms_norm(a + b; w))
+  kAttnResNorm,      // rms_norm(attn_res_mix(values; w_n, w_q); w)        weights: w_n, w_q, w
   kCount,
 };
 
@@ -67,7 +81,7 @@ struct OpInfo {
   Op op;
   std::string_view name;
   int num_inputs;  // −1: variadic (at least one)
-  int num_weights;
+  int num_weights; // −1: variadic (at least one)
   OutDType out_dtype;
   bool stateful;
   ShapeRule shape_rule;

@@ -72,6 +72,17 @@ void cpu_moe_experts(OpContext&);
 void cpu_situ_mul(OpContext&);
 void cpu_sigmoid_mul(OpContext&);
 void cpu_attn_res_mix(OpContext&);
+void cpu_norm_linear(OpContext&);
+void cpu_multi_linear(OpContext&);
+void cpu_norm_multi_linear(OpContext&);
+void cpu_slice(OpContext&);
+void cpu_linear_add(OpContext&);
+void cpu_gate_up_act(OpContext&);
+void cpu_act_linear(OpContext&);
+void cpu_moe_experts_add(OpContext&);
+void cpu_gated_norm_linear(OpContext&);
+void cpu_add_norm(OpContext&);
+void cpu_attn_res_norm(OpContext&);
 
 // Shared helpers (ops/math.h would be one more file for two functions).
 float dot_weight_row(const TensorView& weight, int64_t row, const float* x, int64_t n);

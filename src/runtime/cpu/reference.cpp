@@ -87,4 +87,34 @@ StepOutput ReferenceBackend::step(const StepInputs& inputs) {
   return result;
 }
 
+std::vector<float> evaluate_graph(const Graph& graph, const BoundWeights& weights, DType act_dtype, int64_t rows,
+                                  const std::map<std::string, std::vector<float>>& inputs) {
+  const std::vector<Node>& nodes = graph.nodes();
+  std::vector<std::vector<float>> values(nodes.size());
+  StepInputs step;
+  step.token_ids.assign(static_cast<size_t>(rows), 0);
+  step.sequences = {{0, rows}};
+  for (size_t id = 0; id < nodes.size(); ++id) {
+    const Node& node = nodes[id];
+    PLOW_CHECK(!op_info(node.op).stateful && node.op != Op::kTokens, "evaluate_graph: {} needs sequence state", node.label);
+    if (node.op == Op::kInput) {
+      auto it = inputs.find(node.label);
+      PLOW_CHECK(it != inputs.end() && it->second.size() == static_cast<size_t>(rows * node.width),
+                 "evaluate_graph: input '{}' missing or mis-sized", node.label);
+      values[id] = it->second;
+      continue;
+    }
+    values[id].assign(static_cast<size_t>(rows * node.width), 0.0f);
+    std::vector<Activation> args;
+    for (int input : node.inputs) args.push_back({values[static_cast<size_t>(input)].data(), nodes[static_cast<size_t>(input)].width});
+    std::vector<const BoundWeight*> bound;
+    for (int w : node.weights) bound.push_back(&weights[w]);
+    const CpuOpFn kernel = cpu_kernel(node.op);
+    PLOW_CHECK(kernel != nullptr, "no CPU kernel for {}", op_name(node.op));
+    OpContext ctx{node, args, bound, values[id].data(), rows, act_dtype, step, {}};
+    kernel(ctx);
+  }
+  return values[static_cast<size_t>(graph.output())];
+}
+
 }  // namespace plow

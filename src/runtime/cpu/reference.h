@@ -4,27 +4,30 @@
 #pragma once
 
 #include <array>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "core/dtype.h"
 #include "graph/graph.h"
 #include "graph/weights.h"
+#include "runtime/backend.h"
 #include "runtime/cpu/op_context.h"
 #include "runtime/step.h"
 
 namespace plow {
 
-class ReferenceBackend {
+class ReferenceBackend : public Backend {
  public:
   // act_dtype: F32, BF16 or F16 (the precision activations are rounded to). num_slots: sequences
   // that can hold state at once.
   ReferenceBackend(const Graph& graph, const BoundWeights& weights, DType act_dtype, int num_slots);
 
-  StepOutput step(const StepInputs& inputs);
-  void reset_slot(int slot);                 // a new sequence: zero conv windows and KDA state, empty MLA cache
-  int64_t context_tokens(int slot) const;    // tokens this slot has consumed
-  int num_slots() const { return static_cast<int>(slots_.size()); }
-  DType act_dtype() const { return act_dtype_; }
+  StepOutput step(const StepInputs& inputs) override;
+  void reset_slot(int slot) override;        // a new sequence: zero conv windows and KDA state, empty MLA cache
+  int64_t context_tokens(int slot) const override;  // tokens this slot has consumed
+  int num_slots() const override { return static_cast<int>(slots_.size()); }
+  DType act_dtype() const override { return act_dtype_; }
 
  private:
   const Graph& graph_;
@@ -33,5 +36,11 @@ class ReferenceBackend {
   std::vector<SlotState> slots_;
   std::array<CpuOpFn, static_cast<size_t>(Op::kCount)> kernels_{};
 };
+
+// Runs a stateless graph (no KDA/MLA state) over `rows` tokens; each kInput node takes the values
+// given under its label ([rows, width]). Returns the output node's values. Used to evaluate both
+// sides of a rewrite rule for its certificate.
+std::vector<float> evaluate_graph(const Graph& graph, const BoundWeights& weights, DType act_dtype, int64_t rows,
+                                  const std::map<std::string, std::vector<float>>& inputs);
 
 }  // namespace plow

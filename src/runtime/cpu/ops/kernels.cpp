@@ -23,6 +23,18 @@ CpuOpFn cpu_kernel(Op op) {
     case Op::kSituMul: return cpu_situ_mul;
     case Op::kSigmoidMul: return cpu_sigmoid_mul;
     case Op::kAttnResMix: return cpu_attn_res_mix;
+    case Op::kInput: return nullptr;  // filled by the caller (evaluate_graph), not computed
+    case Op::kNormLinear: return cpu_norm_linear;
+    case Op::kMultiLinear: return cpu_multi_linear;
+    case Op::kNormMultiLinear: return cpu_norm_multi_linear;
+    case Op::kSlice: return cpu_slice;
+    case Op::kLinearAdd: return cpu_linear_add;
+    case Op::kGateUpAct: return cpu_gate_up_act;
+    case Op::kActLinear: return cpu_act_linear;
+    case Op::kMoeExpertsAdd: return cpu_moe_experts_add;
+    case Op::kGatedNormLinear: return cpu_gated_norm_linear;
+    case Op::kAddNorm: return cpu_add_norm;
+    case Op::kAttnResNorm: return cpu_attn_res_norm;
     case Op::kCount: break;
   }
   return nullptr;

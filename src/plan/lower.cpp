@@ -1,0 +1,214 @@
+// lower_to_plan: graph → Plan for one bucket. Guarantees (checked again by validate_plan): slices
+// cover each op exactly, aligned to its granularity; every task waits for all slices of its inputs and
+// for every reader of the arena space it overwrites; queues hold tasks in op order.
+#include "plan/lower.h"
+
+#include <algorithm>
+#include <map>
+
+#include "core/error.h"
+#include "plan/occupants.h"
+
+namespace plow {
+
+namespace {
+
+// First-fit allocator over the arena: free blocks by offset, coalesced on release.
+class ArenaAllocator {
+ public:
+  int64_t allocate(int64_t floats) {
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second < floats) continue;
+      const int64_t offset = it->first, left = it->second - floats;
+      free_.erase(it);
+      if (left > 0) free_[offset + floats] = left;
+      return offset;
+    }
+    if (!free_.empty() && free_.rbegin()->first + free_.rbegin()->second == end_) {  // grow the trailing hole
+      const int64_t offset = free_.rbegin()->first;
+      free_.erase(offset);
+      end_ = offset + floats;
+      return offset;
+    }
+    end_ += floats;
+    return end_ - floats;
+  }
+
+  void release(int64_t offset, int64_t floats) {
+    auto [it, inserted] = free_.emplace(offset, floats);
+    PLOW_CHECK(inserted, "arena block at {} released twice", offset);
+    auto next = std::next(it);
+    if (next != free_.end() && it->first + it->second == next->first) {
+      it->second += next->second;
+      free_.erase(next);
+    }
+    if (it != free_.begin()) {
+      auto prev = std::prev(it);
+      if (prev->first + prev->second == it->first) {
+        prev->second += it->second;
+        free_.erase(it);
+      }
+    }
+  }
+
+  int64_t size() const { return end_; }
+
+ private:
+  std::map<int64_t, int64_t> free_;  // offset → floats
+  int64_t end_ = 0;
+};
+
+void check_options(const LowerOptions& options) {
+  if (options.max_tokens < 1 || options.max_tokens > PlanLimits::kMaxTokens) {
+    fail("lower_to_plan: max_tokens {} outside 1..{}", options.max_tokens, PlanLimits::kMaxTokens);
+  }
+  if (options.workers < 1 || options.workers > PlanLimits::kMaxWorkers) {
+    fail("lower_to_plan: workers {} outside 1..{}", options.workers, PlanLimits::kMaxWorkers);
+  }
+  if (options.max_context < 0 || (options.max_context > 0 && options.max_context < options.max_tokens)) {
+    fail("lower_to_plan: max_context {} is below the bucket's {} tokens", options.max_context, options.max_tokens);
+  }
+}
+
+std::vector<PlanOp> copy_ops(const Graph& graph) {
+  std::vector<PlanOp> ops;
+  for (const Node& node : graph.nodes()) {
+    PlanOp op;
+    op.opcode = static_cast<uint8_t>(node.op);
+    op.attrs = node.attrs;
+    op.label = node.label;
+    op.inputs.assign(node.inputs.begin(), node.inputs.end());
+    op.weights.assign(node.weights.begin(), node.weights.end());
+    op.state = node.state;
+    op.width = node.width;
+    op.dtype = node.dtype;
+    ops.push_back(std::move(op));
+  }
+  return ops;
+}
+
+// Places every buffer (first fit, reuse after the last reader) and returns, per op, the earlier ops
+// that must finish before it writes: the readers of the space it takes over (or the previous owner
+// itself when nothing read it). The output op is never released.
+std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<std::vector<int32_t>>& readers) {
+  const auto n = static_cast<int32_t>(plan.ops.size());
+  std::vector<std::vector<int32_t>> release_after(plan.ops.size());
+  for (int32_t i = 0; i < n; ++i) {
+    const int32_t last_use = readers[static_cast<size_t>(i)].empty() ? i : readers[static_cast<size_t>(i)].back();
+    if (i != plan.output_op) release_after[static_cast<size_t>(last_use)].push_back(i);
+  }
+  ArenaAllocator arena;
+  OccupantMap occupants;
+  std::vector<std::vector<int32_t>> war(plan.ops.size());
+  for (int32_t i = 0; i < n; ++i) {
+    PlanOp& op = plan.ops[static_cast<size_t>(i)];
+    const int64_t floats = plan.buffer_floats(op);
+    op.offset = arena.allocate(floats);
+    for (int32_t previous : occupants.claim(op.offset, op.offset + floats, i)) {
+      const auto& read_by = readers[static_cast<size_t>(previous)];
+      if (read_by.empty()) {
+        war[static_cast<size_t>(i)].push_back(previous);
+      } else {
+        war[static_cast<size_t>(i)].insert(war[static_cast<size_t>(i)].end(), read_by.begin(), read_by.end());
+      }
+    }
+    for (int32_t done : release_after[static_cast<size_t>(i)]) {
+      const PlanOp& freed = plan.ops[static_cast<size_t>(done)];
+      arena.release(freed.offset, plan.buffer_floats(freed));
+    }
+  }
+  plan.arena_floats = arena.size();
+  return war;
+}
+
+// Tasks of one op: min(workers, units) slices of near-equal whole units (unit = slice granularity).
+void add_tasks(Plan& plan, const Graph& graph, int32_t op_index, std::vector<std::vector<int32_t>>& tasks_of) {
+  const Node& node = graph.node(op_index);
+  const int64_t unit = slice_granularity(node);
+  PLOW_CHECK(unit > 0 && node.width % unit == 0, "{}: width {} is not a multiple of its slice unit {}", node.label, node.width, unit);
+  const int64_t units = node.width / unit;
+  const int64_t slices = std::min<int64_t>(plan.workers, units);
+  for (int64_t s = 0; s < slices; ++s) {
+    PlanTask task;
+    task.op = op_index;
+    task.col_begin = units * s / slices * unit;
+    task.col_end = units * (s + 1) / slices * unit;
+    task.wait_counter = op_index;  // one counter per op, on the consumer side
+    tasks_of[static_cast<size_t>(op_index)].push_back(static_cast<int32_t>(plan.tasks.size()));
+    plan.tasks.push_back(std::move(task));
+  }
+}
+
+}  // namespace
+
+Plan lower_to_plan(const Graph& graph, const LowerOptions& options) {
+  check_options(options);
+  graph.verify();
+  if (graph.nodes().size() > static_cast<size_t>(PlanLimits::kMaxOps)) fail("lower_to_plan: {} ops, the limit is {}", graph.nodes().size(), PlanLimits::kMaxOps);
+  Plan plan;
+  plan.model_fingerprint = options.model_fingerprint;
+  plan.phase = options.phase;
+  plan.max_tokens = options.max_tokens;
+  plan.workers = options.workers;
+  plan.ops = copy_ops(graph);
+  plan.weights = graph.weights();
+  plan.states = graph.states();
+  plan.output_op = graph.output();
+  plan.counters = static_cast<int32_t>(plan.ops.size());
+
+  const size_t n = plan.ops.size();
+  std::vector<std::vector<int32_t>> readers(n);  // distinct, ascending
+  for (size_t j = 0; j < n; ++j) {
+    for (int32_t input : plan.ops[j].inputs) {
+      auto& list = readers[static_cast<size_t>(input)];
+      if (list.empty() || list.back() != static_cast<int32_t>(j)) list.push_back(static_cast<int32_t>(j));
+    }
+  }
+  const std::vector<std::vector<int32_t>> war = place_buffers(plan, readers);
+
+  // kTokens is written by the backend before the workers start: it has no tasks.
+  std::vector<std::vector<int32_t>> tasks_of(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (plan.ops[i].op() != Op::kTokens) add_tasks(plan, graph, static_cast<int32_t>(i), tasks_of);
+  }
+
+  // Every task of op Y waits for all tasks of Y's inputs (read after write) and of the readers of the
+  // space Y's buffer takes over (write after read); each of those tasks signals Y's counter once.
+  for (size_t y = 0; y < n; ++y) {
+    if (tasks_of[y].empty()) continue;
+    std::vector<int32_t> sources(plan.ops[y].inputs.begin(), plan.ops[y].inputs.end());
+    sources.insert(sources.end(), war[y].begin(), war[y].end());
+    std::sort(sources.begin(), sources.end());
+    sources.erase(std::unique(sources.begin(), sources.end()), sources.end());
+    int64_t threshold = 0;
+    for (int32_t source : sources) {
+      PLOW_CHECK(static_cast<size_t>(source) < y, "op {} depends on later op {}", y, source);
+      for (int32_t t : tasks_of[static_cast<size_t>(source)]) plan.tasks[static_cast<size_t>(t)].signals.push_back(static_cast<int32_t>(y));
+      threshold += static_cast<int64_t>(tasks_of[static_cast<size_t>(source)].size());
+    }
+    for (int32_t t : tasks_of[y]) plan.tasks[static_cast<size_t>(t)].wait_threshold = threshold;
+  }
+
+  // Queues: tasks in op order; an op's slices go round-robin from a rotating first worker. Why this
+  // cannot deadlock: every wait is on tasks of strictly earlier ops, and each queue holds at most one
+  // task per op in increasing op order. Take the unfinished task of the lowest op: everything it waits
+  // for belongs to earlier ops, so it is finished; everything ahead of it in its queue belongs to
+  // earlier ops, so that is finished too. Its worker therefore reaches it and runs it; by induction
+  // every task runs, whatever the interleaving and whatever the delays.
+  plan.queues.assign(static_cast<size_t>(plan.workers), {});
+  int32_t first_worker = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const auto& list = tasks_of[i];
+    for (size_t s = 0; s < list.size(); ++s) {
+      plan.queues[(static_cast<size_t>(first_worker) + s) % static_cast<size_t>(plan.workers)].push_back(list[s]);
+    }
+    first_worker = static_cast<int32_t>((static_cast<size_t>(first_worker) + list.size()) % static_cast<size_t>(plan.workers));
+  }
+  if (plan.tasks.size() > static_cast<size_t>(PlanLimits::kMaxTasks) || plan.arena_floats > PlanLimits::kMaxArenaFloats) {
+    fail("lower_to_plan: {} tasks and an arena of {} floats exceed the plan limits ({} tasks, {} floats)", plan.tasks.size(),
+         plan.arena_floats, PlanLimits::kMaxTasks, PlanLimits::kMaxArenaFloats);
+  }
+  return plan;
+}
+
+}  // namespace plow

@@ -1,0 +1,23 @@
+// Lowering a graph to a Plan for one bucket: slices every op over the workers, places buffers in an
+// arena with reuse, wires the dependency counters (data and write-after-read) and fills the queues.
+#pragma once
+
+#include <cstdint>
+
+#include "graph/graph.h"
+#include "plan/plan.h"
+
+namespace plow {
+
+struct LowerOptions {
+  PlanPhase phase = PlanPhase::kDecode;
+  int64_t max_tokens = 1;         // decode: batch bucket (1, 2, 4, …); prefill: chunk tokens
+  int32_t workers = 1;
+  int64_t max_context = 0;        // informational for now (backends reserve caches from their own option)
+  uint64_t model_fingerprint = 0; // model_fingerprint(config text, the model's graph before fusion)
+};
+
+// The graph must pass Graph::verify(). Throws plow::Error for options out of range.
+Plan lower_to_plan(const Graph& graph, const LowerOptions& options);
+
+}  // namespace plow

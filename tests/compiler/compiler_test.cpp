@@ -1,0 +1,174 @@
+// The compiler: e-graph basics, rule certificates (produced here, checked against the committed
+// data, refusal of uncertified or changed rules), fused models equal to unfused ones on every
+// fixture, and the fused op counts of deep models.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "certify.h"
+#include "compiler/compile.h"
+#include "core/error.h"
+#include "engine/generate.h"
+#include "engine/model.h"
+
+namespace plow {
+namespace {
+
+namespace fs = std::filesystem;
+
+TEST(EGraph, HashConsesAndRestoresCongruence) {
+  EGraph g;
+  Symbol leaf_a{Op::kInput, {{"width", 4}}, {}, -1, 4, "a"}, leaf_b{Op::kInput, {{"width", 4}, {"id", 1}}, {}, -1, 4, "b"};
+  const ClassId a = g.add(leaf_a, {}), b = g.add(leaf_b, {});
+  const Symbol sig{Op::kSigmoid, {}, {}, -1, 4, "s"};
+  const ClassId fa = g.add(sig, {a}), fb = g.add(sig, {b});
+  EXPECT_EQ(g.add(sig, {a}), fa);  // hash-consing
+  EXPECT_NE(g.find(fa), g.find(fb));
+  EXPECT_TRUE(g.merge(a, b));
+  g.rebuild();
+  EXPECT_EQ(g.find(fa), g.find(fb));  // congruence: equal children make equal parents
+  EXPECT_FALSE(g.merge(fa, fb));
+}
+
+TEST(EGraph, MatchesPatternsWithSharedVariables) {
+  EGraph g;
+  const ClassId x = g.add(Symbol{Op::kInput, {{"width", 3}}, {}, -1, 3, "x"}, {});
+  const ClassId y = g.add(Symbol{Op::kInput, {{"width", 3}, {"id", 1}}, {}, -1, 3, "y"}, {});
+  const Symbol add{Op::kAdd, {}, {}, -1, 3, "add"};
+  const ClassId xx = g.add(add, {x, x}), xy = g.add(add, {x, y});
+  const Pattern same = Pattern::n(Op::kAdd, "a", {Pattern::v("p"), Pattern::v("p")});
+  EXPECT_EQ(ematch(g, same, xx).size(), 1u);
+  EXPECT_EQ(ematch(g, same, xy).size(), 0u);
+  EXPECT_EQ(same.text(), "(add@a ?p ?p)");
+}
+
+TEST(Rules, AtLeastTwelveNamedRulesInThreeFiles) {
+  std::set<std::string> names, files;
+  for (const Rule& rule : all_rules()) {
+    EXPECT_TRUE(names.insert(rule.name).second) << "duplicate rule " << rule.name;
+    EXPECT_FALSE(rule.definition.empty()) << rule.name;
+    EXPECT_TRUE(rule.instance) << rule.name << " has no certificate instance";
+  }
+  EXPECT_GE(names.size(), 12u);
+}
+
+// Produces every certificate and compares it with the committed src/compiler/certificates.json.
+// PLOW_UPDATE_CERTIFICATES=1 rewrites that file instead (then rebuild).
+TEST(Certificates, EveryRuleCertifiedAndCommitted) {
+  CertificateSet produced;
+  for (const Rule& rule : all_rules()) {
+    produced[rule.name] = certify(rule);
+    const Certificate& c = produced[rule.name];
+    std::printf("%-30s %2d cases, max |lhs − rhs| = %.3g (bound %.3g), hash %s\n", rule.name.c_str(), c.cases, c.max_error, c.bound,
+                c.definition_hash.c_str());
+    EXPECT_TRUE(c.passed()) << rule.name;
+  }
+  if (std::getenv("PLOW_UPDATE_CERTIFICATES")) {
+    std::ofstream(fs::path(PLOW_SOURCE_DIR) / "src/compiler/certificates.json", std::ios::trunc) << certificates_to_json(produced);
+    GTEST_SKIP() << "certificates written; rebuild to embed them";
+  }
+  const CertificateSet& committed = embedded_certificates();
+  for (const auto& [name, c] : produced) {
+    ASSERT_TRUE(committed.count(name)) << "rule " << name << " has no committed certificate";
+    EXPECT_EQ(committed.at(name).definition_hash, c.definition_hash) << name;
+    EXPECT_EQ(committed.at(name).cases, c.cases) << name;
+  }
+}
+
+TEST(Certificates, CompilerRefusesUncertifiedOrChangedRules) {
+  Rule edited = all_rules().front();
+  edited.definition += " (edited)";
+  const Graph graph = edited.instance(5);
+  try {
+    compile_graph(graph, {}, {&edited}, embedded_certificates());
+    FAIL() << "a changed rule was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("changed since it was certified"), std::string::npos) << e.what();
+  }
+  Rule unknown = all_rules().front();
+  unknown.name = "norm-into-linear-v2";
+  try {
+    compile_graph(graph, {}, {&unknown}, embedded_certificates());
+    FAIL() << "an uncertified rule was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("has no certificate"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Certificates, AWrongRuleFailsItsCertificate) {
+  // gate/up swapped: plausible, wrong — the certificate must catch it.
+  Rule wrong;
+  for (const Rule& rule : all_rules()) {
+    if (rule.name == "gate-up-silu") wrong = rule;
+  }
+  ASSERT_FALSE(wrong.name.empty());
+  wrong.name = "gate-up-silu-swapped";
+  wrong.apply = [](EGraph& g, const Match& m) -> std::optional<ClassId> {
+    const Symbol& act = symbol_of(g, m, "act");
+    return add_fused(g, Op::kGateUpAct, {{"act", 0.0}, {"beta", 0.0}, {"linear_beta", 0.0}},
+                     {symbol_of(g, m, "u").weights[0], symbol_of(g, m, "g").weights[0]}, {m.vars.at("x")}, act.width, act.label);
+  };
+  const Certificate c = certify(wrong);
+  std::printf("swapped gate/up: max |lhs − rhs| = %.3g\n", c.max_error);
+  EXPECT_FALSE(c.passed());
+  CertificateSet set = {{wrong.name, c}};
+  EXPECT_THROW(require_certified({&wrong}, set), Error);
+}
+
+// Every fixture: the fused graph's logits are bit-identical to the unfused graph's.
+TEST(FusedModels, EqualUnfusedOnEveryFixture) {
+  int fixtures = 0;
+  for (const auto& entry : fs::directory_iterator(PLOW_TEST_DATA)) {
+    if (!fs::exists(entry.path() / "oracle.json")) continue;
+    ++fixtures;
+    const auto model = LoadedModel::load(entry.path().string());
+    const CompiledGraph compiled = compile_graph(model->graph, {});
+    const BoundWeights fused_weights(compiled.graph, *model->checkpoint, model->config.tensor_prefix);
+    GenerateOptions options;
+    options.prompt = {5, 17, 42, 99, 7, 3, 11};
+    options.max_new_tokens = 6;
+    options.keep_logits = true;
+    options.prefill_chunk_tokens = 4;
+    const DType act = model->weights->storage_dtype();
+    ReferenceBackend unfused(model->graph, *model->weights, act, 1), fused(compiled.graph, fused_weights, act, 1);
+    const GenerateResult a = generate(unfused, 0, options), b = generate(fused, 0, options);
+    EXPECT_EQ(a.generated, b.generated) << entry.path();
+    EXPECT_EQ(a.logits, b.logits) << entry.path();
+    std::printf("%s: %zu ops -> %zu, rules fired: %zu\n", entry.path().filename().c_str(), compiled.report.ops_before,
+                compiled.report.ops_after, compiled.report.rules_fired().size());
+    EXPECT_LT(compiled.report.ops_after, compiled.report.ops_before);
+  }
+  EXPECT_GE(fixtures, 5);
+}
+
+TEST(FusedModels, DeepModelsHaveTheExpectedFusedOps) {
+  for (const char* name : {"kimi-linear-48b-a3b.json", "k3-tp8-rank.json"}) {
+    const auto model = LoadedModel::describe((fs::path(PLOW_SOURCE_DIR) / "bench/configs" / name).string());
+    const auto start = std::chrono::steady_clock::now();
+    const CompiledGraph compiled = compile_graph(model->graph, {});
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const auto& ops = compiled.report.ops_after_by_name;
+    auto count = [&](const char* op) { return ops.count(op) ? ops.at(op) : 0; };
+    const ModelConfig& c = model->config;
+    std::printf("%s: %zu ops -> %zu in %.3f s (%s after %d iterations)\n", name, compiled.report.ops_before, compiled.report.ops_after,
+                seconds, compiled.report.saturation.stop_reason.c_str(), compiled.report.saturation.iterations);
+    for (const auto& [op, n] : ops) std::printf("  %-20s %d\n", op.c_str(), n);
+    EXPECT_LT(compiled.report.cost_after, compiled.report.cost_before);
+    EXPECT_LT(compiled.report.ops_after - static_cast<size_t>(count("slice")), compiled.report.ops_before) << "fewer tasks";
+    EXPECT_EQ(compiled.report.saturation.stop_reason, "saturated");
+    if (c.attn_res_block_size) {
+      EXPECT_EQ(count("attn_res_norm"), 2 * c.num_layers + 1);  // every AttnRes mix feeds its norm directly
+      EXPECT_EQ(count("attn_res_mix"), 0);
+    } else {
+      EXPECT_EQ(count("gated_norm_linear"), c.num_layers_of(MixerKind::kKda));  // every KDA o_proj reads its gated norm
+      EXPECT_EQ(count("gate_up_act"), c.num_layers);                           // dense FFN or shared experts, per layer
+      EXPECT_EQ(count("silu_mul"), 0);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace plow

@@ -1,0 +1,205 @@
+// validate_plan rejects each kind of broken plan with a plow::Error naming the plan and the offending
+// op / task / counter; a lowered plan passes. Plans come from the tiny fixture's graph (no weights).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <functional>
+
+#include "core/error.h"
+#include "engine/model.h"
+#include "plan/lower.h"
+#include "plan/validate.h"
+#include "runtime/cpu/interpreter.h"
+
+namespace plow {
+namespace {
+
+const Graph& tiny_graph() {
+  static const auto model = LoadedModel::describe((std::filesystem::path(PLOW_TEST_DATA) / "tiny-kimi-linear" / "config.json").string());
+  return model->graph;
+}
+
+Plan tiny_plan(int workers = 3, int64_t max_tokens = 2) {
+  Plan plan = lower_to_plan(tiny_graph(), {PlanPhase::kDecode, max_tokens, workers, 0, 42});
+  plan.source = "tiny.plow";
+  return plan;
+}
+
+bool any_op(uint8_t) { return true; }
+
+void expect_rejected(const Plan& plan, const std::string& needle, const std::function<bool(uint8_t)>& has_op = any_op) {
+  try {
+    validate_plan(plan, has_op);
+    FAIL() << "plan accepted; expected an error containing: " << needle;
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("tiny.plow"), std::string::npos) << message;
+    EXPECT_NE(message.find(needle), std::string::npos) << message;
+  }
+}
+
+int32_t first_op(const Plan& plan, Op op, int skip = 0) {
+  for (int32_t i = 0; i < static_cast<int32_t>(plan.ops.size()); ++i) {
+    if (plan.ops[static_cast<size_t>(i)].op() == op && skip-- == 0) return i;
+  }
+  throw std::runtime_error("no such op");
+}
+
+std::vector<int32_t> tasks_of(const Plan& plan, int32_t op) {
+  std::vector<int32_t> result;
+  for (int32_t t = 0; t < static_cast<int32_t>(plan.tasks.size()); ++t) {
+    if (plan.tasks[static_cast<size_t>(t)].op == op) result.push_back(t);
+  }
+  return result;
+}
+
+TEST(ValidatePlan, LoweredPlansPass) {
+  for (int workers : {1, 2, 3, 8}) {
+    for (int64_t tokens : {1, 5, 64}) EXPECT_NO_THROW(validate_plan(tiny_plan(workers, tokens), PlanInterpreter::has_op));
+  }
+}
+
+TEST(ValidatePlan, Cycle) {
+  Plan plan = tiny_plan();
+  // A task of a late op signals the counter an early op waits on (thresholds kept consistent).
+  const int32_t early = first_op(plan, Op::kRmsNorm);
+  plan.tasks.back().signals.push_back(early);
+  for (int32_t t : tasks_of(plan, early)) plan.tasks[static_cast<size_t>(t)].wait_threshold += 1;
+  expect_rejected(plan, "cycle");
+}
+
+TEST(ValidatePlan, WrongThreshold) {
+  Plan plan = tiny_plan();
+  plan.tasks[7].wait_threshold += 1;
+  expect_rejected(plan, "task 7");
+  plan = tiny_plan();
+  plan.tasks[7].wait_threshold -= 1;
+  expect_rejected(plan, "threshold");
+}
+
+TEST(ValidatePlan, MissingDataEdge) {
+  Plan plan = tiny_plan();
+  // Drop the edge from the embedding's first task to its first consumer, thresholds adjusted.
+  const int32_t embed = first_op(plan, Op::kEmbedding);
+  PlanTask& producer = plan.tasks[static_cast<size_t>(tasks_of(plan, embed)[0])];
+  const int32_t counter = producer.signals[0];
+  producer.signals.erase(producer.signals.begin());
+  for (PlanTask& t : plan.tasks) {
+    if (t.wait_counter == counter) t.wait_threshold -= 1;
+  }
+  expect_rejected(plan, "does not signal counter");
+}
+
+TEST(ValidatePlan, MissingWriteAfterReadEdge) {
+  Plan plan = tiny_plan();
+  // Find a task edge that exists only because of arena reuse (the signaller is not an input).
+  for (PlanTask& task : plan.tasks) {
+    for (size_t k = 0; k < task.signals.size(); ++k) {
+      const PlanOp& consumer = plan.ops[static_cast<size_t>(task.signals[k])];
+      if (std::find(consumer.inputs.begin(), consumer.inputs.end(), task.op) != consumer.inputs.end()) continue;
+      const int32_t counter = task.signals[k];
+      task.signals.erase(task.signals.begin() + static_cast<int64_t>(k));
+      for (PlanTask& t : plan.tasks) {
+        if (t.wait_counter == counter) t.wait_threshold -= 1;
+      }
+      expect_rejected(plan, "overwrites");
+      return;
+    }
+  }
+  FAIL() << "the tiny plan reuses no arena space";
+}
+
+TEST(ValidatePlan, BufferOutOfBounds) {
+  Plan plan = tiny_plan();
+  plan.ops[5].offset = plan.arena_floats;
+  expect_rejected(plan, "outside the arena");
+  plan = tiny_plan();
+  plan.arena_floats *= 4;
+  expect_rejected(plan, "larger than its buffers need");
+}
+
+TEST(ValidatePlan, BufferOverlapsLiveInput) {
+  Plan plan = tiny_plan();
+  const int32_t add = first_op(plan, Op::kAdd);
+  plan.ops[static_cast<size_t>(add)].offset = plan.ops[static_cast<size_t>(plan.ops[static_cast<size_t>(add)].inputs[0])].offset;
+  expect_rejected(plan, "still reads");
+}
+
+TEST(ValidatePlan, UnknownOpcode) {
+  Plan plan = tiny_plan();
+  plan.ops[3].opcode = 250;
+  expect_rejected(plan, "opcode 250 is not in the op table");
+  // Known to the op table but not to the backend: named, never skipped.
+  const auto no_linear = [](uint8_t op) { return static_cast<Op>(op) != Op::kLinear; };
+  expect_rejected(tiny_plan(), "no kernel for op 'linear'", no_linear);
+}
+
+TEST(ValidatePlan, UnreadWeight) {
+  Plan plan = tiny_plan();
+  plan.weights.push_back({"model.unused.weight", {"model.unused.weight"}, {4, 4}, false, false});
+  expect_rejected(plan, "'model.unused.weight') is declared but no op reads it");
+}
+
+TEST(ValidatePlan, QueuesAndSlices) {
+  Plan plan = tiny_plan();
+  std::swap(plan.queues[0][3], plan.queues[0][4]);
+  expect_rejected(plan, "op order");
+  plan = tiny_plan();
+  plan.queues[1].push_back(plan.queues[0].back());
+  expect_rejected(plan, "queued twice");
+  plan = tiny_plan();
+  plan.queues[2].pop_back();
+  expect_rejected(plan, "queues hold");
+  plan = tiny_plan();
+  plan.tasks[4].col_end -= 1;
+  expect_rejected(plan, "column");
+  plan = tiny_plan();  // a KDA core slice that splits a head
+  const int32_t core = first_op(plan, Op::kKdaDeltaRule);
+  const auto core_tasks = tasks_of(plan, core);
+  ASSERT_EQ(core_tasks.size(), 2u);
+  plan.tasks[static_cast<size_t>(core_tasks[0])].col_end -= 1;
+  plan.tasks[static_cast<size_t>(core_tasks[1])].col_begin -= 1;
+  expect_rejected(plan, "splits a unit");
+}
+
+TEST(ValidatePlan, ShapesAndStatesAreRederived) {
+  Plan plan = tiny_plan();
+  plan.ops[static_cast<size_t>(first_op(plan, Op::kLinear))].width += 1;
+  expect_rejected(plan, "shape rule");
+  plan = tiny_plan();
+  plan.ops[static_cast<size_t>(first_op(plan, Op::kMlaAttention))].attrs.set("heads", 3);
+  expect_rejected(plan, "does not fit the op table");
+  plan = tiny_plan();
+  plan.ops[static_cast<size_t>(first_op(plan, Op::kMoeRouter))].attrs.set("groups", 3);
+  expect_rejected(plan, "impossible");
+  plan = tiny_plan();
+  plan.ops[static_cast<size_t>(first_op(plan, Op::kMlaAttention))].attrs.set("rope", -8);
+  expect_rejected(plan, "must be an integer >= 0");
+  plan = tiny_plan();
+  std::swap(plan.ops[static_cast<size_t>(first_op(plan, Op::kShortConvSilu))].state, plan.ops[static_cast<size_t>(first_op(plan, Op::kKdaDeltaRule))].state);
+  expect_rejected(plan, "wrong kind or size");
+  plan = tiny_plan();
+  plan.ops[static_cast<size_t>(first_op(plan, Op::kShortConvSilu, 1))].state = plan.ops[static_cast<size_t>(first_op(plan, Op::kShortConvSilu))].state;
+  expect_rejected(plan, "already updated by another op");
+  plan = tiny_plan();
+  plan.ops[static_cast<size_t>(first_op(plan, Op::kAdd))].inputs[0] = 10000;
+  expect_rejected(plan, "not an earlier op");
+}
+
+TEST(ValidatePlan, CountsAreBounded) {
+  Plan plan = tiny_plan();
+  plan.workers = 5000;
+  expect_rejected(plan, "field 'workers' is 5000");
+  plan = tiny_plan();
+  plan.max_tokens = int64_t{1} << 40;
+  expect_rejected(plan, "max_tokens");
+  plan = tiny_plan();
+  plan.counters = -1;
+  expect_rejected(plan, "counters");
+  plan = tiny_plan();
+  plan.output_op = static_cast<int32_t>(plan.ops.size());
+  expect_rejected(plan, "output_op");
+}
+
+}  // namespace
+}  // namespace plow
