@@ -69,14 +69,6 @@ std::unique_ptr<LoadedModel> describe_model(const ModelSource& source) {
 
 int default_workers() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
 
-// The one place a model's graph becomes a plan; the optimizer goes between the two.
-Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens, int workers, int64_t max_context) {
-  Graph graph_to_lower = model.graph;
-  Plan plan = lower_to_plan(graph_to_lower, {phase, max_tokens, workers, max_context, fingerprint_of(model)});
-  plan.compile.ops_before_fusion = static_cast<int64_t>(model.graph.nodes().size());
-  plan.compile.rules_fired = {};
-  return plan;
-}
 
 struct GenerateArgs {
   ModelSource source;
@@ -88,6 +80,7 @@ struct GenerateArgs {
   int64_t top_k = 0;
   std::string backend = "cpu";
   int workers = 0;                      // cpu-plan: 0 = the plans' worker count, or one per core
+  bool no_fusion = false;               // cpu-plan: lower the graph as built
   std::vector<std::string> plan_files;  // cpu-plan: precompiled plans (else compiled here)
   int64_t prefill_chunk = 0;
   bool ignore_eos = false;
@@ -116,8 +109,8 @@ std::unique_ptr<Backend> make_plan_backend(const GenerateArgs& args, const Loade
   if (plans.empty()) {
     if (workers == 0) workers = default_workers();
     const int64_t chunk = options.prefill_chunk_tokens > 0 ? std::min(options.prefill_chunk_tokens, prompt_tokens) : prompt_tokens;
-    plans.push_back(compile_plan(model, PlanPhase::kDecode, 1, workers, max_context));
-    if (chunk > 1) plans.push_back(compile_plan(model, PlanPhase::kPrefill, chunk, workers, max_context));
+    plans.push_back(compile_plan(model, PlanPhase::kDecode, 1, workers, max_context, !args.no_fusion));
+    if (chunk > 1) plans.push_back(compile_plan(model, PlanPhase::kPrefill, chunk, workers, max_context, !args.no_fusion));
   }
   InterpreterOptions interp;
   interp.workers = workers;
@@ -237,6 +230,7 @@ struct CompileArgs {
   int64_t chunk = 0;  // prefill chunk (default 512)
   int workers = 0;    // 0: one per core
   int64_t max_context = 0;
+  bool no_fusion = false;
   std::string output;
 };
 
@@ -248,7 +242,7 @@ int run_compile(const CompileArgs& args) {
   const int64_t tokens = decode ? (args.batch ? args.batch : 1) : (args.chunk ? args.chunk : 512);
   const auto model = describe_model(args.source);
   const Plan plan = compile_plan(*model, decode ? PlanPhase::kDecode : PlanPhase::kPrefill, tokens,
-                                 args.workers ? args.workers : default_workers(), args.max_context);
+                                 args.workers ? args.workers : default_workers(), args.max_context, !args.no_fusion);
   write_plan(args.output, plan);
   json out = {{"plan", args.output}, {"phase", args.phase}, {"max_tokens", plan.max_tokens}, {"workers", plan.workers},
               {"ops", plan.ops.size()}, {"tasks", plan.tasks.size()}, {"critical_path_tasks", critical_path_tasks(plan)},
@@ -308,6 +302,7 @@ int main(int argc, char** argv) {
   generate_cmd->add_option("--seed", gen.source.seed, "sampling seed, and the weights' seed with --random-weights");
   generate_cmd->add_option("--backend", gen.backend, "cpu (the reference) or cpu-plan (compiled plans on worker threads)");
   generate_cmd->add_option("--workers", gen.workers, "cpu-plan: worker threads (default: the plans', or one per core)");
+  generate_cmd->add_flag("--no-fusion", gen.no_fusion, "cpu-plan: lower the graph without the compiler's fusion rules");
   generate_cmd->add_option("--plan", gen.plan_files, "cpu-plan: .plow files to run (default: compile for this prompt)");
   generate_cmd->add_option("--prefill-chunk", gen.prefill_chunk, "split the prompt into steps of this many tokens (0 = one step)");
   generate_cmd->add_flag("--ignore-eos", gen.ignore_eos, "do not stop at the config's eos_token_id");
@@ -327,6 +322,7 @@ int main(int argc, char** argv) {
   compile_cmd->add_option("--batch", comp.batch, "decode: batch bucket (default 1)");
   compile_cmd->add_option("--chunk", comp.chunk, "prefill: chunk tokens (default 512)");
   compile_cmd->add_option("--workers", comp.workers, "worker queues (default: one per core)");
+  compile_cmd->add_flag("--no-fusion", comp.no_fusion, "lower the graph without the compiler's fusion rules");
   compile_cmd->add_option("--max-context", comp.max_context, "longest context the plan will serve (0: unbounded)");
   compile_cmd->add_option("-o,--output", comp.output, "the .plow file to write")->required();
 

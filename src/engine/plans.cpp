@@ -16,4 +16,14 @@ uint64_t fingerprint_of(const LoadedModel& model) {
   return model_fingerprint(text.str(), model.graph);
 }
 
+Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens, int workers, int64_t max_context, bool fuse) {
+  CompileOptions options;
+  options.fusion = fuse;
+  const CompiledGraph compiled = compile_graph(model.graph, options);
+  Plan plan = lower_to_plan(compiled.graph, {phase, max_tokens, workers, max_context, fingerprint_of(model)});
+  plan.compile.ops_before_fusion = static_cast<int64_t>(compiled.report.ops_before);
+  plan.compile.rules_fired = compiled.report.rules_fired();
+  return plan;
+}
+
 }  // namespace plow

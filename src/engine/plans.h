@@ -1,14 +1,21 @@
-// Plans for a loaded model: the fingerprint that ties a plan to the model it was compiled from.
+// Plans for a loaded model: the fingerprint that ties a plan to the model it was compiled from, and
+// the one place a model's graph becomes a plan (compiler passes, then lowering).
 #pragma once
 
 #include <cstdint>
 
+#include "compiler/compile.h"
 #include "engine/model.h"
+#include "plan/lower.h"
 
 namespace plow {
 
 // model_fingerprint(text of config.source, model.graph): the same for a checkpoint directory and for
 // its config with random weights (the weights' values are not hashed, their names and shapes are).
 uint64_t fingerprint_of(const LoadedModel& model);
+
+// Compiles (e-graph fusion with the certified rules unless `fuse` is false) and lowers to one bucket.
+// The plan records the graph's op count before fusion and the rules that fired.
+Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens, int workers, int64_t max_context, bool fuse = true);
 
 }  // namespace plow

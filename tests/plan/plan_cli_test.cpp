@@ -75,8 +75,12 @@ TEST_F(PlanCli, CompileInspectAndRun) {
   EXPECT_EQ(info.at("phase"), "prefill");
   EXPECT_EQ(info.at("bucket"), 4);
   EXPECT_EQ(info.at("workers"), 3);
-  EXPECT_EQ(info.at("ops_before_fusion"), info.at("ops_after_fusion"));
-  EXPECT_EQ(info.at("rules_fired"), json::array());
+  EXPECT_LT(info.at("ops_after_fusion").get<int64_t>(), info.at("ops_before_fusion").get<int64_t>());
+  EXPECT_GE(info.at("rules_fired").size(), 5u);  // the compiler ran and its certified rules fired
+  const json unfused = run_json("compile --model " + model() + " --no-fusion --workers 3 -o " + file("u.plow"));
+  const json unfused_info = run_json("inspect " + file("u.plow"));
+  EXPECT_EQ(unfused_info.at("ops_before_fusion"), unfused_info.at("ops_after_fusion"));
+  EXPECT_EQ(unfused_info.at("rules_fired"), json::array());
   const int64_t tasks = info.at("tasks");
   EXPECT_GT(tasks, info.at("ops_after_fusion").get<int64_t>());
   EXPECT_GT(info.at("critical_path_tasks").get<int64_t>(), 10);

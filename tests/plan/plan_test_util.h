@@ -53,8 +53,10 @@ inline const LoadedModel& fixture_model(const std::string& fixture) {
   return *slot;
 }
 
-inline Plan make_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens, int workers) {
-  return lower_to_plan(model.graph, {phase, max_tokens, workers, 0, fingerprint_of(model)});
+// Plans of the compiled (fused) graph, as `plow generate --backend cpu-plan` runs them; fuse = false
+// lowers the graph as built.
+inline Plan make_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens, int workers, bool fuse = true) {
+  return compile_plan(model, phase, max_tokens, workers, 0, fuse);
 }
 
 inline std::unique_ptr<PlanInterpreter> make_interpreter(const LoadedModel& model, std::vector<Plan> plans, int workers, DType act,

@@ -219,12 +219,15 @@ TEST(PlanK3, RandomWeightsMatchReference) {
   ReferenceBackend reference(model->graph, *model->weights, DType::BF16, 1);
   const GenerateResult expected = generate(reference, 0, options);
   for (int workers : {2, 5}) {
-    std::vector<Plan> plans = {make_plan(*model, PlanPhase::kDecode, 1, workers), make_plan(*model, PlanPhase::kPrefill, 5, workers)};
-    auto interpreter = make_interpreter(*model, std::move(plans), workers, DType::BF16, 1, 32);
-    Watchdog watchdog(std::chrono::seconds(120), "k3");
-    const GenerateResult ours = generate(*interpreter, 0, options);
-    EXPECT_EQ(ours.generated, expected.generated);
-    EXPECT_EQ(max_abs_diff(ours.logits, expected.logits), 0.0f) << workers << " workers";
+    for (bool fuse : {true, false}) {  // the compiled graph, and the graph as built
+      std::vector<Plan> plans = {make_plan(*model, PlanPhase::kDecode, 1, workers, fuse),
+                                 make_plan(*model, PlanPhase::kPrefill, 5, workers, fuse)};
+      auto interpreter = make_interpreter(*model, std::move(plans), workers, DType::BF16, 1, 32);
+      Watchdog watchdog(std::chrono::seconds(120), "k3");
+      const GenerateResult ours = generate(*interpreter, 0, options);
+      EXPECT_EQ(ours.generated, expected.generated);
+      EXPECT_EQ(max_abs_diff(ours.logits, expected.logits), 0.0f) << workers << " workers, fused " << fuse;
+    }
   }
 }
 
