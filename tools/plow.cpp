@@ -16,6 +16,7 @@
 #include "engine/model.h"
 #include "engine/plans.h"
 #include "graph/footprint.h"
+#include "serve/tokenizer.h"
 #include "plan/lower.h"
 #include "plan/summary.h"
 #include "plan/validate.h"
@@ -121,12 +122,17 @@ std::unique_ptr<Backend> make_plan_backend(const GenerateArgs& args, const Loade
   return std::make_unique<PlanInterpreter>(*model.weights, std::move(plans), interp);
 }
 
+bool has_tokenizer(const std::string& model_dir) {
+  const std::filesystem::path dir(model_dir);
+  return std::filesystem::exists(dir / "tokenizer.json") || std::filesystem::exists(dir / "tiktoken.model");
+}
+
 int run_generate(const GenerateArgs& args) {
   if (args.backend != "cpu" && args.backend != "cpu-plan") fail("--backend '{}': this build has the 'cpu' and 'cpu-plan' backends", args.backend);
   if (args.backend == "cpu" && (args.workers != 0 || !args.plan_files.empty())) fail("--workers and --plan need --backend cpu-plan");
   if (args.workers < 0) fail("--workers must be >= 1, found {}", args.workers);
-  if (!args.prompt_text.empty()) fail("--prompt: text prompts need the model's tokenizer, which plow does not load yet; use --prompt-ids");
-  if (args.prompt_ids.empty()) fail("one of --prompt-ids or --prompt is required");
+  if (args.prompt_ids.empty() && args.prompt_text.empty()) fail("one of --prompt-ids or --prompt is required");
+  if (!args.prompt_text.empty() && args.source.model_dir.empty()) fail("--prompt needs --model DIR (the tokenizer lives beside the weights)");
   if (args.max_new_tokens < 1) fail("--max-new-tokens must be >= 1, found {}", args.max_new_tokens);
   if (args.temperature < 0) fail("--temperature must be >= 0, found {}", args.temperature);
   if (!(args.top_p > 0 && args.top_p <= 1)) fail("--top-p must be in (0, 1], found {}", args.top_p);
@@ -134,12 +140,23 @@ int run_generate(const GenerateArgs& args) {
   if (args.prefill_chunk < 0) fail("--prefill-chunk must be >= 0, found {}", args.prefill_chunk);
 
   auto model = load_model(args.source);
+  // The model's tokenizer, when its directory has one: encodes --prompt, decodes the output text.
+  std::optional<Tokenizer> tokenizer;
+  if (!args.source.model_dir.empty() && has_tokenizer(args.source.model_dir)) tokenizer = Tokenizer::load(args.source.model_dir);
+  if (!args.prompt_text.empty() && !tokenizer) {
+    fail("--prompt: model directory '{}' has no tokenizer.json or tiktoken.model; use --prompt-ids", args.source.model_dir);
+  }
+  std::vector<int64_t> prompt_ids = args.prompt_ids;
+  if (!args.prompt_text.empty()) {
+    for (int32_t id : tokenizer->encode(args.prompt_text)) prompt_ids.push_back(id);
+    if (prompt_ids.empty()) fail("--prompt: the text encodes to no tokens");
+  }
   GenerateOptions options;
-  for (size_t i = 0; i < args.prompt_ids.size(); ++i) {
-    const int64_t id = args.prompt_ids[i];
+  for (size_t i = 0; i < prompt_ids.size(); ++i) {
+    const int64_t id = prompt_ids[i];
     if (id < 0 || id >= model->config.vocab_size) {
-      fail("--prompt-ids: id {} at position {} is outside the vocabulary (vocab_size {} in {})", id, i, model->config.vocab_size,
-           model->config.source);
+      fail("{}: id {} at position {} is outside the vocabulary (vocab_size {} in {})", args.prompt_text.empty() ? "--prompt-ids" : "--prompt",
+           id, i, model->config.vocab_size, model->config.source);
     }
     options.prompt.push_back(static_cast<int32_t>(id));
   }
@@ -168,6 +185,7 @@ int run_generate(const GenerateArgs& args) {
               {"dtype", std::string(dtype_name(backend->act_dtype()))},
               {"prefill_seconds", result.prefill_seconds},
               {"decode_tokens_per_second", decode_steps > 0 ? decode_steps / result.decode_seconds : 0.0}};
+  if (tokenizer) out["text"] = tokenizer->decode(result.generated);
   std::cout << out.dump() << std::endl;
   return 0;
 }

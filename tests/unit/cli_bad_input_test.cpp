@@ -182,6 +182,22 @@ TEST_F(BadInput, PromptIdOutsideVocabulary) {
   expect_rejected(run("generate --model " + model_.string() + " --prompt-ids 5,-1 --max-new-tokens 2"), "id -1 at position 1");
 }
 
+TEST_F(BadInput, TextPromptWithoutTokenizer) {
+  expect_rejected(run("generate --model " + model_.string() + " --prompt 'def f(x):' --max-new-tokens 2"), "has no tokenizer.json or tiktoken.model");
+}
+
+TEST_F(BadInput, TextPromptThatTheModelCannotTake) {
+  // A tokenizer with a larger vocabulary than the model: the encoded prompt is rejected by id.
+  fs::copy_file(fs::path(PLOW_TEST_DATA) / "tokenizers/hf_merges_pairs/tokenizer.json", model_ / "tokenizer.json");
+  expect_rejected(run("generate --model " + model_.string() + " --prompt 'while True: print(42)' --max-new-tokens 2"),
+                  "is outside the vocabulary (vocab_size 256");
+}
+
+TEST_F(BadInput, MalformedTokenizer) {
+  std::ofstream(model_ / "tokenizer.json") << "{\"model\": {\"type\": \"Unigram\"";
+  expect_rejected(generate(), "tokenizer.json");
+}
+
 TEST_F(BadInput, InspectRejectsTheSameWay) {
   fs::remove(model_ / "config.json");
   expect_rejected(run("inspect --model " + model_.string()), "cannot open config file");
