@@ -44,27 +44,33 @@ using Choice = std::map<ClassId, const ENode*>;
 
 // One pass of amortized tree-cost extraction: a class used by k consumers charges each 1/k of its
 // cost, so a producer shared by several consumers (a multi_linear and its slices) is not paid k times.
-Choice choose(const EGraph& egraph, const std::vector<ClassId>& classes, const std::map<ClassId, double>& uses, const Graph& source,
-              const CostModel& model) {
+// own[i][j]: the cost of the j-th e-node of classes[i] alone; costs are indexed by class id.
+Choice choose(const EGraph& egraph, const std::vector<ClassId>& classes, const std::vector<std::vector<double>>& own,
+              const std::vector<double>& uses, size_t id_bound) {
   constexpr double kInfinity = std::numeric_limits<double>::infinity();
-  std::map<ClassId, double> cost;
-  Choice best;
-  for (ClassId c : classes) cost[c] = kInfinity;
+  std::vector<double> cost(id_bound, kInfinity);
+  std::vector<const ENode*> best(id_bound, nullptr);
   for (bool changed = true; changed;) {
     changed = false;
-    for (ClassId c : classes) {
-      for (const ENode& node : egraph.nodes(c)) {
-        double total = node_cost(egraph.symbol(node.symbol), child_widths(egraph, node), source, model);
-        for (ClassId child : node.children) total += cost[egraph.find(child)] / uses.at(egraph.find(child));
+    for (size_t i = 0; i < classes.size(); ++i) {
+      const ClassId c = classes[i];
+      const auto& nodes = egraph.nodes(c);
+      for (size_t j = 0; j < nodes.size(); ++j) {
+        double total = own[i][j];
+        for (ClassId child : nodes[j].children) total += cost[egraph.find(child)] / uses[egraph.find(child)];
         if (total < cost[c] && (cost[c] == kInfinity || cost[c] - total > 1e-9 * cost[c])) {
           cost[c] = total;
-          best[c] = &node;
+          best[c] = &nodes[j];
           changed = true;
         }
       }
     }
   }
-  return best;
+  Choice choice;
+  for (ClassId c : classes) {
+    if (best[c]) choice[c] = best[c];
+  }
+  return choice;
 }
 
 // How often each class is read by the chosen DAG reachable from the root.
@@ -118,8 +124,11 @@ Extraction extract(const EGraph& egraph, ClassId root, const Graph& source, cons
   // e-graph; (b) 1, except multi-output producers read through kSlice views, shared by their slices.
   // From each prior, iterate: re-count uses in the DAG actually extracted (classes outside it keep the
   // prior), re-choose; keep the cheapest DAG by its exact cost (each node counted once).
-  std::map<ClassId, double> all_consumers, slice_consumers;
-  for (ClassId c : classes) {
+  const size_t id_bound = classes.empty() ? 0 : static_cast<size_t>(classes.back()) + 1;  // classes() is ascending
+  std::vector<double> all_consumers(id_bound, 1.0), slice_consumers(id_bound, 1.0);
+  std::vector<std::vector<double>> own(classes.size());
+  for (size_t i = 0; i < classes.size(); ++i) {
+    const ClassId c = classes[i];
     std::set<std::pair<uint32_t, std::vector<ClassId>>> distinct, slices;
     for (const auto& [node, cls] : egraph.parents(c)) {
       ENode canonical = node;
@@ -129,18 +138,19 @@ Extraction extract(const EGraph& egraph, ClassId root, const Graph& source, cons
     }
     all_consumers[c] = std::max<double>(1.0, static_cast<double>(distinct.size()));
     slice_consumers[c] = std::max<double>(1.0, static_cast<double>(slices.size()));
+    for (const ENode& node : egraph.nodes(c)) own[i].push_back(node_cost(egraph.symbol(node.symbol), child_widths(egraph, node), source, model));
   }
   std::optional<Extraction> best;
   for (const auto* prior : {&all_consumers, &slice_consumers}) {
-    std::map<ClassId, double> uses = *prior;
+    std::vector<double> uses = *prior;
     Choice previous;
     for (int round = 0; round < 8; ++round) {
-      const Choice choice = choose(egraph, classes, uses, source, model);
+      const Choice choice = choose(egraph, classes, own, uses, id_bound);
       if (choice == previous) break;
       Extraction candidate = build(egraph, root, choice, source, model);
       if (!best || candidate.cost < best->cost) best = std::move(candidate);
       const auto refs = references(egraph, root, choice);
-      for (ClassId c : classes) uses[c] = refs.count(c) ? std::max(1.0, refs.at(c)) : prior->at(c);
+      for (ClassId c : classes) uses[c] = refs.count(c) ? std::max(1.0, refs.at(c)) : (*prior)[c];
       previous = choice;
     }
   }
