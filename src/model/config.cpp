@@ -167,7 +167,7 @@ void read_schedule(const json& root, const json* linear, const std::string& scop
   config.mixers = from_lists ? *from_lists : *explicit_types;
 
   FieldReader fields(root, source, scope.empty() ? "" : scope.substr(0, scope.size() - 1));
-  const int64_t first_dense = fields.integer({"first_k_dense_replace"}, 0, 0);
+  const int64_t first_dense = fields.integer({"first_k_dense_replace"}, 1, 0);  // HF's default when absent
   const int64_t moe_freq = fields.integer({"moe_layer_freq"}, 1, 1);
   std::vector<FfnKind> derived;
   for (int64_t i = 0; i < config.num_layers; ++i) {
