@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
 """Oracle-fixture generator for plow (Kimi Linear).
+(Over 500 lines: one self-contained script that must run unchanged on a machine without the repo's other code.)
 
 Writes small, seeded, fully randomized ``KimiLinearForCausalLM`` checkpoints with
 HF transformers' own ``save_pretrained`` and, for each, an ``oracle.json`` manifest

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch reference for the Kimi K3 text model (spec/MODEL.md §4 + §7), fp32 (default) or fp64.
+(Over 500 lines: the whole model in one file, so it can be read against spec/MODEL.md top to bottom.)
 
 Self-contained: needs torch (and safetensors to read a checkpoint). transformers is NOT needed; the
 KDA core is written here from MODEL.md K6 (recurrent) and §6 (chunked). It is the same math as
