@@ -35,7 +35,7 @@ test: build
 # Load-time validation and bad input under AddressSanitizer + UndefinedBehaviorSanitizer.
 test-asan: setup
 	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPLOW_SANITIZE=ON
-	cmake --build $(ASAN_BUILD) -j $(JOBS) --target unit_tests cli_tests plan_unit_tests plan_cli_tests tokenizer_tests chat_template_tests plow
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target unit_tests cli_tests plan_unit_tests plan_cli_tests tokenizer_tests chat_template_tests scheduler_tests plow
 	cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS) -L unit
 
 # The plan interpreter's counter protocol under ThreadSanitizer: stress (random delays, 200 steps),

@@ -4,6 +4,8 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -16,6 +18,7 @@
 #include "engine/model.h"
 #include "engine/plans.h"
 #include "graph/footprint.h"
+#include "serve/server.h"
 #include "serve/tokenizer.h"
 #include "plan/lower.h"
 #include "plan/summary.h"
@@ -302,6 +305,36 @@ int run_inspect_plan(const std::string& path, const std::string& dtype) {
   return 0;
 }
 
+// plow serve: SIGTERM/SIGINT stop accepting, finish in-flight requests, exit 0. The signals are
+// blocked in every thread and taken by one waiter thread (no async-signal-safety concerns).
+int run_serve(ServeOptions options) {
+  if (options.model_dir.empty()) fail("serve needs --model DIR");
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);  // a client that hangs up is a failed write, not a dead server
+  Server server(options);
+  const int port = server.bind();
+  std::fprintf(stderr, "plow serve: listening on http://%s:%d\n", options.host.c_str(), port);
+  std::atomic<bool> done{false};
+  std::thread waiter([&] {
+    const timespec tick{0, 200'000'000};
+    while (!done) {
+      if (sigtimedwait(&signals, nullptr, &tick) > 0) {
+        std::fprintf(stderr, "plow serve: shutting down after in-flight requests\n");
+        server.shutdown();
+        return;
+      }
+    }
+  });
+  server.run();
+  done = true;
+  waiter.join();
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -344,6 +377,18 @@ int main(int argc, char** argv) {
   compile_cmd->add_option("--max-context", comp.max_context, "longest context the plan will serve (0: unbounded)");
   compile_cmd->add_option("-o,--output", comp.output, "the .plow file to write")->required();
 
+  ServeOptions serve;
+  CLI::App* serve_cmd = app.add_subcommand("serve", "serve the model over an OpenAI-compatible HTTP API");
+  serve_cmd->add_option("--model", serve.model_dir, "model directory (config.json + safetensors [+ tokenizer])")->required();
+  serve_cmd->add_option("--host", serve.host, "address to bind (default 127.0.0.1: this machine only)");
+  serve_cmd->add_option("--port", serve.port, "TCP port (0: any free port)");
+  serve_cmd->add_option("--api-key", serve.api_key, "require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize");
+  serve_cmd->add_option("--max-tokens-limit", serve.max_tokens_limit, "largest max_tokens a request may ask for");
+  serve_cmd->add_option("--max-model-len", serve.max_context_tokens, "prompt + generated tokens of one request");
+  serve_cmd->add_option("--slots", serve.num_slots, "requests decoding at once");
+  serve_cmd->add_option("--max-waiting", serve.max_waiting, "queued requests beyond which new ones get 429");
+  serve_cmd->add_option("--served-model-name", serve.served_model_name, "the model id clients pass (default: the directory's name)");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -357,6 +402,7 @@ int main(int argc, char** argv) {
     }
     if (inspect_cmd->parsed()) return run_inspect(inspect_source);
     if (compile_cmd->parsed()) return run_compile(comp);
+    if (serve_cmd->parsed()) return run_serve(serve);
   } catch (const plow::Error& e) {
     std::fprintf(stderr, "plow: error: %s\n", e.what());
     return 1;

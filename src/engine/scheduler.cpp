@@ -1,0 +1,177 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace plow {
+
+const char* finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kError: return "error";
+  }
+  return "error";
+}
+
+struct Scheduler::Sequence {
+  Request request;
+  TokenCallback on_token;
+  Sampler sampler;
+  RequestState state = RequestState::kQueued;
+  int slot = -1;
+  int64_t prefilled_tokens = 0;  // prompt tokens already consumed by the backend
+  std::vector<int32_t> output;
+
+  Sequence(Request r, TokenCallback cb) : request(std::move(r)), on_token(std::move(cb)), sampler(request.sampling) {}
+};
+
+Scheduler::Scheduler(Backend& backend, SchedulerOptions options) : backend_(backend), options_(options) {
+  PLOW_CHECK(options_.max_step_tokens >= 1 && options_.max_prefill_chunk >= 1, "scheduler budgets must be >= 1");
+  slot_owner_.assign(static_cast<size_t>(backend_.num_slots()), nullptr);
+  for (int slot = backend_.num_slots() - 1; slot >= 0; --slot) free_slots_.push_back(slot);
+}
+
+Scheduler::~Scheduler() = default;
+
+void Scheduler::submit(Request request, TokenCallback on_token) {
+  if (request.prompt.empty()) fail("request '{}': empty prompt", request.id);
+  if (request.max_tokens < 1) fail("request '{}': max_tokens must be >= 1, found {}", request.id, request.max_tokens);
+  if (state(request.id)) fail("request '{}': an id already queued or running", request.id);
+  waiting_.push_back(std::make_unique<Sequence>(std::move(request), std::move(on_token)));
+}
+
+std::optional<RequestState> Scheduler::state(const std::string& id) const {
+  for (const auto& seq : waiting_) {
+    if (seq->request.id == id) return seq->state;
+  }
+  for (const auto& seq : running_) {
+    if (seq->request.id == id) return seq->state;
+  }
+  return std::nullopt;
+}
+
+bool Scheduler::abort(const std::string& id) {
+  auto queued = std::find_if(waiting_.begin(), waiting_.end(), [&](const auto& s) { return s->request.id == id; });
+  if (queued != waiting_.end()) {
+    waiting_.erase(queued);
+    return true;
+  }
+  auto running = std::find_if(running_.begin(), running_.end(), [&](const auto& s) { return s->request.id == id; });
+  if (running == running_.end()) return false;
+  (*running)->state = RequestState::kAborted;
+  release(**running);
+  running_.erase(running);
+  return true;
+}
+
+bool Scheduler::can_admit() const { return !waiting_.empty() && !free_slots_.empty(); }
+
+void Scheduler::admit() {
+  PLOW_CHECK(can_admit(), "admit without a queued request and a free slot");
+  std::unique_ptr<Sequence> seq = std::move(waiting_.front());
+  waiting_.pop_front();
+  seq->slot = free_slots_.back();
+  free_slots_.pop_back();
+  backend_.reset_slot(seq->slot);
+  slot_owner_[static_cast<size_t>(seq->slot)] = seq.get();
+  seq->state = RequestState::kPrefilling;
+  running_.push_back(std::move(seq));
+}
+
+void Scheduler::release(Sequence& seq) {
+  PLOW_CHECK(seq.slot >= 0 && slot_owner_[static_cast<size_t>(seq.slot)] == &seq, "release of slot {} not owned by '{}'", seq.slot, seq.request.id);
+  slot_owner_[static_cast<size_t>(seq.slot)] = nullptr;
+  free_slots_.push_back(seq.slot);
+  seq.slot = -1;
+}
+
+void Scheduler::finish_all_on_error(const std::vector<Sequence*>& batch) {
+  for (Sequence* seq : batch) {
+    seq->state = RequestState::kAborted;
+    release(*seq);
+    seq->on_token(-1, SampledToken{}, FinishReason::kError);
+  }
+  std::erase_if(running_, [](const auto& s) { return s->state == RequestState::kAborted; });
+}
+
+int64_t Scheduler::step() {
+  while (can_admit()) admit();
+  // Decode tokens first (one each, so running sequences never stall), then prefill chunks in
+  // admission order with what is left of the budget.
+  int64_t budget = options_.max_step_tokens;
+  StepInputs inputs;
+  std::vector<Sequence*> batch;
+  std::vector<bool> samples;  // per batch entry: this step's row is sampled
+  for (const auto& seq : running_) {
+    if (seq->state != RequestState::kDecoding || budget == 0) continue;
+    inputs.token_ids.push_back(seq->output.back());
+    inputs.sequences.push_back({seq->slot, 1});
+    batch.push_back(seq.get());
+    samples.push_back(true);
+    --budget;
+  }
+  for (const auto& seq : running_) {
+    if (seq->state != RequestState::kPrefilling || budget == 0) continue;
+    const auto prompt_tokens = static_cast<int64_t>(seq->request.prompt.size());
+    const int64_t count = std::min({prompt_tokens - seq->prefilled_tokens, options_.max_prefill_chunk, budget});
+    const auto begin = seq->request.prompt.begin() + seq->prefilled_tokens;
+    inputs.token_ids.insert(inputs.token_ids.end(), begin, begin + count);
+    inputs.sequences.push_back({seq->slot, count});
+    batch.push_back(seq.get());
+    seq->prefilled_tokens += count;
+    samples.push_back(seq->prefilled_tokens == prompt_tokens);
+    budget -= count;
+  }
+  if (batch.empty()) return 0;
+
+  StepOutput out;
+  try {
+    out = backend_.step(inputs);
+  } catch (...) {
+    finish_all_on_error(batch);  // the slots of a failed step are undefined: they are reset on reuse
+    throw;
+  }
+  PLOW_CHECK(out.rows == static_cast<int64_t>(batch.size()), "step returned {} rows for {} sequences", out.rows, batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Sequence& seq = *batch[i];
+    if (!samples[i]) continue;
+    std::span<const float> row(out.logits.data() + static_cast<int64_t>(i) * out.vocab, static_cast<size_t>(out.vocab));
+    SampledToken sampled = seq.sampler.sample(row, seq.request.prompt, seq.output);
+    seq.output.push_back(sampled.id);
+    seq.state = RequestState::kDecoding;
+    std::optional<FinishReason> finished;
+    const auto& stops = seq.request.stop_ids;
+    if (std::find(stops.begin(), stops.end(), sampled.id) != stops.end()) {
+      finished = FinishReason::kStop;
+    } else if (static_cast<int64_t>(seq.output.size()) >= seq.request.max_tokens) {
+      finished = FinishReason::kLength;
+    }
+    if (finished) {
+      seq.state = RequestState::kFinished;
+      release(seq);
+    }
+    seq.on_token(sampled.id, sampled, finished);
+  }
+  std::erase_if(running_, [](const auto& s) { return s->state == RequestState::kFinished || s->state == RequestState::kAborted; });
+  return static_cast<int64_t>(inputs.token_ids.size());
+}
+
+void Scheduler::check_integrity() const {
+  size_t owned = 0;
+  for (size_t slot = 0; slot < slot_owner_.size(); ++slot) {
+    const Sequence* owner = slot_owner_[slot];
+    const bool listed_free = std::count(free_slots_.begin(), free_slots_.end(), static_cast<int>(slot)) == 1;
+    PLOW_CHECK((owner == nullptr) == listed_free, "slot {} is {} but {} the free list", slot, owner ? "owned" : "unowned", listed_free ? "in" : "not in");
+    if (owner == nullptr) continue;
+    ++owned;
+    const bool live = std::any_of(running_.begin(), running_.end(), [&](const auto& s) { return s.get() == owner; });
+    PLOW_CHECK(live && owner->slot == static_cast<int>(slot), "slot {} is owned by a sequence that is not running on it", slot);
+  }
+  PLOW_CHECK(free_slots_.size() + owned == slot_owner_.size(), "free list has {} entries, {} owned, {} slots", free_slots_.size(), owned, slot_owner_.size());
+  PLOW_CHECK(owned == running_.size(), "{} running sequences own {} slots", running_.size(), owned);
+  for (const auto& seq : waiting_) PLOW_CHECK(seq->slot == -1 && seq->state == RequestState::kQueued, "queued '{}' holds slot {}", seq->request.id, seq->slot);
+}
+
+}  // namespace plow

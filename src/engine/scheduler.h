@@ -1,0 +1,79 @@
+// Continuous batching over one Backend: each step() builds ONE StepInputs that mixes the decode token
+// of every running sequence with chunked prefill of newly admitted ones, under a per-step token budget.
+// Request states: queued → prefilling → decoding → finished | aborted. Every slot is free or owned by
+// exactly one running sequence (check_integrity() verifies it; tests call it after every step).
+// Not thread-safe: the caller serializes submit/abort/step (the server holds one mutex).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/sampler.h"
+#include "runtime/backend.h"
+
+namespace plow {
+
+enum class RequestState { kQueued, kPrefilling, kDecoding, kFinished, kAborted };
+enum class FinishReason { kStop, kLength, kError };
+
+const char* finish_reason_name(FinishReason reason);  // "stop", "length", "error"
+
+struct Request {
+  std::string id;
+  std::vector<int32_t> prompt;   // token ids, non-empty
+  SamplingParams sampling;       // seeded per request: the same request reproduces its tokens
+  int64_t max_tokens = 16;       // ≥ 1
+  std::vector<int32_t> stop_ids;  // generation ends after emitting one of these
+};
+
+// Called on the scheduler's thread for every sampled token; `finished` is set on the last one.
+// A step that throws finishes its sequences with kError (token −1, empty SampledToken).
+using TokenCallback = std::function<void(int32_t token, const SampledToken& sampled, std::optional<FinishReason> finished)>;
+
+struct SchedulerOptions {
+  int64_t max_step_tokens = 256;    // tokens in one StepInputs (decode tokens + prefill chunks)
+  int64_t max_prefill_chunk = 128;  // prompt tokens of one sequence in one step
+};
+
+class Scheduler {
+ public:
+  Scheduler(Backend& backend, SchedulerOptions options);
+  ~Scheduler();
+
+  // Queues a request; a plow::Error for an empty prompt, max_tokens < 1 or a duplicate live id.
+  void submit(Request request, TokenCallback on_token);
+  // Drops a queued or running request; its slot is free on return. False when the id is unknown
+  // (already finished). The callback is not called again.
+  bool abort(const std::string& id);
+  // One forward step (admitting queued requests first). Returns the tokens the step consumed (0: idle).
+  int64_t step();
+
+  bool has_work() const { return !waiting_.empty() || !running_.empty(); }
+  int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
+  int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
+  int free_slots() const { return static_cast<int>(free_slots_.size()); }
+  std::optional<RequestState> state(const std::string& id) const;  // none once finished or aborted
+  // Throws InternalError when a slot is leaked, double-owned, or owned by a sequence not running.
+  void check_integrity() const;
+
+ private:
+  struct Sequence;
+  bool can_admit() const;  // a request is queued and a slot is free
+  void admit();            // moves the oldest queued request to a free, reset slot
+  void release(Sequence& seq);
+  void finish_all_on_error(const std::vector<Sequence*>& batch);
+
+  Backend& backend_;
+  SchedulerOptions options_;
+  std::deque<std::unique_ptr<Sequence>> waiting_;
+  std::vector<std::unique_ptr<Sequence>> running_;  // admission order
+  std::vector<const Sequence*> slot_owner_;         // [num_slots], nullptr = free
+  std::vector<int> free_slots_;
+};
+
+}  // namespace plow

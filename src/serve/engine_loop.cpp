@@ -1,0 +1,117 @@
+#include "serve/engine_loop.h"
+
+#include <fmt/format.h>
+
+#include <cstdio>
+
+#include "serve/api_error.h"
+
+namespace plow {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double seconds_between(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+}  // namespace
+
+void EventQueue::push(EngineEvent event) {
+  {
+    std::lock_guard lock(mu_);
+    events_.push_back(std::move(event));
+  }
+  cv_.notify_one();
+}
+
+std::optional<EngineEvent> EventQueue::pop(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
+  EngineEvent event = std::move(events_.front());
+  events_.pop_front();
+  return event;
+}
+
+EngineLoop::EngineLoop(Backend& backend, SchedulerOptions options, int64_t max_waiting, Metrics& metrics)
+    : scheduler_(backend, options), max_waiting_(max_waiting), metrics_(metrics), thread_([this] { run(); }) {}
+
+EngineLoop::~EngineLoop() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  thread_.join();
+}
+
+void EngineLoop::submit(std::vector<Request> requests, std::shared_ptr<EventQueue> queue) {
+  std::lock_guard lock(mu_);
+  if (draining_ || stop_) throw ApiError(503, "the server is shutting down");
+  if (scheduler_.num_waiting() + static_cast<int64_t>(requests.size()) > max_waiting_) {
+    throw ApiError(429, fmt::format("the waiting queue is full ({} requests); retry later", max_waiting_));
+  }
+  for (size_t i = 0; i < requests.size(); ++i) {
+    metrics_.add_prompt_tokens(static_cast<int64_t>(requests[i].prompt.size()));
+    auto last = std::make_shared<std::optional<Clock::time_point>>();
+    const Clock::time_point submitted = Clock::now();
+    scheduler_.submit(std::move(requests[i]), [this, queue, i, last, submitted](int32_t token, const SampledToken& sampled, std::optional<FinishReason> finished) {
+      const Clock::time_point now = Clock::now();
+      if (token >= 0) {
+        metrics_.add_generation_tokens(1);
+        if (*last) {
+          metrics_.observe_tpot(seconds_between(**last, now));
+        } else {
+          metrics_.observe_ttft(seconds_between(submitted, now));
+        }
+        *last = now;
+      }
+      queue->push({i, token, sampled, finished});
+    });
+  }
+  work_cv_.notify_one();
+}
+
+void EngineLoop::abort(const std::string& id) {
+  std::lock_guard lock(mu_);
+  scheduler_.abort(id);
+  if (!scheduler_.has_work()) idle_cv_.notify_all();
+}
+
+void EngineLoop::drain() {
+  std::unique_lock lock(mu_);
+  draining_ = true;
+  idle_cv_.wait(lock, [&] { return !scheduler_.has_work() || stop_; });
+}
+
+bool EngineLoop::stopped() const {
+  std::lock_guard lock(mu_);
+  return stop_;
+}
+
+int64_t EngineLoop::num_running() const {
+  std::lock_guard lock(mu_);
+  return scheduler_.num_running();
+}
+
+int64_t EngineLoop::num_waiting() const {
+  std::lock_guard lock(mu_);
+  return scheduler_.num_waiting();
+}
+
+void EngineLoop::run() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    work_cv_.wait(lock, [&] { return stop_ || scheduler_.has_work(); });
+    if (stop_) break;
+    try {
+      scheduler_.step();  // a failing step finishes its sequences with kError
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "plow serve: step failed: %s\n", e.what());
+    }
+    if (!scheduler_.has_work()) idle_cv_.notify_all();
+    // Let waiting submitters and aborts in between steps.
+    lock.unlock();
+    std::this_thread::yield();
+    lock.lock();
+  }
+  idle_cv_.notify_all();
+}
+
+}  // namespace plow

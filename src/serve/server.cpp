@@ -1,0 +1,269 @@
+#include "serve/server.h"
+
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <optional>
+
+#include "core/error.h"
+#include "engine/model.h"
+#include "runtime/cpu/reference.h"
+#include "serve/api_error.h"
+#include "serve/chat_template.h"
+#include "serve/completion.h"
+#include "serve/engine_loop.h"
+#include "serve/metrics.h"
+#include "serve/openai_params.h"
+#include "serve/tokenizer.h"
+
+namespace plow {
+
+namespace {
+constexpr size_t kHttpThreads = 128;  // concurrent connections served at once
+}  // namespace
+
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+json error_body(int status, const std::string& message, const std::string& param) {
+  return {{"error", {{"message", message}, {"type", api_error_type(status)}, {"param", param.empty() ? json(nullptr) : json(param)}, {"code", status}}}};
+}
+
+void set_error(httplib::Response& res, int status, const std::string& message, const std::string& param = {}) {
+  res.status = status;
+  res.set_content(dump(error_body(status, message, param)), "application/json");
+}
+
+json parse_body(const httplib::Request& req) {
+  try {
+    return json::parse(req.body);
+  } catch (const json::parse_error& e) {
+    throw ApiError(400, fmt::format("the request body is not valid JSON (or not valid UTF-8): {}", e.what()));
+  }
+}
+
+}  // namespace
+
+struct Server::Impl {
+  ServeOptions options;
+  std::unique_ptr<LoadedModel> model;
+  std::optional<Tokenizer> tokenizer;
+  std::optional<ChatTemplate> chat_template;
+  ServedModel served;
+  std::unique_ptr<ReferenceBackend> backend;
+  Metrics metrics;
+  std::unique_ptr<EngineLoop> engine;
+  httplib::Server http;
+  std::atomic<bool> draining{false};
+  std::atomic<uint64_t> next_id{0};
+
+  explicit Impl(ServeOptions opts);
+  void routes();
+  using Handler = std::function<void(const httplib::Request&, httplib::Response&)>;
+  httplib::Server::Handler guarded(bool authenticated, Handler handler);
+  void completions(const httplib::Request& req, httplib::Response& res, bool chat);
+  void wait_all(Completion& completion, EventQueue& queue);
+  bool pump(Completion& completion, EventQueue& queue, std::chrono::milliseconds wait);
+  void abort_unfinished(const Completion& completion);
+};
+
+Server::Impl::Impl(ServeOptions opts) : options(std::move(opts)) {
+  if (options.num_slots < 1) fail("--slots must be >= 1, found {}", options.num_slots);
+  if (options.max_tokens_limit < 1) fail("--max-tokens-limit must be >= 1, found {}", options.max_tokens_limit);
+  if (options.max_context_tokens < 2) fail("--max-model-len must be >= 2, found {}", options.max_context_tokens);
+  model = LoadedModel::load(options.model_dir);
+  const fs::path dir(options.model_dir);
+  if (fs::exists(dir / "tokenizer.json") || fs::exists(dir / "tiktoken.model")) tokenizer = Tokenizer::load(options.model_dir);
+  if (tokenizer && static_cast<int64_t>(tokenizer->vocab_size()) > model->config.vocab_size) {
+    fail("{}: the tokenizer has {} ids but the model's vocab_size is {}", options.model_dir, tokenizer->vocab_size(), model->config.vocab_size);
+  }
+  if (tokenizer && fs::exists(dir / "tokenizer_config.json")) {
+    try {
+      chat_template = ChatTemplate::from_tokenizer_config((dir / "tokenizer_config.json").string());
+    } catch (const Error&) {
+      chat_template.reset();  // no chat template: /v1/chat/completions answers 400
+    }
+  }
+  served.name = options.served_model_name.empty() ? fs::absolute(dir).lexically_normal().filename().string() : options.served_model_name;
+  if (served.name.empty()) served.name = fs::absolute(dir).lexically_normal().parent_path().filename().string();
+  served.vocab_size = model->config.vocab_size;
+  served.max_context_tokens = options.max_context_tokens;
+  served.max_tokens_limit = options.max_tokens_limit;
+  for (int64_t id : model->config.eos_token_ids) served.eos_ids.push_back(static_cast<int32_t>(id));
+  served.tokenizer = tokenizer ? &*tokenizer : nullptr;
+  served.chat_template = chat_template ? &*chat_template : nullptr;
+  backend = std::make_unique<ReferenceBackend>(model->graph, *model->weights, model->weights->storage_dtype(), options.num_slots);
+  engine = std::make_unique<EngineLoop>(*backend, options.scheduler, options.max_waiting, metrics);
+  http.set_payload_max_length(options.max_body_bytes);
+  // One connection holds one thread for as long as it streams: size the pool for many concurrent
+  // clients (httplib's default is max(8, cores − 1), which queues the ninth stream behind the others).
+  http.new_task_queue = [] { return new httplib::ThreadPool(kHttpThreads); };
+  http.set_read_timeout(30, 0);
+  http.set_write_timeout(30, 0);
+  routes();
+}
+
+httplib::Server::Handler Server::Impl::guarded(bool authenticated, Handler handler) {
+  return [this, authenticated, handler = std::move(handler)](const httplib::Request& req, httplib::Response& res) {
+    try {
+      if (authenticated && !options.api_key.empty() && req.get_header_value("Authorization") != "Bearer " + options.api_key) {
+        throw ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')");
+      }
+      if (draining) throw ApiError(503, "the server is shutting down");
+      handler(req, res);
+    } catch (const ApiError& e) {
+      set_error(res, e.status, e.what(), e.param);
+    } catch (const Error& e) {
+      set_error(res, 400, e.what());
+    } catch (const std::exception& e) {
+      set_error(res, 500, fmt::format("internal error: {}", e.what()));
+    }
+  };
+}
+
+bool Server::Impl::pump(Completion& completion, EventQueue& queue, std::chrono::milliseconds wait) {
+  auto event = queue.pop(wait);
+  if (!event) return false;
+  do {
+    if (completion.apply(*event)) engine->abort(completion.request_id(event->choice));
+  } while ((event = queue.pop(std::chrono::milliseconds(0))));
+  return true;
+}
+
+void Server::Impl::abort_unfinished(const Completion& completion) {
+  for (size_t i = 0; i < completion.num_choices(); ++i) {
+    if (!completion.done(i)) engine->abort(completion.request_id(i));
+  }
+}
+
+void Server::Impl::wait_all(Completion& completion, EventQueue& queue) {
+  while (!completion.done()) {
+    if (!pump(completion, queue, std::chrono::milliseconds(100)) && engine->stopped()) throw ApiError(503, "the server stopped");
+  }
+}
+
+void Server::Impl::completions(const httplib::Request& req, httplib::Response& res, bool chat) {
+  const json body = parse_body(req);
+  CompletionParams params = parse_completion(body, served, chat);
+  const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", next_id++);
+  auto completion = std::make_shared<Completion>(std::move(params), served, id);
+  auto queue = std::make_shared<EventQueue>();
+  std::vector<Request> requests;
+  const CompletionParams& p = completion->params();
+  for (size_t i = 0; i < p.prompts.size(); ++i) {
+    requests.push_back({completion->request_id(i), p.prompts[i], p.sampling, p.max_tokens, p.stop_token_ids});
+  }
+  engine->submit(std::move(requests), queue);
+  if (!p.stream) {
+    wait_all(*completion, *queue);
+    res.set_content(dump(completion->response()), "application/json");
+    return;
+  }
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, completion, queue](size_t, httplib::DataSink& sink) {
+        pump(*completion, *queue, std::chrono::milliseconds(50));
+        for (size_t i = 0; i < completion->num_choices(); ++i) {
+          while (auto chunk = completion->next_chunk(i)) {
+            const std::string line = "data: " + dump(*chunk) + "\n\n";
+            if (!sink.write(line.data(), line.size())) return false;  // the client left: the releaser aborts
+          }
+        }
+        if (completion->done()) {
+          std::string tail;
+          if (completion->params().include_usage) tail += "data: " + dump(completion->usage_chunk()) + "\n\n";
+          tail += "data: [DONE]\n\n";
+          if (!sink.write(tail.data(), tail.size())) return false;
+          sink.done();
+        } else if (engine->stopped()) {
+          return false;
+        }
+        return true;
+      },
+      [this, completion](bool success) {
+        if (!success) abort_unfinished(*completion);
+      });
+}
+
+void Server::Impl::routes() {
+  http.set_error_handler(httplib::Server::HandlerWithResponse([this](const httplib::Request&, httplib::Response& res) {
+    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    const std::string message = res.status == 413 ? fmt::format("the request body is over {} bytes", options.max_body_bytes)
+                                : res.status == 404 ? std::string("no such route")
+                                                    : fmt::format("HTTP {}", res.status);
+    set_error(res, res.status, message);
+    return httplib::Server::HandlerResponse::Handled;
+  }));
+  http.Post("/v1/completions", guarded(true, [this](const auto& req, auto& res) { completions(req, res, false); }));
+  http.Post("/v1/chat/completions", guarded(true, [this](const auto& req, auto& res) { completions(req, res, true); }));
+  http.Get("/v1/models", guarded(true, [this](const auto&, auto& res) {
+    const json card = {{"id", served.name}, {"object", "model"}, {"created", 0}, {"owned_by", "plow"}, {"max_model_len", served.max_context_tokens}};
+    res.set_content(dump({{"object", "list"}, {"data", json::array({card})}}), "application/json");
+  }));
+  http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    if (draining) return set_error(res, 503, "the server is shutting down");
+    res.status = 200;
+  });
+  http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics.render(served.name, engine->num_running(), engine->num_waiting()), "text/plain; version=0.0.4");
+  });
+  http.Post("/tokenize", guarded(true, [this](const auto& req, auto& res) {
+    const json body = parse_body(req);
+    if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object");
+    std::vector<int32_t> ids;
+    if (body.contains("messages")) {
+      ids = chat_prompt(body["messages"], served);
+    } else if (body.contains("prompt") && body["prompt"].is_string()) {
+      ids = parse_prompt(body["prompt"], served, "prompt");
+    } else {
+      throw ApiError(400, "'prompt' (a string) or 'messages' is required", "prompt");
+    }
+    res.set_content(dump({{"count", ids.size()}, {"max_model_len", served.max_context_tokens}, {"tokens", ids}}), "application/json");
+  }));
+  http.Post("/detokenize", guarded(true, [this](const auto& req, auto& res) {
+    const json body = parse_body(req);
+    if (!body.is_object() || !body.contains("tokens") || !body["tokens"].is_array()) throw ApiError(400, "'tokens' (a list of ids) is required", "tokens");
+    if (!tokenizer) throw ApiError(400, fmt::format("model '{}' has no tokenizer", served.name));
+    std::vector<int32_t> ids;
+    for (const json& id : body["tokens"]) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= static_cast<int64_t>(tokenizer->vocab_size())) {
+        throw ApiError(400, fmt::format("'tokens' entries must be ids in [0, {}), found {}", tokenizer->vocab_size(), id.dump()), "tokens");
+      }
+      ids.push_back(id.get<int32_t>());
+    }
+    res.set_content(dump({{"prompt", tokenizer->decode(ids)}}), "application/json");
+  }));
+}
+
+Server::Server(ServeOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+
+Server::~Server() {
+  impl_->http.stop();
+}
+
+int Server::bind() {
+  const ServeOptions& o = impl_->options;
+  if (o.port == 0) {
+    const int port = impl_->http.bind_to_any_port(o.host);
+    if (port < 0) fail("cannot bind {} (any port)", o.host);
+    return port;
+  }
+  if (!impl_->http.bind_to_port(o.host, o.port)) fail("cannot bind {}:{} (in use, or not a local address)", o.host, o.port);
+  return o.port;
+}
+
+void Server::run() { impl_->http.listen_after_bind(); }
+
+void Server::shutdown() {
+  impl_->draining = true;
+  impl_->engine->drain();
+  impl_->http.stop();
+}
+
+}  // namespace plow
