@@ -38,7 +38,7 @@ GenerateResult generate(Backend& backend, int slot, const GenerateOptions& optio
   start = std::chrono::steady_clock::now();
   std::span<const float> row(last.logits.data() + (last.rows - 1) * last.vocab, static_cast<size_t>(last.vocab));
   for (int64_t n = 0; n < options.max_new_tokens; ++n) {
-    const int32_t token = sampler.sample(row);
+    const int32_t token = sampler.sample(row, options.prompt, result.generated).id;  // penalties see the history
     result.generated.push_back(token);
     const bool stop = std::find(options.stop_ids.begin(), options.stop_ids.end(), token) != options.stop_ids.end();
     if (stop || n + 1 == options.max_new_tokens) break;
