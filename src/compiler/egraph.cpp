@@ -19,8 +19,6 @@ std::string identity_key(const Symbol& s) {
 
 }  // namespace
 
-bool Symbol::same_identity(const Symbol& other) const { return identity_key(*this) == identity_key(other); }
-
 size_t ENodeHash::operator()(const ENode& node) const {
   size_t h = std::hash<uint32_t>()(node.symbol);
   for (ClassId c : node.children) h = h * 1000003u ^ std::hash<uint32_t>()(c);

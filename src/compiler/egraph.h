@@ -23,7 +23,6 @@ struct Symbol {
   int state = -1;
   int64_t width = 0;
   std::string label;
-  bool same_identity(const Symbol& other) const;
 };
 
 struct ENode {

@@ -33,7 +33,14 @@ ClassId add_fused(EGraph& graph, Op op, Attrs attrs, std::vector<int> weights, s
 const std::vector<Rule>& all_rules() {
   static const std::vector<Rule> rules = [] {
     std::vector<Rule> all;
-    for (auto group : {linear_rules(), ffn_rules(), attention_rules()}) all.insert(all.end(), group.begin(), group.end());
+    const std::pair<const char*, std::vector<Rule>> groups[] = {
+        {"rules/linear_rules.cpp", linear_rules()}, {"rules/ffn_rules.cpp", ffn_rules()}, {"rules/attention_rules.cpp", attention_rules()}};
+    for (const auto& [file, group] : groups) {
+      for (Rule rule : group) {
+        rule.file = file;
+        all.push_back(std::move(rule));
+      }
+    }
     return all;
   }();
   return rules;

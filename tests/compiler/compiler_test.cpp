@@ -49,10 +49,12 @@ TEST(Rules, AtLeastTwelveNamedRulesInThreeFiles) {
   std::set<std::string> names, files;
   for (const Rule& rule : all_rules()) {
     EXPECT_TRUE(names.insert(rule.name).second) << "duplicate rule " << rule.name;
+    files.insert(rule.file);
     EXPECT_FALSE(rule.definition.empty()) << rule.name;
     EXPECT_TRUE(rule.instance) << rule.name << " has no certificate instance";
   }
   EXPECT_GE(names.size(), 12u);
+  EXPECT_EQ(files.size(), 3u);
 }
 
 // Produces every certificate and compares it with the committed src/compiler/certificates.json.
