@@ -1,0 +1,84 @@
+// cuda backend: runs validated Plans on one GPU. Two modes over the same op bodies (device.cuh):
+//  - megakernel: one persistent launch per step, grid = plan.workers blocks (≤ SM count, one per SM),
+//    each block walks its queue of 64-byte instructions, waiting on epoch counters (acquire) and
+//    bumping them (release); the weights of a task are prefetched into L2 before it waits.
+//  - eager: one launch per plan op, one block per task (baseline and bisection aid).
+// Weights live in device memory in their storage dtype (MXFP4 experts stay packed); activations in one
+// fp32 arena rounded to the activation dtype exactly where the CPU reference rounds.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "graph/graph.h"
+#include "graph/weights.h"
+#include "plan/plan.h"
+#include "runtime/backend.h"
+
+namespace plow::cuda {
+
+struct DeviceWeightSet;  // weights in device memory, by graph weight id
+
+// Copies bound checkpoint weights to the device (MXFP4 stays packed).
+std::shared_ptr<DeviceWeightSet> upload_weights(const Graph& graph, const BoundWeights& weights);
+// Draws every declared weight on the device from `seed` (benchmarks of models too large for host
+// memory): matrices uniform in ±1/√in, norm weights near 1, MXFP4 codes uniform with scales near 2⁻⁴.
+std::shared_ptr<DeviceWeightSet> random_device_weights(const Graph& graph, uint64_t seed, DType dtype);
+int64_t device_weight_bytes(const DeviceWeightSet& weights);
+
+struct CudaOptions {
+  DType act_dtype = DType::F32;
+  int num_slots = 1;
+  int64_t max_context_tokens = 4096;  // per slot: MLA latent rows reserved at construction
+  bool eager = false;                 // one launch per op instead of the megakernel
+  int device = 0;
+};
+
+// Per-opcode time of one step (profile mode): measured by running the step's ops one launch each
+// with events (eager order), plus the megakernel's wait statistics.
+struct OpcodeProfile {
+  std::string op;
+  int64_t tasks = 0;
+  double ms = 0;
+  double bytes = 0;  // weight bytes the op's tasks read
+};
+
+class CudaBackend : public Backend {
+ public:
+  // `graph` is the model's graph (weight ids of the plans' declarations are resolved by name against
+  // it); every plan is validated (validate_plan with this backend's op set) and must fit the device.
+  CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> weights, std::vector<Plan> plans, const CudaOptions& options);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  StepOutput step(const StepInputs& inputs) override;
+  void reset_slot(int slot) override;
+  int64_t context_tokens(int slot) const override;
+  int num_slots() const override;
+  DType act_dtype() const override;
+
+  // Whether the device has a body for `opcode`.
+  static bool has_op(uint8_t opcode);
+  static int sm_count(int device = 0);
+  static std::string device_name(int device = 0);
+
+  // Benchmarks: runs a decode step over `batch` sequences in slots 0..batch−1 at their current context
+  // without downloading logits (greedy ids stay on the device and feed the next step). Returns ms.
+  double timed_decode_steps(int batch, int steps);
+  // Sets every slot's context to `tokens` (caches filled with the values already there) so a decode
+  // step attends over that many cached positions — for benchmarks at long context.
+  void fake_context(int64_t tokens);
+  std::vector<OpcodeProfile> profile_decode_step(int batch);
+  const Plan& plan(int index) const;
+  int last_plan() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace plow::cuda
