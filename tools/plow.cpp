@@ -26,6 +26,7 @@
 #include "plan/wire.h"
 #include "runtime/cpu/interpreter.h"
 #include "runtime/cpu/reference.h"
+#include "tools/cuda_commands.h"
 
 namespace {
 
@@ -131,8 +132,10 @@ bool has_tokenizer(const std::string& model_dir) {
 }
 
 int run_generate(const GenerateArgs& args) {
-  if (args.backend != "cpu" && args.backend != "cpu-plan") fail("--backend '{}': this build has the 'cpu' and 'cpu-plan' backends", args.backend);
-  if (args.backend == "cpu" && (args.workers != 0 || !args.plan_files.empty())) fail("--workers and --plan need --backend cpu-plan");
+  const bool cuda = args.backend == "cuda" || args.backend == "cuda-eager";
+  if (args.backend != "cpu" && args.backend != "cpu-plan" && !cuda) fail("--backend '{}': expected cpu, cpu-plan, cuda or cuda-eager", args.backend);
+  if (args.backend == "cpu" && (args.workers != 0 || !args.plan_files.empty())) fail("--workers and --plan need --backend cpu-plan or cuda");
+  if (cuda && !args.plan_files.empty()) fail("--plan: the cuda backends compile their plans for this prompt");
   if (args.workers < 0) fail("--workers must be >= 1, found {}", args.workers);
   if (args.prompt_ids.empty() && args.prompt_text.empty()) fail("one of --prompt-ids or --prompt is required");
   if (!args.prompt_text.empty() && args.source.model_dir.empty()) fail("--prompt needs --model DIR (the tokenizer lives beside the weights)");
@@ -173,6 +176,10 @@ int run_generate(const GenerateArgs& args) {
   std::unique_ptr<Backend> backend;
   if (args.backend == "cpu") {
     backend = std::make_unique<ReferenceBackend>(model->graph, *model->weights, act, 1);
+  } else if (cuda) {
+    const auto prompt_tokens = static_cast<int64_t>(options.prompt.size());
+    const int64_t chunk = options.prefill_chunk_tokens > 0 ? std::min(options.prefill_chunk_tokens, prompt_tokens) : prompt_tokens;
+    backend = tools::make_cuda_backend(*model, act, prompt_tokens + options.max_new_tokens, chunk, args.backend == "cuda-eager", args.workers);
   } else {
     backend = make_plan_backend(args, *model, options, act);
   }
@@ -351,7 +358,7 @@ int main(int argc, char** argv) {
   generate_cmd->add_option("--top-p", gen.top_p);
   generate_cmd->add_option("--top-k", gen.top_k, "0 = no limit");
   generate_cmd->add_option("--seed", gen.source.seed, "sampling seed, and the weights' seed with --random-weights");
-  generate_cmd->add_option("--backend", gen.backend, "cpu (the reference) or cpu-plan (compiled plans on worker threads)");
+  generate_cmd->add_option("--backend", gen.backend, "cpu (the reference), cpu-plan (compiled plans on worker threads), cuda (the megakernel) or cuda-eager");
   generate_cmd->add_option("--workers", gen.workers, "cpu-plan: worker threads (default: the plans', or one per core)");
   generate_cmd->add_flag("--no-fusion", gen.no_fusion, "cpu-plan: lower the graph without the compiler's fusion rules");
   generate_cmd->add_option("--plan", gen.plan_files, "cpu-plan: .plow files to run (default: compile for this prompt)");
@@ -389,6 +396,13 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--max-waiting", serve.max_waiting, "queued requests beyond which new ones get 429");
   serve_cmd->add_option("--served-model-name", serve.served_model_name, "the model id clients pass (default: the directory's name)");
 
+  CLI::App* bench_cmd = app.add_subcommand("bench", "benchmarks that write bench/results records");
+  bench_cmd->require_subcommand(1);
+  tools::BenchDecodeArgs bench_decode;
+  CLI::App* bench_decode_cmd = bench_cmd->add_subcommand("decode", "decode steps on the GPU: megakernel, cuda-eager, read roofline, HF peer");
+  tools::add_bench_decode_options(bench_decode_cmd, bench_decode);
+  for (int i = 0; i < argc; ++i) bench_decode.command_line += (i ? " " : "") + std::string(i == 0 ? "plow" : argv[i]);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -403,6 +417,7 @@ int main(int argc, char** argv) {
     if (inspect_cmd->parsed()) return run_inspect(inspect_source);
     if (compile_cmd->parsed()) return run_compile(comp);
     if (serve_cmd->parsed()) return run_serve(serve);
+    if (bench_decode_cmd->parsed()) return tools::run_bench_decode(bench_decode);
   } catch (const plow::Error& e) {
     std::fprintf(stderr, "plow: error: %s\n", e.what());
     return 1;

@@ -28,6 +28,9 @@ std::shared_ptr<DeviceWeightSet> upload_weights(const Graph& graph, const BoundW
 // memory): matrices uniform in ±1/√in, norm weights near 1, MXFP4 codes uniform with scales near 2⁻⁴.
 std::shared_ptr<DeviceWeightSet> random_device_weights(const Graph& graph, uint64_t seed, DType dtype);
 int64_t device_weight_bytes(const DeviceWeightSet& weights);
+// The roofline's denominator: GB/s of a streaming read of `bytes` (16-byte loads, all SMs), median of
+// several timed passes over a buffer far larger than the L2.
+double measure_read_bandwidth_gbps(int64_t bytes, int device = 0);
 
 struct CudaOptions {
   DType act_dtype = DType::F32;
@@ -73,6 +76,7 @@ class CudaBackend : public Backend {
   // step attends over that many cached positions — for benchmarks at long context.
   void fake_context(int64_t tokens);
   std::vector<OpcodeProfile> profile_decode_step(int batch);
+  void set_eager(bool eager);  // switch between the megakernel and one launch per op (same weights and state)
   const Plan& plan(int index) const;
   int last_plan() const;
 

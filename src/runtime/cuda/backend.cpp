@@ -1,0 +1,789 @@
+// CudaBackend: device memory for weights, states and the activation arena; each plan decoded once into
+// OpDesc tables and 64-byte instructions; a step = upload the step view and token ids, one megakernel
+// launch (or one launch per op in eager mode), download the logits rows asked for and the error flag.
+#include "runtime/cuda/backend.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <set>
+
+#include "core/error.h"
+#include "plan/validate.h"
+#include "runtime/cuda/kernels.h"
+
+namespace plow::cuda {
+
+void cuda_failure(const char* what, cudaError_t error) { fail("cuda: {}: {}", what, cudaGetErrorString(error)); }
+
+bool pack_misc_attrs(const PlanOp& op, float* attr);  // ops_attrs.cpp
+
+namespace {
+
+void check(cudaError_t error, const char* what) {
+  if (error != cudaSuccess) cuda_failure(what, error);
+}
+
+// A device allocation freed with its owner.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t n, const char* what) : bytes(n) {
+    if (n == 0) return;
+    const cudaError_t error = cudaMalloc(&ptr, n);
+    if (error != cudaSuccess) {
+      size_t free_bytes = 0, total = 0;
+      cudaMemGetInfo(&free_bytes, &total);
+      fail("cuda: cannot allocate {:.2f} GiB for {} ({:.2f} GiB free of {:.2f}): {}", static_cast<double>(n) / (1 << 30), what,
+           static_cast<double>(free_bytes) / (1 << 30), static_cast<double>(total) / (1 << 30), cudaGetErrorString(error));
+    }
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr(std::exchange(o.ptr, nullptr)), bytes(std::exchange(o.bytes, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(ptr, o.ptr);
+    std::swap(bytes, o.bytes);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (ptr != nullptr) cudaFree(ptr);
+  }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr); }
+};
+
+template <typename T>
+DeviceBuffer upload(const std::vector<T>& host, const char* what) {
+  DeviceBuffer buffer(std::max<size_t>(host.size() * sizeof(T), 16), what);
+  if (!host.empty()) check(cudaMemcpy(buffer.ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice), what);
+  return buffer;
+}
+
+int32_t weight_type(DType dtype, const std::string& name) {
+  switch (dtype) {
+    case DType::F32: return kWF32;
+    case DType::BF16: return kWBF16;
+    case DType::F16: return kWF16;
+    default: fail("cuda: weight '{}' has dtype {}, expected F32, BF16 or F16 (or MXFP4)", name, dtype_name(dtype));
+  }
+}
+
+int32_t act_type(DType dtype) {
+  switch (dtype) {
+    case DType::F32: return kAF32;
+    case DType::BF16: return kABF16;
+    case DType::F16: return kAF16;
+    default: fail("cuda: activation dtype {} is not supported (expected F32, BF16 or F16)", dtype_name(dtype));
+  }
+}
+
+// [rows, cols] of one part: 2-D as is; higher rank folds the trailing dimensions; 1-D is one row.
+std::pair<int64_t, int64_t> matrix_shape(const std::vector<int64_t>& shape) {
+  if (shape.size() <= 1) return {1, shape.empty() ? 1 : shape[0]};
+  int64_t cols = 1;
+  for (size_t i = 1; i < shape.size(); ++i) cols *= shape[i];
+  return {shape[0], cols};
+}
+
+size_t type_size(int32_t type) { return type == kWF32 ? 4 : 2; }
+
+int sm_count_of(int device) {
+  int count = 0;
+  check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "device query");
+  return count;
+}
+
+}  // namespace
+
+struct DeviceWeightSet {
+  std::vector<DeviceWeight> by_id;  // graph weight id → device weight
+  std::map<std::string, int> by_name;
+  std::vector<DeviceBuffer> buffers;
+  int64_t bytes = 0;
+};
+
+int64_t device_weight_bytes(const DeviceWeightSet& weights) { return weights.bytes; }
+
+std::shared_ptr<DeviceWeightSet> upload_weights(const Graph& graph, const BoundWeights& weights) {
+  auto set = std::make_shared<DeviceWeightSet>();
+  std::map<const TensorView*, DeviceWeight> done;  // tied weights share one copy
+  for (size_t id = 0; id < graph.weights().size(); ++id) {
+    const WeightDecl& decl = graph.weights()[id];
+    const BoundWeight& bound = weights[static_cast<int>(id)];
+    set->by_name.emplace(decl.name, static_cast<int>(id));
+    if (auto it = done.find(bound.parts.front()); it != done.end()) {
+      set->by_id.push_back(it->second);
+      continue;
+    }
+    const auto [rows, cols] = matrix_shape(decl.shape);
+    DeviceWeight w;
+    w.rows = rows;
+    w.cols = cols;
+    w.parts = static_cast<int32_t>(bound.parts.size());
+    const TensorView& first = *bound.parts.front();
+    if (first.is_mxfp4()) {
+      w.type = kWMXFP4;
+      w.part_bytes = rows * cols / 2;
+      w.scale_part_bytes = rows * cols / 32;
+    } else {
+      w.type = weight_type(first.dtype, first.name);
+      w.part_bytes = rows * cols * static_cast<int64_t>(type_size(w.type));
+    }
+    DeviceBuffer data(static_cast<size_t>(w.part_bytes * w.parts), decl.name.c_str());
+    DeviceBuffer scales(static_cast<size_t>(w.scale_part_bytes * w.parts), decl.name.c_str());
+    for (int p = 0; p < w.parts; ++p) {
+      const TensorView& part = *bound.parts[static_cast<size_t>(p)];
+      if ((w.type == kWMXFP4) != part.is_mxfp4() || (w.type != kWMXFP4 && weight_type(part.dtype, part.name) != w.type)) {
+        fail("cuda: the parts of stacked weight '{}' differ in dtype ('{}')", decl.name, part.name);
+      }
+      check(cudaMemcpy(data.as<uint8_t>() + p * w.part_bytes, part.data, static_cast<size_t>(w.part_bytes), cudaMemcpyHostToDevice), "weight upload");
+      if (w.type == kWMXFP4) {
+        check(cudaMemcpy(scales.as<uint8_t>() + p * w.scale_part_bytes, part.mx_scales, static_cast<size_t>(w.scale_part_bytes), cudaMemcpyHostToDevice),
+              "weight upload");
+      }
+    }
+    w.data = data.as<uint8_t>();
+    w.scales = scales.as<uint8_t>();
+    set->bytes += static_cast<int64_t>(data.bytes + scales.bytes);
+    set->buffers.push_back(std::move(data));
+    set->buffers.push_back(std::move(scales));
+    done.emplace(&first, w);
+    set->by_id.push_back(w);
+  }
+  return set;
+}
+
+std::shared_ptr<DeviceWeightSet> random_device_weights(const Graph& graph, uint64_t seed, DType dtype) {
+  auto set = std::make_shared<DeviceWeightSet>();
+  std::map<std::string, DeviceWeight> made;  // tied embeddings are declared twice
+  uint64_t tensor = 0;
+  const int32_t type = weight_type(dtype, "random weights");
+  for (size_t id = 0; id < graph.weights().size(); ++id) {
+    const WeightDecl& decl = graph.weights()[id];
+    set->by_name.emplace(decl.name, static_cast<int>(id));
+    const uint64_t first_tensor = tensor + 1;
+    tensor += decl.parts.size();
+    if (auto it = made.find(decl.parts.front()); it != made.end()) {
+      set->by_id.push_back(it->second);
+      continue;
+    }
+    const auto [rows, cols] = matrix_shape(decl.shape);
+    const std::string& name = decl.parts.front();
+    DeviceWeight w;
+    w.rows = rows;
+    w.cols = cols;
+    w.parts = static_cast<int32_t>(decl.parts.size());
+    const bool f32 = name.ends_with("A_log") || name.ends_with("dt_bias") || name.ends_with("e_score_correction_bias");
+    if (decl.mxfp4) {
+      w.type = kWMXFP4;
+      w.part_bytes = rows * cols / 2;
+      w.scale_part_bytes = rows * cols / 32;
+    } else {
+      w.type = f32 ? kWF32 : type;
+      w.part_bytes = rows * cols * static_cast<int64_t>(type_size(w.type));
+    }
+    DeviceBuffer data(static_cast<size_t>(w.part_bytes * w.parts), name.c_str());
+    DeviceBuffer scales(static_cast<size_t>(w.scale_part_bytes * w.parts), name.c_str());
+    FillKind kind = FillKind::kLinear;
+    if (name.ends_with("A_log")) kind = FillKind::kALog;
+    else if (name.ends_with("norm.weight")) kind = FillKind::kNorm;
+    else if (name.ends_with("embed_tokens.weight")) kind = FillKind::kEmbedding;
+    else if (name.ends_with("res_proj.weight")) kind = FillKind::kResProj;
+    else if (name.ends_with("gate.weight") && name.find("block_sparse_moe.gate") != std::string::npos) kind = FillKind::kRouter;
+    const int scale_base = 127 + static_cast<int>(std::lround(std::log2(0.5 / std::sqrt(static_cast<double>(cols)) / 3.0)));
+    for (int p = 0; p < w.parts; ++p) {
+      const uint64_t t = first_tensor + static_cast<uint64_t>(p);
+      if (decl.mxfp4) {
+        launch_fill(data.as<uint8_t>() + p * w.part_bytes, w.part_bytes, 0, FillKind::kMxfp4Codes, seed, t * 2, 0, 0, nullptr);
+        launch_fill(scales.as<uint8_t>() + p * w.scale_part_bytes, w.scale_part_bytes, 0, FillKind::kMxfp4Scales, seed, t * 2, 0, scale_base, nullptr);
+      } else {
+        launch_fill(data.as<uint8_t>() + p * w.part_bytes, rows * cols, w.type, kind, seed, t, static_cast<float>(decl.shape.back()), 0, nullptr);
+      }
+    }
+    w.data = data.as<uint8_t>();
+    w.scales = scales.as<uint8_t>();
+    set->bytes += static_cast<int64_t>(data.bytes + scales.bytes);
+    set->buffers.push_back(std::move(data));
+    set->buffers.push_back(std::move(scales));
+    made.emplace(name, w);
+    set->by_id.push_back(w);
+  }
+  check(cudaDeviceSynchronize(), "random weights");
+  return set;
+}
+
+namespace {
+
+// OpDesc::attr for the weight-streaming ops (gemv.cuh documents each layout); the others come from
+// pack_misc_attrs.
+void pack_attrs(const PlanOp& op, float* attr) {
+  const Attrs& a = op.attrs;
+  auto get = [&](const char* name, double fallback = 0.0) { return static_cast<float>(a.has(name) ? a.get(name) : fallback); };
+  switch (op.op()) {
+    case Op::kTokens:
+    case Op::kEmbedding:
+    case Op::kLinear:
+    case Op::kMultiLinear:
+    case Op::kLinearAdd:
+      return;
+    case Op::kNormLinear:
+    case Op::kNormMultiLinear:
+      attr[0] = get("eps");
+      return;
+    case Op::kGateUpAct:
+    case Op::kActLinear:
+      attr[0] = get("act");
+      attr[1] = get("beta");
+      attr[2] = get("linear_beta");
+      return;
+    case Op::kGatedNormLinear:
+      attr[0] = get("eps");
+      attr[1] = get("head_dim");
+      return;
+    default:
+      if (!pack_misc_attrs(op, attr)) fail("cuda: no attribute layout for op '{}' ({})", op.label, op_name(op.op()));
+  }
+}
+
+// Bytes of weights a task streams first: the rows of its columns in the first weight it reads (for
+// the L2 prefetch); MoE tasks learn their experts only at run time.
+std::pair<const uint8_t*, uint32_t> prefetch_range(const PlanOp& op, const std::vector<DeviceWeight>& weights, const PlanTask& task) {
+  int index = -1;
+  switch (op.op()) {
+    case Op::kLinear:
+    case Op::kMultiLinear:
+    case Op::kLinearAdd:
+    case Op::kGateUpAct:
+    case Op::kActLinear:
+      index = 0;
+      break;
+    case Op::kNormLinear:
+    case Op::kNormMultiLinear:
+    case Op::kGatedNormLinear:
+      index = 1;
+      break;
+    default:
+      return {nullptr, 0};
+  }
+  if (index >= static_cast<int>(weights.size())) return {nullptr, 0};
+  const DeviceWeight& w = weights[static_cast<size_t>(index)];
+  if (w.type == kWMXFP4 || w.parts != 1) return {nullptr, 0};
+  const int64_t row_bytes = w.cols * static_cast<int64_t>(type_size(w.type));
+  const int64_t first = std::min(task.col_begin, w.rows), last = std::min(task.col_end, w.rows);
+  if (last <= first) return {nullptr, 0};
+  const uint8_t* begin = w.data + first * row_bytes;
+  int64_t bytes = std::min<int64_t>((last - first) * row_bytes, 192 * 1024);
+  const auto misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(begin) & 15);
+  begin += misalign ? 16 - misalign : 0;
+  bytes = (bytes - (misalign ? 16 - misalign : 0)) & ~int64_t{15};
+  if (bytes <= 0) return {nullptr, 0};
+  return {begin, static_cast<uint32_t>(bytes)};
+}
+
+bool same_state(const StateDecl& a, const StateDecl& b) {
+  return a.kind == b.kind && a.width == b.width && a.depth == b.depth && a.label == b.label;
+}
+
+}  // namespace
+
+struct CudaBackend::Impl {
+  struct PreparedPlan {
+    Plan plan;
+    DeviceBuffer ops, op_inputs, op_weights, queue_instrs, task_instrs, queue_begin, signals, counters;
+    std::vector<std::pair<int32_t, int32_t>> op_tasks;  // per op: [first, end) in task order
+    std::vector<int64_t> token_offsets;                 // arena offsets of the kTokens ops
+    uint32_t max_threshold = 1;
+    uint32_t epoch = 0;
+  };
+
+  std::shared_ptr<DeviceWeightSet> weights;
+  CudaOptions options;
+  cudaStream_t stream = nullptr;
+  std::vector<std::unique_ptr<PreparedPlan>> plans;
+  DeviceBuffer arena, scratch, state_table, step_ints, error_flag, argmax_ids, profile;
+  std::vector<DeviceBuffer> state_buffers;
+  std::vector<DeviceState> states;
+  std::vector<int64_t> contexts;  // per slot
+  int64_t max_tokens = 0;
+  int max_workers = 0;
+  int last_plan = -1;
+
+  int choose(bool decode, int64_t rows) const {
+    const PlanPhase phase = decode ? PlanPhase::kDecode : PlanPhase::kPrefill;
+    int best = -1;
+    for (size_t i = 0; i < plans.size(); ++i) {
+      const Plan& p = plans[i]->plan;
+      if (p.phase != phase || p.max_tokens < rows) continue;
+      if (best < 0 || p.max_tokens < plans[static_cast<size_t>(best)]->plan.max_tokens) best = static_cast<int>(i);
+    }
+    if (best >= 0) return best;
+    std::string available;
+    for (const auto& prepared : plans) available += fmt::format("{}{} ≤ {}", available.empty() ? "" : ", ", phase_name(prepared->plan.phase), prepared->plan.max_tokens);
+    fail("cuda: no {} plan holds a step of {} tokens (plans: {})", phase_name(phase), rows, available);
+  }
+
+  // Uploads the step view (sequences as StepView arrays) and writes the token ids into the arena.
+  StepView upload_step(PreparedPlan& prepared, const std::vector<int32_t>& tokens, const std::vector<SequenceStep>& seqs) {
+    const auto rows = static_cast<int32_t>(tokens.size());
+    const auto n = static_cast<int32_t>(seqs.size());
+    std::vector<int32_t> ints;
+    ints.reserve(static_cast<size_t>(3 * rows + 4 * n));
+    ints.insert(ints.end(), tokens.begin(), tokens.end());
+    std::vector<int32_t> row_seq, row_pos, slot, first_row, count, context;
+    int32_t row = 0;
+    for (int32_t s = 0; s < n; ++s) {
+      const SequenceStep& seq = seqs[static_cast<size_t>(s)];
+      slot.push_back(seq.slot);
+      first_row.push_back(row);
+      count.push_back(static_cast<int32_t>(seq.query_tokens));
+      context.push_back(static_cast<int32_t>(contexts[static_cast<size_t>(seq.slot)]));
+      for (int64_t t = 0; t < seq.query_tokens; ++t) {
+        row_seq.push_back(s);
+        row_pos.push_back(static_cast<int32_t>(contexts[static_cast<size_t>(seq.slot)] + t));
+      }
+      row += static_cast<int32_t>(seq.query_tokens);
+    }
+    for (const auto* v : {&row_seq, &row_pos, &slot, &first_row, &count, &context}) ints.insert(ints.end(), v->begin(), v->end());
+    check(cudaMemcpyAsync(step_ints.ptr, ints.data(), ints.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream), "step upload");
+    const int32_t* base = step_ints.as<int32_t>();
+    StepView view;
+    view.tokens = rows;
+    view.num_seqs = n;
+    view.token_ids = base;
+    view.row_seq = base + rows;
+    view.row_pos = base + 2 * rows;
+    view.seq_slot = base + 3 * rows;
+    view.seq_first_row = view.seq_slot + n;
+    view.seq_tokens = view.seq_first_row + n;
+    view.seq_context = view.seq_tokens + n;
+    view.states = state_table.as<DeviceState>();
+    view.error = error_flag.as<int32_t>();
+    std::vector<float> as_float(tokens.begin(), tokens.end());
+    for (int64_t offset : prepared.token_offsets) {
+      check(cudaMemcpyAsync(arena.as<float>() + offset, as_float.data(), as_float.size() * sizeof(float), cudaMemcpyHostToDevice, stream), "token upload");
+    }
+    check(cudaStreamSynchronize(stream), "step upload");  // the host vectors die with this call
+    return view;
+  }
+
+  KernelParams params(PreparedPlan& prepared, const StepView& view, bool eager) {
+    prepared.epoch += 1;
+    if (static_cast<uint64_t>(prepared.max_threshold) * (prepared.epoch + 1) >= (uint64_t{1} << 31)) {  // counters restart before they overflow
+      check(cudaMemsetAsync(prepared.counters.ptr, 0, prepared.counters.bytes, stream), "counter reset");
+      prepared.epoch = 1;
+    }
+    KernelParams p;
+    p.instrs = eager ? prepared.task_instrs.as<Instr>() : prepared.queue_instrs.as<Instr>();
+    p.queue_begin = prepared.queue_begin.as<int32_t>();
+    p.signals = prepared.signals.as<int32_t>();
+    p.ops = prepared.ops.as<OpDesc>();
+    p.arena = arena.as<float>();
+    p.counters = prepared.counters.as<unsigned>();
+    p.scratch = scratch.as<float>();
+    p.step = view;
+    p.epoch = prepared.epoch;
+    return p;
+  }
+
+  void launch(PreparedPlan& prepared, const KernelParams& p, bool eager) {
+    if (!eager) {
+      launch_megakernel(p, prepared.plan.workers, stream);
+      return;
+    }
+    for (const auto& [first, end] : prepared.op_tasks) {
+      if (end > first) launch_eager(p, first, end - first, stream);
+    }
+  }
+
+  void check_device_error() {
+    int32_t code = 0;
+    check(cudaMemcpyAsync(&code, error_flag.ptr, sizeof(code), cudaMemcpyDeviceToHost, stream), "error flag");
+    check(cudaStreamSynchronize(stream), "step");
+    if (code == 0) return;
+    check(cudaMemsetAsync(error_flag.ptr, 0, sizeof(int32_t), stream), "error flag");
+    switch (code) {
+      case kErrBadToken: fail("cuda: a token id is outside the vocabulary");
+      case kErrContext: fail("cuda: a sequence outgrew its slot's cache");
+      case kErrOpcode: fail("cuda: an op without a device body was run");
+      default: fail("cuda: the device reported error {}", code);
+    }
+  }
+};
+
+CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> weights, std::vector<Plan> plans, const CudaOptions& options)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.weights = std::move(weights);
+  m.options = options;
+  if (!m.weights) fail("cuda: no weights");
+  if (plans.empty()) fail("cuda: no plans to run");
+  if (options.num_slots < 1) fail("cuda: {} slots, expected at least 1", options.num_slots);
+  if (options.max_context_tokens < 1) fail("cuda: max context of {} tokens, expected at least 1", options.max_context_tokens);
+  const int32_t act = act_type(options.act_dtype);
+  check(cudaSetDevice(options.device), "selecting the device");
+  configure_kernels();
+  check(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking), "stream");
+  const int sms = sm_count(options.device);
+  (void)graph;
+
+  int64_t arena_floats = 0;
+  for (Plan& plan : plans) {
+    validate_plan(plan, [](uint8_t opcode) { return device_has_op(opcode); });
+    if (plan.workers > sms) fail("plan '{}' needs {} workers; this GPU has {} SMs (compile with --workers ≤ {})", plan.source, plan.workers, sms, sms);
+    const Plan& first = m.plans.empty() ? plan : m.plans.front()->plan;
+    if (plan.states.size() != first.states.size() || !std::equal(plan.states.begin(), plan.states.end(), first.states.begin(), same_state) ||
+        plan.op(plan.output_op).width != first.op(first.output_op).width) {
+      fail("plan '{}' and plan '{}' describe different models (state tables or output widths differ)", plan.source, first.source);
+    }
+    auto prepared = std::make_unique<Impl::PreparedPlan>();
+    prepared->plan = std::move(plan);
+    arena_floats = std::max(arena_floats, prepared->plan.arena_floats);
+    m.max_tokens = std::max(m.max_tokens, prepared->plan.max_tokens);
+    m.max_workers = std::max(m.max_workers, prepared->plan.workers);
+    m.plans.push_back(std::move(prepared));
+  }
+  m.arena = DeviceBuffer(static_cast<size_t>(arena_floats) * sizeof(float), "the activation arena");
+  check(cudaMemset(m.arena.ptr, 0, m.arena.bytes), "arena");
+  m.scratch = DeviceBuffer(static_cast<size_t>(std::max(m.max_workers, 1)) * kScratchFloats * sizeof(float) * 2, "op scratch");
+  m.step_ints = DeviceBuffer(static_cast<size_t>(3 * m.max_tokens + 4 * m.max_tokens + 64) * sizeof(int32_t), "the step view");
+  m.error_flag = DeviceBuffer(sizeof(int32_t), "the error flag");
+  check(cudaMemset(m.error_flag.ptr, 0, sizeof(int32_t)), "error flag");
+  m.argmax_ids = DeviceBuffer(static_cast<size_t>(m.max_tokens) * sizeof(int32_t), "argmax ids");
+  m.profile = DeviceBuffer(static_cast<size_t>(std::max(m.max_workers, 1)) * 4 * sizeof(unsigned long long), "profile counters");
+
+  // Per-slot state, one buffer per state declaration for all slots.
+  for (const StateDecl& decl : m.plans.front()->plan.states) {
+    DeviceState s;
+    s.width = decl.width;
+    switch (decl.kind) {
+      case StateKind::kConvWindow: s.depth = decl.depth; s.slot_floats = decl.width * decl.depth; break;
+      case StateKind::kKdaRecurrent: s.depth = decl.depth; s.slot_floats = decl.width * (decl.width / decl.depth); break;
+      case StateKind::kMlaLatent: s.depth = options.max_context_tokens; s.slot_floats = options.max_context_tokens * decl.width; break;
+    }
+    DeviceBuffer buffer(static_cast<size_t>(s.slot_floats * options.num_slots) * sizeof(float), decl.label.c_str());
+    check(cudaMemset(buffer.ptr, 0, buffer.bytes), "state");
+    s.base = buffer.as<float>();
+    m.states.push_back(s);
+    m.state_buffers.push_back(std::move(buffer));
+  }
+  m.state_table = upload(m.states, "the state table");
+  m.contexts.assign(static_cast<size_t>(options.num_slots), 0);
+
+  // Decode each plan: OpDescs with resolved pointers, instructions in queue order and in task order.
+  for (auto& prepared_ptr : m.plans) {
+    Impl::PreparedPlan& prepared = *prepared_ptr;
+    const Plan& plan = prepared.plan;
+    std::vector<DeviceWeight> plan_weights;
+    for (const WeightDecl& decl : plan.weights) {
+      auto it = m.weights->by_name.find(decl.name);
+      if (it == m.weights->by_name.end()) fail("plan '{}': weight '{}' is not among the model's weights", plan.source, decl.name);
+      const DeviceWeight& w = m.weights->by_id[static_cast<size_t>(it->second)];
+      const auto [rows, cols] = matrix_shape(decl.shape);
+      if (w.rows != rows || w.cols != cols || w.parts != static_cast<int32_t>(decl.parts.size()) || (w.type == kWMXFP4) != decl.mxfp4) {
+        fail("plan '{}': weight '{}' is [{}x{}]x{} in the plan but [{}x{}]x{} on the device", plan.source, decl.name, rows, cols, decl.parts.size(), w.rows,
+             w.cols, w.parts);
+      }
+      plan_weights.push_back(w);
+    }
+    std::vector<int64_t> op_inputs;
+    std::vector<DeviceWeight> op_weights;
+    std::vector<std::pair<size_t, size_t>> input_at, weight_at;  // per op: first index into the two arrays
+    for (const PlanOp& op : plan.ops) {
+      input_at.emplace_back(op_inputs.size(), 0);
+      for (int32_t in : op.inputs) op_inputs.push_back(plan.op(in).offset);
+      for (int32_t in : op.inputs) op_inputs.push_back(plan.op(in).width);
+      weight_at.emplace_back(op_weights.size(), 0);
+      for (int32_t w : op.weights) op_weights.push_back(plan_weights[static_cast<size_t>(w)]);
+    }
+    prepared.op_inputs = upload(op_inputs, "op inputs");
+    prepared.op_weights = upload(op_weights, "op weights");
+    std::vector<OpDesc> descs;
+    for (size_t i = 0; i < plan.ops.size(); ++i) {
+      const PlanOp& op = plan.ops[i];
+      OpDesc d;
+      d.opcode = op.opcode;
+      d.act = act;
+      d.round_out = op.dtype == OutDType::kAct ? 1 : 0;
+      d.num_inputs = static_cast<int32_t>(op.inputs.size());
+      d.num_weights = static_cast<int32_t>(op.weights.size());
+      d.state = op.state;
+      d.width = op.width;
+      d.out_offset = op.offset;
+      d.in_offset = prepared.op_inputs.as<int64_t>() + input_at[i].first;
+      d.in_width = d.in_offset + op.inputs.size();
+      d.weights = prepared.op_weights.as<DeviceWeight>() + weight_at[i].first;
+      pack_attrs(op, d.attr);
+      descs.push_back(d);
+      if (op.op() == Op::kTokens) prepared.token_offsets.push_back(op.offset);
+    }
+    prepared.ops = upload(descs, "op table");
+
+    std::vector<int32_t> signals;
+    std::vector<Instr> by_task;
+    prepared.op_tasks.assign(plan.ops.size(), {0, 0});
+    for (size_t t = 0; t < plan.tasks.size(); ++t) {
+      const PlanTask& task = plan.tasks[t];
+      const PlanOp& op = plan.op(task.op);
+      Instr ins;
+      ins.op = task.op;
+      ins.opcode = op.opcode;
+      ins.wait_counter = task.wait_counter;
+      ins.wait_threshold = static_cast<uint32_t>(task.wait_threshold);
+      prepared.max_threshold = std::max(prepared.max_threshold, ins.wait_threshold);
+      ins.signal_begin = static_cast<int32_t>(signals.size());
+      ins.num_signals = static_cast<int32_t>(task.signals.size());
+      signals.insert(signals.end(), task.signals.begin(), task.signals.end());
+      ins.col_begin = task.col_begin;
+      ins.col_end = task.col_end;
+      std::vector<DeviceWeight> ws;
+      for (int32_t w : op.weights) ws.push_back(plan_weights[static_cast<size_t>(w)]);
+      std::tie(ins.prefetch, ins.prefetch_bytes) = prefetch_range(op, ws, task);
+      auto& range = prepared.op_tasks[static_cast<size_t>(task.op)];
+      if (range.second == range.first) range.first = static_cast<int32_t>(t);
+      range.second = static_cast<int32_t>(t) + 1;
+      by_task.push_back(ins);
+    }
+    std::vector<Instr> by_queue;
+    std::vector<int32_t> queue_begin{0};
+    for (const std::vector<int32_t>& queue : plan.queues) {
+      for (int32_t t : queue) by_queue.push_back(by_task[static_cast<size_t>(t)]);
+      queue_begin.push_back(static_cast<int32_t>(by_queue.size()));
+    }
+    prepared.task_instrs = upload(by_task, "instructions");
+    prepared.queue_instrs = upload(by_queue, "instructions");
+    prepared.queue_begin = upload(queue_begin, "queues");
+    prepared.signals = upload(signals, "signals");
+    prepared.counters = DeviceBuffer(static_cast<size_t>(std::max(plan.counters, 1)) * sizeof(unsigned), "counters");
+    check(cudaMemset(prepared.counters.ptr, 0, prepared.counters.bytes), "counters");
+  }
+}
+
+CudaBackend::~CudaBackend() {
+  if (impl_ && impl_->stream != nullptr) {
+    cudaStreamSynchronize(impl_->stream);
+    cudaStreamDestroy(impl_->stream);
+  }
+}
+
+bool CudaBackend::has_op(uint8_t opcode) { return device_has_op(opcode); }
+
+int CudaBackend::sm_count(int device) { return sm_count_of(device); }
+
+std::string CudaBackend::device_name(int device) {
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, device), "device query");
+  return prop.name;
+}
+
+int CudaBackend::num_slots() const { return impl_->options.num_slots; }
+DType CudaBackend::act_dtype() const { return impl_->options.act_dtype; }
+const Plan& CudaBackend::plan(int index) const { return impl_->plans.at(static_cast<size_t>(index))->plan; }
+int CudaBackend::last_plan() const { return impl_->last_plan; }
+
+int64_t CudaBackend::context_tokens(int slot) const {
+  if (slot < 0 || slot >= num_slots()) fail("cuda: slot {} outside 0..{}", slot, num_slots() - 1);
+  return impl_->contexts[static_cast<size_t>(slot)];
+}
+
+void CudaBackend::reset_slot(int slot) {
+  Impl& m = *impl_;
+  if (slot < 0 || slot >= num_slots()) fail("cuda: slot {} outside 0..{}", slot, num_slots() - 1);
+  for (size_t i = 0; i < m.states.size(); ++i) {
+    const DeviceState& s = m.states[i];
+    if (m.plans.front()->plan.states[i].kind == StateKind::kMlaLatent) continue;  // rows past the context are never read
+    check(cudaMemsetAsync(s.base + slot * s.slot_floats, 0, static_cast<size_t>(s.slot_floats) * sizeof(float), m.stream), "state reset");
+  }
+  check(cudaStreamSynchronize(m.stream), "state reset");
+  m.contexts[static_cast<size_t>(slot)] = 0;
+}
+
+StepOutput CudaBackend::step(const StepInputs& inputs) {
+  Impl& m = *impl_;
+  const auto rows = static_cast<int64_t>(inputs.token_ids.size());
+  if (inputs.sequences.empty() || rows == 0) fail("cuda: a step needs at least one sequence and one token");
+  std::vector<bool> seen(static_cast<size_t>(num_slots()), false);
+  int64_t covered = 0;
+  bool decode = true;
+  for (const SequenceStep& seq : inputs.sequences) {
+    if (seq.slot < 0 || seq.slot >= num_slots()) fail("cuda: slot {} outside 0..{}", seq.slot, num_slots() - 1);
+    if (seen[static_cast<size_t>(seq.slot)]) fail("cuda: slot {} appears twice in one step", seq.slot);
+    seen[static_cast<size_t>(seq.slot)] = true;
+    if (seq.query_tokens < 1) fail("cuda: sequence in slot {} brings {} tokens", seq.slot, seq.query_tokens);
+    const int64_t context = m.contexts[static_cast<size_t>(seq.slot)];
+    if (context + seq.query_tokens > m.options.max_context_tokens) {
+      fail("cuda: slot {} would hold {} tokens, the maximum context is {}", seq.slot, context + seq.query_tokens, m.options.max_context_tokens);
+    }
+    covered += seq.query_tokens;
+    decode = decode && seq.query_tokens == 1;
+  }
+  if (covered != rows) fail("cuda: sequences cover {} tokens, the step has {}", covered, rows);
+  const int chosen = m.choose(decode, rows);
+  Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(chosen)];
+  const StepView view = m.upload_step(prepared, inputs.token_ids, inputs.sequences);
+  m.launch(prepared, m.params(prepared, view, m.options.eager), m.options.eager);
+
+  const PlanOp& head = prepared.plan.op(prepared.plan.output_op);
+  StepOutput result;
+  result.vocab = head.width;
+  const float* logits = m.arena.as<float>() + head.offset;
+  if (inputs.all_logits) {
+    result.rows = rows;
+    result.logits.resize(static_cast<size_t>(rows * head.width));
+    check(cudaMemcpyAsync(result.logits.data(), logits, result.logits.size() * sizeof(float), cudaMemcpyDeviceToHost, m.stream), "logits download");
+  } else {
+    result.rows = static_cast<int64_t>(inputs.sequences.size());
+    result.logits.resize(static_cast<size_t>(result.rows * head.width));
+    int64_t row = 0;
+    for (size_t s = 0; s < inputs.sequences.size(); ++s) {
+      row += inputs.sequences[s].query_tokens;
+      check(cudaMemcpyAsync(result.logits.data() + s * static_cast<size_t>(head.width), logits + (row - 1) * head.width,
+                            static_cast<size_t>(head.width) * sizeof(float), cudaMemcpyDeviceToHost, m.stream),
+            "logits download");
+    }
+  }
+  m.check_device_error();
+  for (const SequenceStep& seq : inputs.sequences) m.contexts[static_cast<size_t>(seq.slot)] += seq.query_tokens;
+  m.last_plan = chosen;
+  return result;
+}
+
+void CudaBackend::set_eager(bool eager) { impl_->options.eager = eager; }
+
+double measure_read_bandwidth_gbps(int64_t bytes, int device) {
+  check(cudaSetDevice(device), "selecting the device");
+  DeviceBuffer buffer(static_cast<size_t>(bytes), "the bandwidth probe");
+  check(cudaMemset(buffer.ptr, 0x5a, buffer.bytes), "bandwidth probe");
+  DeviceBuffer sink(sizeof(uint32_t) * 1024, "the bandwidth probe");
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "event");
+  check(cudaEventCreate(&stop), "event");
+  std::vector<float> times;
+  for (int i = 0; i < 12; ++i) {
+    check(cudaEventRecord(start, nullptr), "event");
+    launch_read_probe(buffer.as<uint8_t>(), bytes, sink.as<uint32_t>(), sm_count_of(device), nullptr);
+    check(cudaEventRecord(stop, nullptr), "event");
+    check(cudaEventSynchronize(stop), "bandwidth probe");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start, stop), "event");
+    if (i >= 2) times.push_back(ms);  // two warm-up passes
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return static_cast<double>(bytes) / (static_cast<double>(times[times.size() / 2]) * 1e-3) / 1e9;
+}
+
+void CudaBackend::fake_context(int64_t tokens) {
+  Impl& m = *impl_;
+  if (tokens < 0 || tokens >= m.options.max_context_tokens) fail("cuda: a context of {} tokens does not fit the cache of {}", tokens, m.options.max_context_tokens);
+  std::fill(m.contexts.begin(), m.contexts.end(), tokens);
+}
+
+double CudaBackend::timed_decode_steps(int batch, int steps) {
+  Impl& m = *impl_;
+  if (batch < 1 || batch > num_slots()) fail("cuda: a decode batch of {} needs {} slots, the backend has {}", batch, batch, num_slots());
+  Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(m.choose(true, batch))];
+  std::vector<int32_t> tokens(static_cast<size_t>(batch), 1);
+  std::vector<SequenceStep> seqs;
+  for (int s = 0; s < batch; ++s) seqs.push_back({s, 1});
+  const StepView view = m.upload_step(prepared, tokens, seqs);
+  const PlanOp& head = prepared.plan.op(prepared.plan.output_op);
+  float* token_out = prepared.token_offsets.empty() ? nullptr : m.arena.as<float>() + prepared.token_offsets.front();
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "event");
+  check(cudaEventCreate(&stop), "event");
+  auto one = [&] {
+    m.launch(prepared, m.params(prepared, view, m.options.eager), m.options.eager);
+    launch_argmax(m.arena.as<float>() + head.offset, head.width, view.seq_first_row, view.seq_tokens, batch, m.argmax_ids.as<int32_t>(), token_out, m.stream);
+  };
+  for (int i = 0; i < 3; ++i) one();  // warm-up
+  check(cudaEventRecord(start, m.stream), "event");
+  for (int i = 0; i < steps; ++i) one();
+  check(cudaEventRecord(stop, m.stream), "event");
+  check(cudaEventSynchronize(stop), "timed steps");
+  float ms = 0;
+  check(cudaEventElapsedTime(&ms, start, stop), "event");
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  m.check_device_error();
+  return static_cast<double>(ms) / steps;
+}
+
+std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
+  Impl& m = *impl_;
+  Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(m.choose(true, batch))];
+  std::vector<int32_t> tokens(static_cast<size_t>(batch), 1);
+  std::vector<SequenceStep> seqs;
+  for (int s = 0; s < batch; ++s) seqs.push_back({s, 1});
+  const StepView view = m.upload_step(prepared, tokens, seqs);
+  const Plan& plan = prepared.plan;
+  std::map<std::string, OpcodeProfile> by_op;
+  const int repeats = 5;
+  std::vector<cudaEvent_t> events(plan.ops.size() + 1);
+  for (cudaEvent_t& e : events) check(cudaEventCreate(&e), "event");
+  std::vector<double> ms(plan.ops.size(), 0.0);
+  for (int r = 0; r < repeats + 1; ++r) {
+    const KernelParams p = m.params(prepared, view, true);
+    for (size_t i = 0; i < plan.ops.size(); ++i) {
+      check(cudaEventRecord(events[i], m.stream), "event");
+      const auto [first, end] = prepared.op_tasks[i];
+      if (end > first) launch_eager(p, first, end - first, m.stream);
+    }
+    check(cudaEventRecord(events.back(), m.stream), "event");
+    check(cudaEventSynchronize(events.back()), "profile");
+    if (r == 0) continue;  // warm-up
+    for (size_t i = 0; i < plan.ops.size(); ++i) {
+      float t = 0;
+      check(cudaEventElapsedTime(&t, events[i], events[i + 1]), "event");
+      ms[i] += t / repeats;
+    }
+  }
+  for (cudaEvent_t e : events) cudaEventDestroy(e);
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const PlanOp& op = plan.ops[i];
+    OpcodeProfile& entry = by_op[std::string(op_name(op.op()))];
+    entry.op = op_name(op.op());
+    entry.tasks += prepared.op_tasks[i].second - prepared.op_tasks[i].first;
+    entry.ms += ms[i];
+    for (int32_t w : op.weights) {
+      const WeightDecl& decl = plan.weights[static_cast<size_t>(w)];
+      const auto [rows, cols] = matrix_shape(decl.shape);
+      const double part = decl.mxfp4 ? static_cast<double>(rows * cols) * 17.0 / 32.0 : static_cast<double>(rows * cols * 2);
+      const double parts_read = decl.parts.size() > 1 && op.attrs.has("top_k")
+                                    ? std::min<double>(static_cast<double>(decl.parts.size()), static_cast<double>(batch) * op.attrs.get("top_k"))
+                                    : static_cast<double>(decl.parts.size());
+      entry.bytes += part * parts_read;
+    }
+  }
+  // The megakernel's own view: wait vs run cycles summed over its blocks.
+  check(cudaMemsetAsync(m.profile.ptr, 0, m.profile.bytes, m.stream), "profile");
+  KernelParams p = m.params(prepared, view, false);
+  p.profile = m.profile.as<unsigned long long>();
+  launch_megakernel(p, plan.workers, m.stream);
+  std::vector<unsigned long long> counts(static_cast<size_t>(plan.workers) * 4);
+  check(cudaMemcpyAsync(counts.data(), m.profile.ptr, counts.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost, m.stream), "profile");
+  check(cudaStreamSynchronize(m.stream), "profile");
+  m.check_device_error();
+  int clock_khz = 0;
+  check(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, m.options.device), "device query");
+  double wait = 0, run = 0, tasks = 0;
+  for (int w = 0; w < plan.workers; ++w) {
+    wait += static_cast<double>(counts[static_cast<size_t>(4 * w)]);
+    run += static_cast<double>(counts[static_cast<size_t>(4 * w + 1)]);
+    tasks += static_cast<double>(counts[static_cast<size_t>(4 * w + 2)]);
+  }
+  std::vector<OpcodeProfile> out;
+  for (auto& [name, entry] : by_op) out.push_back(entry);
+  std::sort(out.begin(), out.end(), [](const OpcodeProfile& a, const OpcodeProfile& b) { return a.ms > b.ms; });
+  const double to_ms = 1.0 / std::max(clock_khz, 1);  // cycles → ms
+  out.push_back({"megakernel:wait (mean per block)", static_cast<int64_t>(tasks), wait * to_ms / plan.workers, 0});
+  out.push_back({"megakernel:run (mean per block)", static_cast<int64_t>(tasks), run * to_ms / plan.workers, 0});
+  return out;
+}
+
+}  // namespace plow::cuda

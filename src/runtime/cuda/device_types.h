@@ -1,0 +1,81 @@
+// The device-side view of a plan (DESIGN.md §2), as plain structs shared by host and device code
+// (device.cuh adds the device helpers): what every CUDA op body sees. A plan op becomes one
+// OpDesc in device memory (pointers resolved, attributes packed, decoded once on the host); a task is
+// one op over a column slice, run by one block of kThreads threads. The same op bodies serve the
+// persistent megakernel (a block walks its queue, waiting on epoch counters) and cuda-eager (one
+// launch per op, one block per task). Op bodies synchronize only within their block.
+#pragma once
+
+#include <cstdint>
+
+namespace plow::cuda {
+
+inline constexpr int kThreads = 512;                 // threads of every worker block
+inline constexpr int kWarps = kThreads / 32;
+inline constexpr int kSharedBytes = 96 * 1024;       // dynamic shared memory every op body may use
+inline constexpr int64_t kScratchFloats = 1 << 18;   // per-block global scratch (1 MiB) for op bodies
+inline constexpr int kMaxAttrs = 16;
+
+enum WeightType : int32_t { kWF32 = 0, kWBF16 = 1, kWF16 = 2, kWMXFP4 = 3 };
+enum ActType : int32_t { kAF32 = 0, kABF16 = 1, kAF16 = 2 };
+
+// A weight in device memory: one 2-D matrix, or a stack of `parts` equally shaped ones (experts).
+// Dense: element (r, c) of part p at data + p·part_bytes + (r·cols + c)·elem_size.
+// MXFP4 (§7.7): packed codes [rows, cols/2] (low nibble = even column) at data + p·part_bytes, E8M0
+// scales [rows, cols/32] at scales + p·scale_part_bytes; e = 0xFF decodes to NaN.
+struct DeviceWeight {
+  const uint8_t* data = nullptr;
+  const uint8_t* scales = nullptr;
+  int64_t rows = 0, cols = 0;  // 1-D weights: rows = 1
+  int64_t part_bytes = 0, scale_part_bytes = 0;
+  int32_t type = kWF32;
+  int32_t parts = 1;
+};
+
+// Per-sequence state of one StateDecl for every slot: slot s at base + s·slot_floats (fp32).
+// Conv window [width, depth] (oldest column first, as on the CPU); KDA recurrent [heads, d, d];
+// MLA latent cache [max_context, width] rows in position order.
+struct DeviceState {
+  float* base = nullptr;
+  int64_t slot_floats = 0;
+  int64_t width = 0, depth = 0;
+};
+
+// One op of the plan. Activations live in one fp32 arena (values already rounded to their dtype, as on
+// the CPU); an input i is rows of in_width[i] floats at arena + in_offset[i].
+struct OpDesc {
+  int32_t opcode = 0;
+  int32_t act = kAF32;            // the model's activation dtype (rounding points)
+  int32_t round_out = 1;          // 1: the output is rounded to `act` (OutDType::kAct); 0: fp32
+  int32_t num_inputs = 0;
+  int32_t num_weights = 0;
+  int32_t state = -1;             // index into StepView::states, −1 when stateless
+  int64_t width = 0;              // output columns
+  int64_t out_offset = 0;         // output rows of `width` floats at arena + out_offset
+  const int64_t* in_offset = nullptr;  // [num_inputs]
+  const int64_t* in_width = nullptr;   // [num_inputs]
+  const DeviceWeight* weights = nullptr;  // [num_weights]
+  float attr[kMaxAttrs] = {};     // packed by pack_attrs (attrs.cpp): op-specific order
+};
+
+// The step, as the device sees it (rebuilt by the host before every step). Rows of a sequence are
+// contiguous; row r belongs to sequence row_seq[r] at absolute position row_pos[r].
+struct StepView {
+  int32_t tokens = 0;             // T ≤ the plan's max_tokens
+  int32_t num_seqs = 0;
+  const int32_t* token_ids = nullptr;   // [T]
+  const int32_t* row_seq = nullptr;     // [T]
+  const int32_t* row_pos = nullptr;     // [T]
+  const int32_t* seq_slot = nullptr;    // [num_seqs]
+  const int32_t* seq_first_row = nullptr;
+  const int32_t* seq_tokens = nullptr;  // query tokens of the sequence in this step
+  const int32_t* seq_context = nullptr; // tokens the slot held before this step
+  const DeviceState* states = nullptr;  // [plan states]
+  int32_t* error = nullptr;             // first device-side error code (0 = none), see kErr*
+};
+
+inline constexpr int32_t kErrBadToken = 1;     // a token id outside the vocabulary
+inline constexpr int32_t kErrContext = 2;      // a sequence grew past the slot's cache
+inline constexpr int32_t kErrOpcode = 3;       // an opcode without a device body
+
+}  // namespace plow::cuda

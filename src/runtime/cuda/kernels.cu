@@ -1,0 +1,269 @@
+// Device code of the cuda backend: the dispatch over op bodies, the persistent megakernel (one block
+// per SM walking its queue with epoch counters), the eager kernel (one block per task of one op),
+// argmax and the random weight fill.
+#include "runtime/cuda/kernels.h"
+
+#include "graph/op_table.h"
+#include "runtime/cuda/device.cuh"
+#include "runtime/cuda/ops/gemv.cuh"
+
+namespace plow::cuda {
+
+namespace {
+
+// The op bodies this backend has. kTokens has no tasks (the host writes the token ids).
+__device__ void run_task(const TaskCtx& ctx, int32_t opcode) {
+  switch (static_cast<Op>(opcode)) {
+    case Op::kEmbedding: op_embedding(ctx); return;
+    case Op::kLinear: op_linear(ctx); return;
+    case Op::kNormLinear: op_norm_linear(ctx); return;
+    case Op::kMultiLinear: op_multi_linear(ctx); return;
+    case Op::kNormMultiLinear: op_norm_multi_linear(ctx); return;
+    case Op::kLinearAdd: op_linear_add(ctx); return;
+    case Op::kGateUpAct: op_gate_up_act(ctx); return;
+    case Op::kActLinear: op_act_linear(ctx); return;
+    case Op::kGatedNormLinear: op_gated_norm_linear(ctx); return;
+    default:
+      if (threadIdx.x == 0) report_error(ctx, kErrOpcode);
+      return;
+  }
+}
+
+constexpr bool host_has_op(Op op) {
+  switch (op) {
+    case Op::kTokens:
+    case Op::kEmbedding:
+    case Op::kLinear:
+    case Op::kNormLinear:
+    case Op::kMultiLinear:
+    case Op::kNormMultiLinear:
+    case Op::kLinearAdd:
+    case Op::kGateUpAct:
+    case Op::kActLinear:
+    case Op::kGatedNormLinear:
+      return true;
+    default:
+      return false;
+  }
+}
+
+__device__ __forceinline__ uint32_t load_acquire(const unsigned* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void add_release(unsigned* p, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Bulk L2 prefetch of a weight range (sm_90: cp.async.bulk.prefetch), in 32 KiB pieces; no wait.
+__device__ __forceinline__ void prefetch_l2(const Instr& ins) {
+  if (ins.prefetch == nullptr) return;
+  for (uint32_t done = 0; done < ins.prefetch_bytes; done += 32768) {
+    const uint32_t bytes = ins.prefetch_bytes - done < 32768 ? ins.prefetch_bytes - done : 32768;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ins.prefetch + done), "r"(bytes) : "memory");
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant__ KernelParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int worker = blockIdx.x;
+  const int32_t begin = p.queue_begin[worker], end = p.queue_begin[worker + 1];
+  float* scratch = p.scratch + static_cast<int64_t>(worker) * kScratchFloats;
+  unsigned long long wait_cycles = 0, run_cycles = 0, spins = 0;
+  if (threadIdx.x == 0 && begin < end) prefetch_l2(p.instrs[begin]);
+  for (int32_t i = begin; i < end; ++i) {
+    const Instr& ins = p.instrs[i];
+    if (threadIdx.x == 0) {
+      const long long t0 = clock64();
+      const uint32_t target = ins.wait_threshold * p.epoch;
+      if (target != 0) {
+        while (load_acquire(p.counters + ins.wait_counter) < target) ++spins;
+      }
+      __threadfence();
+      const long long t1 = clock64();
+      wait_cycles += static_cast<unsigned long long>(t1 - t0);
+      if (i + 1 < end) prefetch_l2(p.instrs[i + 1]);  // the next task's weights stream in while this one runs
+    }
+    __syncthreads();
+    const long long r0 = clock64();
+    const TaskCtx ctx{p.ops + ins.op, p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch};
+    run_task(ctx, ins.opcode);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      run_cycles += static_cast<unsigned long long>(clock64() - r0);
+      __threadfence();
+      for (int32_t s = 0; s < ins.num_signals; ++s) add_release(p.counters + p.signals[ins.signal_begin + s], 1u);
+    }
+  }
+  if (threadIdx.x == 0 && p.profile != nullptr) {
+    unsigned long long* out = p.profile + 4 * worker;
+    out[0] += wait_cycles;
+    out[1] += run_cycles;
+    out[2] += static_cast<unsigned long long>(end - begin);
+    out[3] += spins;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) eager_kernel(const __grid_constant__ KernelParams p, int32_t first) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const Instr& ins = p.instrs[first + blockIdx.x];
+  float* scratch = p.scratch + static_cast<int64_t>(blockIdx.x) * kScratchFloats;
+  const TaskCtx ctx{p.ops + ins.op, p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch};
+  run_task(ctx, ins.opcode);
+}
+
+__global__ void argmax_kernel(const float* logits, int64_t vocab, const int32_t* first_row, const int32_t* tokens, int32_t* ids, float* token_out) {
+  __shared__ float best_v[kWarps];
+  __shared__ int64_t best_i[kWarps];
+  const int s = blockIdx.x;
+  const float* row = logits + (static_cast<int64_t>(first_row[s]) + tokens[s] - 1) * vocab;
+  float v = -INFINITY;
+  int64_t idx = vocab;
+  for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const float x = row[i];
+    if (x > v || (x == v && i < idx) || (idx == vocab && !(x == x))) {  // NaN never wins over numbers
+      if (x == x || idx == vocab) {
+        v = x;
+        idx = i;
+      }
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int64_t oi = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (ov > v || (ov == v && oi < idx)) {
+      v = ov;
+      idx = oi;
+    }
+  }
+  if (threadIdx.x % 32 == 0) {
+    best_v[threadIdx.x / 32] = v;
+    best_i[threadIdx.x / 32] = idx;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) {
+      if (best_v[w] > v || (best_v[w] == v && best_i[w] < idx)) {
+        v = best_v[w];
+        idx = best_i[w];
+      }
+    }
+    if (idx >= vocab) idx = 0;
+    ids[s] = static_cast<int32_t>(idx);
+    if (token_out != nullptr) token_out[s] = static_cast<float>(idx);
+  }
+}
+
+// graph/random_weights.cpp's generator, on the device.
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+__device__ __forceinline__ float unit(uint64_t seed, uint64_t tensor, uint64_t i) {
+  return static_cast<float>(mix64(seed ^ mix64(tensor * 0x100000001B3ull + i)) >> 40) * 0x1.0p-24f;
+}
+__device__ __forceinline__ float centered(uint64_t seed, uint64_t tensor, uint64_t i, float std) {
+  return (2.0f * unit(seed, tensor, i) - 1.0f) * 1.7320508f * std;
+}
+
+__global__ void fill_kernel(uint8_t* data, int64_t count, int32_t type, FillKind kind, uint64_t seed, uint64_t tensor, float fan_in, int32_t scale_base) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const auto u = static_cast<uint64_t>(i);
+    if (kind == FillKind::kMxfp4Codes) {
+      data[i] = static_cast<uint8_t>(mix64(seed ^ mix64(tensor * 7919 + u)));
+      continue;
+    }
+    if (kind == FillKind::kMxfp4Scales) {
+      data[i] = static_cast<uint8_t>(scale_base - 1 + static_cast<int>(unit(seed, tensor + 1, u) * 3.0f));
+      continue;
+    }
+    float v;
+    switch (kind) {
+      case FillKind::kALog: v = logf(1.0f + 15.0f * unit(seed, tensor, u)); break;
+      case FillKind::kNorm: v = 1.0f + centered(seed, tensor, u, 0.1f); break;
+      case FillKind::kEmbedding: v = centered(seed, tensor, u, 1.0f); break;
+      case FillKind::kResProj:
+      case FillKind::kRouter: v = centered(seed, tensor, u, 4.0f / sqrtf(fan_in)); break;
+      default: v = centered(seed, tensor, u, 0.5f / sqrtf(fan_in)); break;
+    }
+    if (type == kWBF16) {
+      reinterpret_cast<__nv_bfloat16*>(data)[i] = __float2bfloat16_rn(v);
+    } else if (type == kWF16) {
+      reinterpret_cast<__half*>(data)[i] = __float2half_rn(v);
+    } else {
+      reinterpret_cast<float*>(data)[i] = v;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(512) read_probe_kernel(const uint4* data, int64_t count, uint32_t* sink) {
+  uint32_t acc = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  for (; i + 3 * stride < count; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = load_stream(reinterpret_cast<const uint8_t*>(data + i + u * stride));
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < count; i += stride) {
+    const uint4 v = load_stream(reinterpret_cast<const uint8_t*>(data + i));
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) sink[threadIdx.x % 1024] = acc;  // keeps the loads alive
+}
+
+void check_launch(const char* what) {
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) cuda_failure(what, error);
+}
+
+}  // namespace
+
+bool device_has_op(int opcode) { return opcode >= 0 && opcode < static_cast<int>(Op::kCount) && host_has_op(static_cast<Op>(opcode)); }
+
+void configure_kernels() {
+  static bool done = false;
+  if (done) return;
+  for (const void* kernel : {reinterpret_cast<const void*>(megakernel), reinterpret_cast<const void*>(eager_kernel)}) {
+    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+    if (error != cudaSuccess) cuda_failure("raising the kernels' shared memory limit", error);
+  }
+  done = true;
+}
+
+void launch_megakernel(const KernelParams& params, int workers, cudaStream_t stream) {
+  megakernel<<<workers, kThreads, kSharedBytes, stream>>>(params);
+  check_launch("the megakernel");
+}
+
+void launch_eager(const KernelParams& params, int first_instr, int count, cudaStream_t stream) {
+  eager_kernel<<<count, kThreads, kSharedBytes, stream>>>(params, first_instr);
+  check_launch("an eager op");
+}
+
+void launch_argmax(const float* logits, int64_t vocab, const int32_t* first_row, const int32_t* tokens, int num_seqs, int32_t* ids,
+                   float* token_out, cudaStream_t stream) {
+  argmax_kernel<<<num_seqs, 256, 0, stream>>>(logits, vocab, first_row, tokens, ids, token_out);
+  check_launch("argmax");
+}
+
+void launch_read_probe(const uint8_t* data, int64_t bytes, uint32_t* sink, int sms, cudaStream_t stream) {
+  read_probe_kernel<<<sms * 4, 512, 0, stream>>>(reinterpret_cast<const uint4*>(data), bytes / 16, sink);
+  check_launch("the bandwidth probe");
+}
+
+void launch_fill(uint8_t* data, int64_t count, int32_t type, FillKind kind, uint64_t seed, uint64_t tensor, float fan_in, int32_t scale_base,
+                 cudaStream_t stream) {
+  if (count == 0) return;
+  const int64_t blocks = std::min<int64_t>((count + 255) / 256, 132 * 32);
+  fill_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(data, count, type, kind, seed, tensor, fan_in, scale_base);
+  check_launch("the random weight fill");
+}
+
+}  // namespace plow::cuda

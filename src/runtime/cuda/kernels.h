@@ -1,0 +1,60 @@
+// The kernels of the cuda backend and their launchers: the persistent megakernel, the eager per-op
+// kernel, on-device argmax, random weight fill. Host code (backend.cu) builds the instruction stream.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "runtime/cuda/device_types.h"
+
+namespace plow::cuda {
+
+// One task as the device reads it: 64 bytes, decoded from the plan on the host once.
+struct alignas(64) Instr {
+  int32_t op = 0;              // OpDesc index
+  int32_t opcode = 0;
+  int32_t wait_counter = 0;
+  uint32_t wait_threshold = 0; // per step: the counter must reach threshold × epoch
+  int32_t signal_begin = 0;    // into KernelParams::signals
+  int32_t num_signals = 0;
+  int64_t col_begin = 0, col_end = 0;
+  const uint8_t* prefetch = nullptr;  // weight bytes this task streams first (L2 prefetch), or null
+  uint32_t prefetch_bytes = 0;
+  uint32_t reserved = 0;
+};
+static_assert(sizeof(Instr) == 64, "instructions are 64 bytes");
+
+struct KernelParams {
+  const Instr* instrs = nullptr;       // megakernel: queues back to back; eager: tasks in plan order
+  const int32_t* queue_begin = nullptr;  // [workers + 1] into instrs (megakernel)
+  const int32_t* signals = nullptr;
+  const OpDesc* ops = nullptr;
+  float* arena = nullptr;
+  unsigned* counters = nullptr;
+  float* scratch = nullptr;            // kScratchFloats per block
+  unsigned long long* profile = nullptr;  // megakernel: per block {wait cycles, run cycles, tasks, spins}, or null
+  StepView step;
+  uint32_t epoch = 0;
+};
+
+bool device_has_op(int opcode);
+// A failed CUDA call or launch: plow::Error naming `what` (defined in backend.cpp, outside nvcc's view of fmt).
+[[noreturn]] void cuda_failure(const char* what, cudaError_t error);
+void configure_kernels();  // raises the dynamic shared-memory limits (once per process)
+void launch_megakernel(const KernelParams& params, int workers, cudaStream_t stream);
+void launch_eager(const KernelParams& params, int first_instr, int count, cudaStream_t stream);
+// For each sequence s: the argmax (lowest index on ties) of logits row (first_row[s] + tokens[s] − 1)
+// of [rows, vocab] at `logits`; written to ids[s] and, when token_out is set, to token_out[s] as a float.
+void launch_argmax(const float* logits, int64_t vocab, const int32_t* first_row, const int32_t* tokens, int num_seqs, int32_t* ids,
+                   float* token_out, cudaStream_t stream);
+
+// Reads `bytes` at `data` once with 16-byte loads over blocks_per_sm × SMs blocks (the bandwidth probe).
+void launch_read_probe(const uint8_t* data, int64_t bytes, uint32_t* sink, int sms, cudaStream_t stream);
+
+// Random weights with the generator of graph/random_weights.cpp: kind selects the distribution.
+enum class FillKind : int32_t { kLinear, kNorm, kEmbedding, kResProj, kRouter, kALog, kMxfp4Codes, kMxfp4Scales };
+void launch_fill(uint8_t* data, int64_t count, int32_t type, FillKind kind, uint64_t seed, uint64_t tensor, float fan_in, int32_t scale_base,
+                 cudaStream_t stream);
+
+}  // namespace plow::cuda

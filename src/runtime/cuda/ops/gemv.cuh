@@ -1,0 +1,442 @@
+// Weight-streaming op bodies: embedding, x·Wᵀ and its fused forms (norm / activation / gated norm in
+// the prologue, residual add or gate·up activation in the epilogue), and the routed experts.
+// Shape of the work: a task owns output columns [col_begin, col_end); one warp per column streams that
+// weight row with 16-byte non-allocating loads (four in flight per lane) against up to kMaxGroup
+// token rows staged in shared memory (fp32, already rounded as the CPU rounds them), fp32 accumulate,
+// one warp reduction per (column, token). Rounding points are those of src/runtime/cpu/ops.
+#pragma once
+
+#include "runtime/cuda/device.cuh"
+
+namespace plow::cuda {
+
+inline constexpr int kMaxGroup = 8;  // token rows per pass over a weight row
+
+__device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void unpack8(uint4 v, int32_t type, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (type == kWBF16) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      f[2 * i] = h.x;
+      f[2 * i + 1] = h.y;
+    }
+  }
+}
+
+// E2M1 code → value, branch-free: sign, 2 exponent bits (bias 1), 1 mantissa bit; e = 0 is 0 or 0.5.
+__device__ __forceinline__ float e2m1_bits(uint32_t code) {
+  const uint32_t e = (code >> 1) & 3, m = code & 1;
+  const uint32_t bits = e != 0 ? ((e + 126) << 23) | (m << 22) : (m != 0 ? 126u << 23 : 0u);
+  return __uint_as_float(bits | ((code & 8) << 28));
+}
+
+template <int G>
+__device__ __forceinline__ void fma8(const float (&f)[8], const float* xs, int ld, int k, float (&acc)[G]) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float4 a = *reinterpret_cast<const float4*>(xs + g * ld + k);
+    const float4 b = *reinterpret_cast<const float4*>(xs + g * ld + k + 4);
+    acc[g] += f[0] * a.x + f[1] * a.y + f[2] * a.z + f[3] * a.w + f[4] * b.x + f[5] * b.y + f[6] * b.z + f[7] * b.w;
+  }
+}
+
+// This lane's share of dot(row `row` of part `part`, xs[g·ld + k] for k < n), added to acc[g]. The
+// caller reduces acc over the warp. xs: shared (or scratch) memory, ld a multiple of 4.
+template <int G>
+__device__ __forceinline__ void lane_dot(const DeviceWeight& w, int64_t part, int64_t row, const float* xs, int ld, int n, float (&acc)[G]) {
+  const int lane = threadIdx.x & 31;
+  const uint8_t* base = w.data + part * w.part_bytes;
+  if (w.type == kWBF16 || w.type == kWF16) {
+    const uint8_t* r = base + static_cast<size_t>(row) * static_cast<size_t>(w.cols) * 2;
+    int k0 = 0;
+    if (((reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(xs)) & 15) == 0) {
+      const int chunks = n / 8;
+      constexpr int U = 4;
+      int c = lane;
+      for (; c + 32 * (U - 1) < chunks; c += 32 * U) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = load_stream(r + static_cast<size_t>(c + 32 * u) * 16);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          float f[8];
+          unpack8(v[u], w.type, f);
+          fma8<G>(f, xs, ld, (c + 32 * u) * 8, acc);
+        }
+      }
+      for (; c < chunks; c += 32) {
+        float f[8];
+        unpack8(load_stream(r + static_cast<size_t>(c) * 16), w.type, f);
+        fma8<G>(f, xs, ld, c * 8, acc);
+      }
+      k0 = chunks * 8;
+    }
+    for (int k = k0 + lane; k < n; k += 32) {
+      const uint16_t bits = reinterpret_cast<const uint16_t*>(r)[k];
+      const float f = w.type == kWBF16 ? __uint_as_float(static_cast<uint32_t>(bits) << 16) : __half2float(__ushort_as_half(bits));
+#pragma unroll
+      for (int g = 0; g < G; ++g) acc[g] += f * xs[g * ld + k];
+    }
+    return;
+  }
+  if (w.type == kWMXFP4) {  // 16 bytes = 32 codes = one scale block (cols is a multiple of 32)
+    const uint8_t* r = base + static_cast<size_t>(row) * static_cast<size_t>(w.cols / 2);
+    const uint8_t* s = w.scales + part * w.scale_part_bytes + static_cast<size_t>(row) * static_cast<size_t>(w.cols / 32);
+    for (int c = lane; c < n / 32; c += 32) {
+      const uint4 v = load_stream(r + static_cast<size_t>(c) * 16);
+      const float scale = e8m0_value_dev(__ldg(s + c));
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        float f[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = e2m1_bits((words[q] >> (4 * j)) & 0xF) * scale;
+        fma8<G>(f, xs, ld, c * 32 + q * 8, acc);
+      }
+    }
+    return;
+  }
+  // fp32 weights
+  const float* r = reinterpret_cast<const float*>(base) + static_cast<size_t>(row) * static_cast<size_t>(w.cols);
+  for (int k = lane; k < n; k += 32) {
+    const float f = __ldg(r + k);
+#pragma unroll
+    for (int g = 0; g < G; ++g) acc[g] += f * xs[g * ld + k];
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The staging buffer for `n`-wide token rows: shared memory when a group of at least one row fits,
+// else the block's global scratch. Returns the rows per group.
+__device__ __forceinline__ float* staging(const TaskCtx& ctx, int n, int& ld, int& group) {
+  ld = (n + 3) & ~3;
+  const int fit = kSharedBytes / (ld * static_cast<int>(sizeof(float)));
+  const int usable = fit >= 1 ? fit : static_cast<int>(kScratchFloats / ld);
+  group = usable >= 8 ? 8 : usable >= 4 ? 4 : usable >= 2 ? 2 : 1;  // a power of two: padded rows fit
+  return fit >= 1 ? reinterpret_cast<float*>(ctx.smem) : ctx.scratch;
+}
+
+// A weight row an output column reads: weight index, part (expert) and row.
+struct RowRef {
+  int weight;
+  int64_t part;
+  int64_t row;
+};
+
+// The driver: for token groups of the step, stage(xs, ld, t0, count) fills the staged rows (all
+// threads; rows ≥ count are zero), then for each column c of the slice (one warp each) and each of
+// NDOT weight rows ref(j, c, t) the warp computes the dots; epi(t, c, dots) writes (lane 0).
+// PER_TOKEN: the rows depend on the token (routed experts) — one token per pass.
+template <int NDOT, int G, bool PER_TOKEN, class Ref, class Epi>
+__device__ __forceinline__ void gemv_pass(const TaskCtx& ctx, const float* xs, int ld, int n, int t0, int count, Ref ref, Epi epi) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  for (int64_t c = ctx.col_begin + warp; c < ctx.col_end; c += kWarps) {
+    float acc[NDOT][G];
+#pragma unroll
+    for (int j = 0; j < NDOT; ++j) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) acc[j][g] = 0.0f;
+    }
+    if constexpr (PER_TOKEN) {
+      for (int g = 0; g < count; ++g) {
+#pragma unroll
+        for (int j = 0; j < NDOT; ++j) {
+          const RowRef r = ref(j, c, t0 + g);
+          float one[1] = {0.0f};
+          lane_dot<1>(ctx.op->weights[r.weight], r.part, r.row, xs + g * ld, ld, n, one);
+          acc[j][0] = warp_sum(one[0]);
+        }
+        if (lane == 0) {
+          float dots[NDOT];
+#pragma unroll
+          for (int j = 0; j < NDOT; ++j) dots[j] = acc[j][0];
+          epi(t0 + g, c, dots);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < NDOT; ++j) {
+        const RowRef r = ref(j, c, t0);
+        lane_dot<G>(ctx.op->weights[r.weight], r.part, r.row, xs, ld, n, acc[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < NDOT; ++j) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) acc[j][g] = warp_sum(acc[j][g]);
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          if (g < count) {
+            float dots[NDOT];
+#pragma unroll
+            for (int j = 0; j < NDOT; ++j) dots[j] = acc[j][g];
+            epi(t0 + g, c, dots);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <int NDOT, bool PER_TOKEN, class Stage, class Ref, class Epi>
+__device__ __forceinline__ void gemv_task(const TaskCtx& ctx, int n, Stage stage, Ref ref, Epi epi) {
+  int ld = 0, group = 0;
+  float* xs = staging(ctx, n, ld, group);
+  const int rows = ctx.rows();
+  for (int t0 = 0; t0 < rows; t0 += group) {
+    const int count = rows - t0 < group ? rows - t0 : group;
+    __syncthreads();  // the previous group's readers are done with xs
+    stage(xs, ld, t0, count);
+    __syncthreads();
+    if (PER_TOKEN || count == 1) {
+      gemv_pass<NDOT, 1, PER_TOKEN>(ctx, xs, ld, n, t0, count, ref, epi);
+    } else if (count == 2) {
+      gemv_pass<NDOT, 2, false>(ctx, xs, ld, n, t0, count, ref, epi);
+    } else if (count <= 4) {
+      gemv_pass<NDOT, 4, false>(ctx, xs, ld, n, t0, count, ref, epi);
+    } else {
+      gemv_pass<NDOT, kMaxGroup, false>(ctx, xs, ld, n, t0, count, ref, epi);
+    }
+  }
+}
+
+// ---- staging (prologues) --------------------------------------------------------------------------
+
+// Rows [t0, t0+count) of input `i`, zero rows up to kMaxGroup padding.
+__device__ __forceinline__ void stage_rows(const TaskCtx& ctx, int i, float* xs, int ld, int t0, int count, int pad_to) {
+  const int n = static_cast<int>(ctx.in_width(i));
+  for (int g = 0; g < pad_to; ++g) {
+    const float* x = g < count ? ctx.in(i, t0 + g) : nullptr;
+    for (int k = threadIdx.x; k < ld; k += kThreads) xs[g * ld + k] = (x != nullptr && k < n) ? x[k] : 0.0f;
+  }
+}
+
+__device__ __forceinline__ int padded(int count) { return count == 1 ? 1 : count == 2 ? 2 : count <= 4 ? 4 : kMaxGroup; }
+
+// RMSNorm (HF: cast back before the weight multiply): xs = round(w ⊙ round(x · rsqrt(mean x² + ε))).
+__device__ __forceinline__ void stage_rms_norm(const TaskCtx& ctx, const DeviceWeight& w, float eps, float* xs, int ld, int t0, int count) {
+  const int n = static_cast<int>(ctx.in_width(0));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  stage_rows(ctx, 0, xs, ld, t0, count, padded(count));
+  __syncthreads();
+  for (int g = warp; g < count; g += kWarps) {  // one warp per token row: Σx² then normalize in place
+    float* x = xs + g * ld;
+    float sum = 0.0f;
+    for (int k = lane; k < n; k += 32) sum += x[k] * x[k];
+    sum = warp_sum(sum);
+    const float inv = 1.0f / sqrtf(sum / static_cast<float>(n) + eps);
+    for (int k = lane; k < n; k += 32) x[k] = round_act(ctx.op->act, weight_at(w, 0, 0, k) * round_act(ctx.op->act, x[k] * inv));
+  }
+}
+
+// ---- op bodies --------------------------------------------------------------------------------------
+
+// kEmbedding: out[t, c] = table[id_t, c]. attrs: none.
+__device__ void op_embedding(const TaskCtx& ctx) {
+  const DeviceWeight& table = ctx.weight(0);
+  for (int t = 0; t < ctx.rows(); ++t) {
+    const float idf = ctx.in(0, t)[0];
+    const int64_t id = static_cast<int64_t>(idf);
+    if (!(idf >= 0.0f) || id >= table.rows) {
+      if (threadIdx.x == 0) report_error(ctx, kErrBadToken);
+      continue;
+    }
+    float* out = ctx.out(t);
+    for (int64_t c = ctx.col_begin + threadIdx.x; c < ctx.col_end; c += kThreads) out[c] = round_out(ctx, weight_at(table, 0, id, c));
+  }
+}
+
+__device__ __forceinline__ auto plain_stage(const TaskCtx& ctx) {
+  return [&ctx](float* xs, int ld, int t0, int count) { stage_rows(ctx, 0, xs, ld, t0, count, padded(count)); };
+}
+__device__ __forceinline__ auto store_rounded(const TaskCtx& ctx) {
+  return [&ctx](int t, int64_t c, const float* dots) { ctx.out(t)[c] = round_out(ctx, dots[0]); };
+}
+
+// kLinear: out = x·Wᵀ.
+__device__ void op_linear(const TaskCtx& ctx) {
+  gemv_task<1, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; }, store_rounded(ctx));
+}
+
+// kNormLinear: linear(rms_norm(x; w); W). attr0 = ε.
+__device__ void op_norm_linear(const TaskCtx& ctx) {
+  gemv_task<1, false>(
+      ctx, static_cast<int>(ctx.in_width(0)),
+      [&ctx](float* xs, int ld, int t0, int count) { stage_rms_norm(ctx, ctx.weight(0), ctx.attr(0), xs, ld, t0, count); },
+      [](int, int64_t c, int) { return RowRef{1, 0, c}; }, store_rounded(ctx));
+}
+
+// Column c of concat_i(linear(x; W_i)) for weights first.. : the weight holding it and its row.
+__device__ __forceinline__ RowRef multi_row(const TaskCtx& ctx, int first, int64_t c) {
+  int i = first;
+  while (i + 1 < ctx.op->num_weights && c >= ctx.op->weights[i].rows) {
+    c -= ctx.op->weights[i].rows;
+    ++i;
+  }
+  return RowRef{i, 0, c};
+}
+
+// kMultiLinear: concat_i linear(x; W_i).
+__device__ void op_multi_linear(const TaskCtx& ctx) {
+  gemv_task<1, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [&ctx](int, int64_t c, int) { return multi_row(ctx, 0, c); },
+                      store_rounded(ctx));
+}
+
+// kNormMultiLinear: multi_linear(rms_norm(x; w); W_1..W_n). attr0 = ε.
+__device__ void op_norm_multi_linear(const TaskCtx& ctx) {
+  gemv_task<1, false>(
+      ctx, static_cast<int>(ctx.in_width(0)),
+      [&ctx](float* xs, int ld, int t0, int count) { stage_rms_norm(ctx, ctx.weight(0), ctx.attr(0), xs, ld, t0, count); },
+      [&ctx](int, int64_t c, int) { return multi_row(ctx, 1, c); }, store_rounded(ctx));
+}
+
+// kLinearAdd: r + linear(y; W), inputs y, r: round(r + round(y·Wᵀ)).
+__device__ void op_linear_add(const TaskCtx& ctx) {
+  gemv_task<1, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; },
+                      [&ctx](int t, int64_t c, const float* dots) {
+                        ctx.out(t)[c] = round_out(ctx, ctx.in(1, t)[c] + round_act(ctx.op->act, dots[0]));
+                      });
+}
+
+// The activations of the fused FFN ops: attr0 = act (0 SiLU·mul, 1 SiTU, 2 a·σ(b)), attr1 = β,
+// attr2 = β_lin; inputs already rounded; the result rounded once more as the unfused op's output.
+__device__ __forceinline__ float fused_act(const TaskCtx& ctx, float a, float b) {
+  const int32_t act = ctx.op->act;
+  switch (static_cast<int>(ctx.attr(0))) {
+    case 1: return round_act(act, situf_(a, b, ctx.attr(1), ctx.attr(2)));
+    case 2: return round_act(act, a * sigmoidf_(b));
+    default: return round_act(act, round_act(act, siluf_(a)) * b);
+  }
+}
+
+// kGateUpAct: act(round(x·W_gᵀ), round(x·W_uᵀ)). attrs as fused_act.
+__device__ void op_gate_up_act(const TaskCtx& ctx) {
+  gemv_task<2, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int j, int64_t c, int) { return RowRef{j, 0, c}; },
+                      [&ctx](int t, int64_t c, const float* dots) {
+                        const int32_t act = ctx.op->act;
+                        ctx.out(t)[c] = round_out(ctx, fused_act(ctx, round_act(act, dots[0]), round_act(act, dots[1])));
+                      });
+}
+
+// kActLinear: linear(act(a, b); W). attrs as fused_act.
+__device__ void op_act_linear(const TaskCtx& ctx) {
+  const int n = static_cast<int>(ctx.in_width(0));
+  gemv_task<1, false>(
+      ctx, n,
+      [&ctx, n](float* xs, int ld, int t0, int count) {
+        const int pad = padded(count);
+        for (int g = 0; g < pad; ++g) {
+          for (int k = threadIdx.x; k < ld; k += kThreads) {
+            xs[g * ld + k] = (g < count && k < n) ? fused_act(ctx, ctx.in(0, t0 + g)[k], ctx.in(1, t0 + g)[k]) : 0.0f;
+          }
+        }
+      },
+      [](int, int64_t c, int) { return RowRef{0, 0, c}; }, store_rounded(ctx));
+}
+
+// kGatedNormLinear: linear(gated_rms_norm(o, z; w); W), per head of d = attr1 columns:
+// round(w_j · (o_j · rsqrt(mean o² + ε)) · σ(z_j)) in fp32. attr0 = ε, attr1 = head_dim.
+__device__ void op_gated_norm_linear(const TaskCtx& ctx) {
+  const int n = static_cast<int>(ctx.in_width(0));
+  const int d = static_cast<int>(ctx.attr(1));
+  const float eps = ctx.attr(0);
+  gemv_task<1, false>(
+      ctx, n,
+      [&ctx, n, d, eps](float* xs, int ld, int t0, int count) {
+        const int pad = padded(count);
+        for (int g = 0; g < pad; ++g) {
+          for (int k = threadIdx.x; k < ld; k += kThreads) xs[g * ld + k] = 0.0f;
+        }
+        __syncthreads();
+        const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+        const int heads = n / d;
+        for (int item = warp; item < count * heads; item += kWarps) {
+          const int g = item / heads, h = item % heads;
+          const float* o = ctx.in(0, t0 + g) + h * d;
+          const float* z = ctx.in(1, t0 + g) + h * d;
+          float sum = 0.0f;
+          for (int j = lane; j < d; j += 32) sum += o[j] * o[j];
+          sum = warp_sum(sum);
+          const float inv = 1.0f / sqrtf(sum / static_cast<float>(d) + eps);
+          for (int j = lane; j < d; j += 32) {
+            xs[g * ld + h * d + j] = round_act(ctx.op->act, weight_at(ctx.weight(0), 0, 0, j) * (o[j] * inv) * sigmoidf_(z[j]));
+          }
+        }
+      },
+      [](int, int64_t c, int) { return RowRef{1, 0, c}; }, store_rounded(ctx));
+}
+
+// kMoeGateUp: inputs x [T, io], routes [T, 2k]; weights w1, w3 stacks [I, io]; output column
+// k·I + i = act(round(x·w1_e[i]), round(x·w3_e[i])) for e = the k-th routed expert of the token.
+// attr0 = top_k, attr1 = SiTU (1) or SiLU·mul (0), attr2 = β, attr3 = β_lin.
+__device__ void op_moe_gate_up(const TaskCtx& ctx) {
+  const int64_t top_k = static_cast<int64_t>(ctx.attr(0));
+  const int64_t inter = ctx.weight(0).rows;
+  gemv_task<2, true>(
+      ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx),
+      [&ctx, top_k, inter](int j, int64_t c, int t) {
+        const int64_t e = static_cast<int64_t>(ctx.in(1, t)[top_k + c / inter]);
+        return RowRef{j, e, c % inter};
+      },
+      [&ctx](int t, int64_t c, const float* dots) {
+        const int32_t act = ctx.op->act;
+        const float gate = round_act(act, dots[0]), up = round_act(act, dots[1]);
+        const float v = ctx.attr(1) != 0.0f ? round_act(act, situf_(gate, up, ctx.attr(2), ctx.attr(3)))
+                                             : round_act(act, round_act(act, siluf_(gate)) * up);
+        ctx.out(t)[c] = round_out(ctx, v);
+      });
+}
+
+// kMoeDown (and kMoeDownAdd with a third input `shared`): out[t, o] = round(Σ_k route_k ·
+// round(h_k · w2_{e_k}[o])) (+ shared, rounded again), k in order. attr0 = top_k.
+template <bool ADD>
+__device__ void op_moe_down_impl(const TaskCtx& ctx) {
+  const int top_k = static_cast<int>(ctx.attr(0));
+  const DeviceWeight& w2 = ctx.weight(0);
+  const int inter = static_cast<int>(w2.cols);
+  const int n = static_cast<int>(ctx.in_width(0));  // k·I
+  int ld = 0, group = 0;
+  float* xs = staging(ctx, n, ld, group);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int32_t act = ctx.op->act;
+  for (int t0 = 0; t0 < ctx.rows(); t0 += group) {
+    const int count = ctx.rows() - t0 < group ? ctx.rows() - t0 : group;
+    __syncthreads();
+    stage_rows(ctx, 0, xs, ld, t0, count, count);
+    __syncthreads();
+    for (int64_t o = ctx.col_begin + warp; o < ctx.col_end; o += kWarps) {
+      for (int g = 0; g < count; ++g) {
+        const float* route = ctx.in(1, t0 + g);
+        float total = 0.0f;
+        for (int k = 0; k < top_k; ++k) {
+          float one[1] = {0.0f};
+          lane_dot<1>(w2, static_cast<int64_t>(route[top_k + k]), o, xs + g * ld + k * inter, ld, inter, one);
+          total += route[k] * round_act(act, warp_sum(one[0]));
+        }
+        if (lane == 0) {
+          float v = round_out(ctx, total);
+          if (ADD) v = round_out(ctx, v + ctx.in(2, t0 + g)[o]);
+          ctx.out(t0 + g)[o] = v;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace plow::cuda

@@ -1,0 +1,247 @@
+// generate --backend cuda|cuda-eager, and `plow bench decode`: decode steps of the megakernel and of
+// cuda-eager on the same weights and state, the read roofline measured in the same run, an optional
+// HF transformers peer run after the engine has given its memory back, and an optional per-opcode
+// profile. Records are appended to a JSON array in bench/results.
+#include "tools/cuda_commands.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <set>
+
+#include "core/error.h"
+#include "engine/plans.h"
+#include "runtime/cuda/backend.h"
+
+namespace plow::tools {
+
+namespace {
+
+using nlohmann::json;
+
+std::string run_and_capture(const std::string& command, int* status = nullptr) {
+  std::string out;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return out;
+  std::array<char, 4096> buffer{};
+  size_t n = 0;
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) out.append(buffer.data(), n);
+  const int rc = pclose(pipe);
+  if (status != nullptr) *status = rc;
+  return out;
+}
+
+std::string git_revision() {
+  if (const char* env = std::getenv("PLOW_GIT_REV"); env != nullptr && *env != '\0') return env;
+  std::string rev = run_and_capture("git rev-parse --short=12 HEAD 2>/dev/null");
+  while (!rev.empty() && (rev.back() == '\n' || rev.back() == ' ')) rev.pop_back();
+  if (rev.empty()) return "unknown";
+  const std::string dirty = run_and_capture("git status --porcelain --untracked-files=no 2>/dev/null");
+  return dirty.empty() ? rev : rev + "-dirty";
+}
+
+double weight_bytes(const WeightDecl& decl, DType dtype) {
+  double n = 1;
+  for (int64_t d : decl.shape) n *= static_cast<double>(d);
+  if (decl.mxfp4) return n * (0.5 + 1.0 / 32.0);
+  const bool f32 = decl.name.ends_with("A_log") || decl.name.ends_with("dt_bias") || decl.name.ends_with("e_score_correction_bias");
+  return n * (f32 ? 4.0 : static_cast<double>(dtype_size(dtype)));
+}
+
+// Bytes one decode step of `batch` sequences at `context` must read at least: every dense weight once,
+// the expected number of distinct experts under uniform routing (E·(1 − (1 − k/E)^B)) per expert
+// stack, B embedding rows, the MLA latent caches (fp32 rows) and the KDA/conv state read and written.
+double decode_bytes(const LoadedModel& model, int64_t batch, int64_t context, DType dtype) {
+  const Graph& graph = model.graph;
+  double bytes = 0;
+  std::set<int> counted;
+  for (const Node& node : graph.nodes()) {
+    for (int w : node.weights) {
+      const WeightDecl& decl = graph.weights()[static_cast<size_t>(w)];
+      if (node.op == Op::kEmbedding) {
+        bytes += static_cast<double>(batch) * weight_bytes(decl, dtype) / static_cast<double>(decl.shape[0]);
+        continue;
+      }
+      if (!counted.insert(w).second) continue;
+      const double total = weight_bytes(decl, dtype);
+      if (decl.parts.size() > 1) {
+        const double experts = static_cast<double>(decl.parts.size());
+        const double k = static_cast<double>(model.config.experts_per_token);
+        bytes += total * (1.0 - std::pow(1.0 - k / experts, static_cast<double>(batch)));
+      } else {
+        bytes += total;
+      }
+    }
+  }
+  for (const StateDecl& state : graph.states()) {
+    switch (state.kind) {
+      case StateKind::kMlaLatent: bytes += static_cast<double>(batch * context * state.width) * 4.0; break;
+      case StateKind::kKdaRecurrent: bytes += 2.0 * static_cast<double>(batch * state.width * (state.width / state.depth)) * 4.0; break;
+      case StateKind::kConvWindow: bytes += 2.0 * static_cast<double>(batch * state.width * state.depth) * 4.0; break;
+    }
+  }
+  return bytes;
+}
+
+void append_records(const std::string& path, const json& records) {
+  json all = json::array();
+  if (std::filesystem::exists(path)) {
+    std::ifstream in(path);
+    try {
+      all = json::parse(in);
+    } catch (const json::exception& e) {
+      fail("{}: not a JSON array of benchmark records ({}); move it away to start a new one", path, e.what());
+    }
+    if (!all.is_array()) fail("{}: expected a JSON array of benchmark records", path);
+  }
+  for (const json& r : records) all.push_back(r);
+  if (const auto parent = std::filesystem::path(path).parent_path(); !parent.empty()) std::filesystem::create_directories(parent);
+  std::ofstream out(path);
+  out << all.dump(1) << "\n";
+  if (!out) fail("{}: cannot write the benchmark records", path);
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, DType act, int64_t max_context, int64_t prefill_chunk, bool eager, int workers) {
+  if (workers <= 0) workers = cuda::CudaBackend::sm_count();
+  std::vector<Plan> plans;
+  plans.push_back(compile_plan(model, PlanPhase::kDecode, 1, workers, max_context));
+  if (prefill_chunk > 1) plans.push_back(compile_plan(model, PlanPhase::kPrefill, prefill_chunk, workers, max_context));
+  cuda::CudaOptions options;
+  options.act_dtype = act;
+  options.num_slots = 1;
+  options.max_context_tokens = max_context;
+  options.eager = eager;
+  return std::make_unique<cuda::CudaBackend>(model.graph, cuda::upload_weights(model.graph, *model.weights), std::move(plans), options);
+}
+
+void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
+  auto* dir = cmd->add_option("--model", args.model_dir, "model directory (config.json + safetensors)");
+  auto* config = cmd->add_option("--config", args.config_path, "config.json of a model to draw on the device")->excludes(dir);
+  cmd->add_flag("--random-weights", args.random_weights, "with --config: draw every weight on the device from --seed")->needs(config);
+  cmd->add_option("--seed", args.seed, "weights' seed");
+  cmd->add_option("--batch", args.batches, "decode batch sizes, comma-separated")->delimiter(',');
+  cmd->add_option("--context", args.contexts, "cached tokens per sequence, comma-separated")->delimiter(',');
+  cmd->add_option("--steps", args.steps, "timed decode steps per point");
+  cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
+  cmd->add_flag("--profile", args.profile, "per-opcode time, bytes and bandwidth; the megakernel's wait and run time");
+  cmd->add_option("-o,--output", args.output, "JSON array the records are appended to");
+  cmd->add_option("--hf-peer", args.hf_peer, "command printing the HF transformers peer's records (run after the engine frees the GPU)");
+}
+
+int run_bench_decode(const BenchDecodeArgs& args) {
+  if (args.model_dir.empty() && args.config_path.empty()) fail("bench decode: one of --model DIR or --config FILE is required");
+  if (!args.config_path.empty() && !args.random_weights) fail("bench decode: --config {} needs --random-weights", args.config_path);
+  if (args.steps < 1) fail("--steps must be >= 1, found {}", args.steps);
+  for (int64_t b : args.batches) {
+    if (b < 1 || b > 1024) fail("--batch {}: expected 1..1024", b);
+  }
+  for (int64_t c : args.contexts) {
+    if (c < 0 || c > (int64_t{1} << 20)) fail("--context {}: expected 0..1048576", c);
+  }
+  const std::unique_ptr<LoadedModel> model = args.model_dir.empty() ? LoadedModel::describe(args.config_path) : LoadedModel::load(args.model_dir);
+  const DType dtype = args.model_dir.empty() ? config_dtype(model->config) : model->weights->storage_dtype();
+  const int sms = cuda::CudaBackend::sm_count();
+  const int workers = args.workers > 0 ? args.workers : sms;
+  const std::string device = cuda::CudaBackend::device_name();
+  const std::string rev = git_revision();
+  const double roofline_gbps = cuda::measure_read_bandwidth_gbps(int64_t{4} << 30);
+  std::cerr << fmt::format("bench decode: {} ({} SMs), read roofline {:.0f} GB/s\n", device, sms, roofline_gbps);
+
+  const int64_t max_batch = *std::max_element(args.batches.begin(), args.batches.end());
+  const int64_t max_context = *std::max_element(args.contexts.begin(), args.contexts.end()) + 8;
+  json records = json::array();
+  {
+    auto weights = args.model_dir.empty() ? cuda::random_device_weights(model->graph, args.seed, dtype) : cuda::upload_weights(model->graph, *model->weights);
+    std::vector<Plan> plans;
+    for (int64_t b : args.batches) plans.push_back(compile_plan(*model, PlanPhase::kDecode, b, workers, max_context));
+    std::vector<json> plan_info;
+    for (const Plan& p : plans) plan_info.push_back({{"max_tokens", p.max_tokens}, {"tasks", p.tasks.size()}, {"ops", p.ops.size()}});
+    cuda::CudaOptions options;
+    options.act_dtype = dtype;
+    options.num_slots = static_cast<int>(max_batch);
+    options.max_context_tokens = max_context;
+    cuda::CudaBackend backend(model->graph, weights, std::move(plans), options);
+    std::cerr << fmt::format("weights on the device: {:.2f} GB\n", static_cast<double>(cuda::device_weight_bytes(*weights)) / 1e9);
+    for (size_t bi = 0; bi < args.batches.size(); ++bi) {
+      const int64_t batch = args.batches[bi];
+      for (int64_t context : args.contexts) {
+        backend.fake_context(context);
+        backend.set_eager(false);
+        const double mega = backend.timed_decode_steps(static_cast<int>(batch), args.steps);
+        backend.set_eager(true);
+        const double eager = backend.timed_decode_steps(static_cast<int>(batch), std::max(5, args.steps / 3));
+        backend.set_eager(false);
+        const double bytes = decode_bytes(*model, batch, context, dtype);
+        const double gbps = bytes / (mega * 1e-3) / 1e9;
+        json record = {{"kind", "decode"},
+                       {"config", args.model_dir.empty() ? args.config_path : args.model_dir},
+                       {"backend", "cuda"},
+                       {"dtype", std::string(dtype_name(dtype))},
+                       {"batch", batch},
+                       {"context", context},
+                       {"ms_per_step", mega},
+                       {"tokens_per_second", static_cast<double>(batch) / mega * 1e3},
+                       {"bytes_per_step", bytes},
+                       {"read_bw_gbps", gbps},
+                       {"roofline_read_gbps", roofline_gbps},
+                       {"roofline_fraction", gbps / roofline_gbps},
+                       {"roofline_ms_per_step", bytes / (roofline_gbps * 1e9) * 1e3},
+                       {"workers", workers},
+                       {"plan", plan_info[bi]},
+                       {"device", device},
+                       {"git_rev", rev},
+                       {"command", args.command_line},
+                       {"peers", {{"cuda-eager", {{"ms_per_step", eager}}}}}};
+        if (args.profile) {
+          backend.set_eager(false);
+          const auto profile = backend.profile_decode_step(static_cast<int>(batch));
+          double total = 0;
+          for (const auto& p : profile) total += p.op.starts_with("megakernel:") ? 0.0 : p.ms;
+          json rows = json::array();
+          for (const auto& p : profile) {
+            rows.push_back({{"op", p.op}, {"tasks", p.tasks}, {"ms", p.ms}, {"share", p.op.starts_with("megakernel:") ? json(nullptr) : json(p.ms / total)},
+                            {"weight_gbps", p.ms > 0 ? p.bytes / (p.ms * 1e-3) / 1e9 : 0.0}});
+          }
+          record["profile"] = {{"eager_ops_ms", total}, {"rows", rows}};
+        }
+        std::cerr << fmt::format("batch {:3d} context {:6d}: {:8.3f} ms/step (eager {:8.3f}), {:7.1f} GB/s = {:5.1f}% of {:.0f}\n", batch, context, mega,
+                                 eager, gbps, 100.0 * gbps / roofline_gbps, roofline_gbps);
+        records.push_back(std::move(record));
+      }
+    }
+  }  // the engine's device memory is free before the peer runs
+
+  if (!args.hf_peer.empty()) {
+    int status = 0;
+    const std::string out = run_and_capture(args.hf_peer, &status);
+    json peer;
+    try {
+      peer = json::parse(out.substr(out.find('[') == std::string::npos ? 0 : out.find('[')));
+    } catch (const json::exception& e) {
+      std::cerr << fmt::format("bench decode: the HF peer printed no JSON array (status {}): {}\n", status, e.what());
+    }
+    for (json& record : records) {
+      json entry = {{"skipped", "the peer did not report this point"}};
+      if (peer.is_array()) {
+        for (const json& p : peer) {
+          if (p.value("batch", -1) == record["batch"].get<int64_t>() && p.value("context", -1) == record["context"].get<int64_t>()) entry = p;
+        }
+      }
+      record["peers"]["hf-transformers"] = entry;
+    }
+  }
+  for (const json& record : records) std::cout << record.dump() << "\n";
+  append_records(args.output, records);
+  return 0;
+}
+
+}  // namespace plow::tools

@@ -1,0 +1,38 @@
+// The plow subcommands and options that need the cuda backend: `generate --backend cuda|cuda-eager`
+// and `bench decode`. Builds without CUDA link cuda_commands_none.cpp, which says so.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/model.h"
+#include "runtime/backend.h"
+
+namespace plow::tools {
+
+// A cuda backend for one generation: a decode plan for batch 1 and a prefill plan for `prefill_chunk`
+// tokens (none when ≤ 1), compiled for `workers` (0: one per SM).
+std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, DType act, int64_t max_context, int64_t prefill_chunk, bool eager, int workers);
+
+struct BenchDecodeArgs {
+  std::string model_dir, config_path;
+  bool random_weights = false;
+  uint64_t seed = 0;
+  std::vector<int64_t> batches{1};
+  std::vector<int64_t> contexts{0};
+  int steps = 30;
+  int workers = 0;
+  bool profile = false;
+  std::string output = "bench/results/decode.json";
+  std::string hf_peer;  // a command printing the HF transformers peer's JSON records (bench/peers/hf_decode.py)
+  std::string command_line;
+};
+
+void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args);
+int run_bench_decode(const BenchDecodeArgs& args);
+
+}  // namespace plow::tools

@@ -1,0 +1,18 @@
+// A build without the cuda backend (no CUDA toolkit, or a sanitizer build): the cuda options say so.
+#include "core/error.h"
+#include "tools/cuda_commands.h"
+
+namespace plow::tools {
+
+std::unique_ptr<Backend> make_cuda_backend(const LoadedModel&, DType, int64_t, int64_t, bool, int) {
+  fail("--backend cuda: this build of plow has no cuda backend (configure with a CUDA toolkit and -DPLOW_CUDA=ON)");
+}
+
+void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
+  cmd->add_option("--config", args.config_path, "config.json of a model to draw on the device");
+  cmd->allow_extras();
+}
+
+int run_bench_decode(const BenchDecodeArgs&) { fail("bench decode: this build of plow has no cuda backend (configure with a CUDA toolkit and -DPLOW_CUDA=ON)"); }
+
+}  // namespace plow::tools
