@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -409,6 +410,7 @@ TEST_P(CudaOpTest, MatchesReference) {
     ReferenceBackend ref(p->g.graph, *p->bound, act, kSlots);
     std::mt19937 rng(99);
     int index = 0;
+    double worst_error = 0;
     for (const auto& sequences : script()) {
       const StepInputs inputs = make_step(sequences, rng);
       const StepOutput expected = ref.step(inputs);
@@ -416,8 +418,11 @@ TEST_P(CudaOpTest, MatchesReference) {
       std::string worst;
       const double error = step_error(got, expected, eps, c.bound.floor, worst);
       EXPECT_LE(error, bound) << c.name << " step " << index << " (" << inputs.token_ids.size() << " tokens): " << worst;
+      worst_error = std::max(worst_error, error);
       ++index;
     }
+    // The observed error next to its bound, for tuning bounds from real runs.
+    std::printf("  %s %s: max error %.3g (bound %.3g)\n", c.name.c_str(), eager ? "eager" : "megakernel", worst_error, bound);
     for (int slot = 0; slot < kSlots; ++slot) EXPECT_EQ(gpu.context_tokens(slot), ref.context_tokens(slot));
   }
 }
