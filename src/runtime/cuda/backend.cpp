@@ -14,12 +14,11 @@
 #include "core/error.h"
 #include "plan/validate.h"
 #include "runtime/cuda/kernels.h"
+#include "runtime/cuda/ops_attrs.h"
 
 namespace plow::cuda {
 
 void cuda_failure(const char* what, cudaError_t error) { fail("cuda: {}: {}", what, cudaGetErrorString(error)); }
-
-bool pack_misc_attrs(const PlanOp& op, float* attr);  // ops_attrs.cpp
 
 namespace {
 

@@ -6,6 +6,7 @@
 #include "graph/op_table.h"
 #include "runtime/cuda/device.cuh"
 #include "runtime/cuda/ops/gemv.cuh"
+#include "runtime/cuda/ops/misc_ops.cuh"
 
 namespace plow::cuda {
 
@@ -24,7 +25,7 @@ __device__ void run_task(const TaskCtx& ctx, int32_t opcode) {
     case Op::kActLinear: op_act_linear(ctx); return;
     case Op::kGatedNormLinear: op_gated_norm_linear(ctx); return;
     default:
-      if (threadIdx.x == 0) report_error(ctx, kErrOpcode);
+      if (!run_misc_op(ctx) && threadIdx.x == 0) report_error(ctx, kErrOpcode);
       return;
   }
 }
@@ -43,7 +44,7 @@ constexpr bool host_has_op(Op op) {
     case Op::kGatedNormLinear:
       return true;
     default:
-      return false;
+      return is_misc_op(static_cast<uint8_t>(op));
   }
 }
 

@@ -1,12 +1,111 @@
-// OpDesc::attr layouts of the ops outside the GEMV family (placeholder until their bodies land).
-#include "plan/plan.h"
+// Attribute packing of the CUDA op bodies in runtime/cuda/ops/ (see ops_attrs.h). The layout of each op
+// is documented at its device body; this file is the only writer. Integers travel as floats (exact
+// below 2^24: widths are bounded by PlanLimits::kMaxWidth = 2^24).
+#include "runtime/cuda/ops_attrs.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "runtime/cuda/ops/limits.h"
 
 namespace plow::cuda {
 
+namespace {
+
+float value(const PlanOp& op, const char* name) { return op.attrs.f(name); }
+
+int64_t integer(const PlanOp& op, const char* name) { return op.attrs.i(name); }
+
+void pack_mla(const PlanOp& op, float* attr) {
+  const int64_t rank = integer(op, "rank"), rope = integer(op, "rope");
+  if (rank < 1 || rank > kMlaMaxRank || rope < 0 || rank + rope > kMlaMaxLatent) {
+    fail("{}: cuda MLA supports kv_lora_rank ≤ {} and rank + rope ≤ {}, found rank {} and rope {}", op.label, kMlaMaxRank, kMlaMaxLatent,
+         rank, rope);
+  }
+  attr[0] = value(op, "heads");
+  attr[1] = value(op, "nope");
+  attr[2] = value(op, "rope");
+  attr[3] = value(op, "v");
+  attr[4] = value(op, "rank");
+  attr[5] = value(op, "eps");
+}
+
+void pack_router(const PlanOp& op, float* attr) {
+  const int64_t experts = integer(op, "experts"), top_k = integer(op, "top_k");
+  const int64_t groups = integer(op, "groups"), keep = integer(op, "topk_groups");
+  if (experts < 1 || experts > kRouterMaxExperts || top_k < 1 || top_k > std::min<int64_t>(experts, kRouterMaxTopK)) {
+    fail("{}: cuda router supports up to {} experts and top_k ≤ min(experts, {}), found {} experts and top_k {}", op.label,
+         kRouterMaxExperts, kRouterMaxTopK, experts, top_k);
+  }
+  if (groups < 1 || experts % groups != 0 || keep < 1 || keep > groups) {
+    fail("{}: router groups {} (keeping {}) must divide the {} experts and keep between 1 and all groups", op.label, groups, keep, experts);
+  }
+  attr[0] = static_cast<float>(experts);
+  attr[1] = static_cast<float>(top_k);
+  attr[2] = static_cast<float>(groups);
+  attr[3] = static_cast<float>(keep);
+  attr[4] = op.attrs.get("renormalize") != 0.0 ? 1.0f : 0.0f;
+  attr[5] = value(op, "scale");
+  attr[6] = op.attrs.get("softmax") != 0.0 ? 1.0f : 0.0f;
+}
+
+}  // namespace
+
 bool pack_misc_attrs(const PlanOp& op, float* attr) {
-  (void)op;
-  (void)attr;
-  return false;
+  std::fill(attr, attr + kPackedAttrs, 0.0f);
+  switch (op.op()) {
+    case Op::kRmsNorm:
+    case Op::kAddNorm:
+    case Op::kAttnResMix:
+      attr[0] = value(op, "eps");
+      return true;
+    case Op::kAttnResNorm:
+      attr[0] = value(op, "eps");
+      attr[1] = value(op, "norm_eps");
+      return true;
+    case Op::kGatedRmsNorm:
+      attr[0] = value(op, "head_dim");
+      attr[1] = value(op, "eps");
+      return true;
+    case Op::kShortConvSilu: {
+      const int64_t kernel = integer(op, "kernel");
+      if (kernel < 1 || kernel > kShortConvMaxKernel) fail("{}: conv kernel {} outside 1..{}", op.label, kernel, kShortConvMaxKernel);
+      attr[0] = static_cast<float>(kernel);
+      return true;
+    }
+    case Op::kKdaGate:
+      attr[0] = value(op, "head_dim");
+      attr[1] = op.attrs.has("lower_bound") ? 1.0f : 0.0f;
+      attr[2] = op.attrs.has("lower_bound") ? value(op, "lower_bound") : 0.0f;
+      return true;
+    case Op::kKdaDeltaRule: {
+      const int64_t d = integer(op, "head_dim");
+      if (d < 1 || d > kKdaMaxHeadDim) fail("{}: cuda KDA supports head_dim ≤ {}, found {}", op.label, kKdaMaxHeadDim, d);
+      attr[0] = static_cast<float>(d);
+      return true;
+    }
+    case Op::kMlaAttention:
+      pack_mla(op, attr);
+      return true;
+    case Op::kSituMul:
+      attr[0] = value(op, "beta");
+      attr[1] = value(op, "linear_beta");
+      return true;
+    case Op::kSlice:
+      attr[0] = value(op, "offset");
+      attr[1] = value(op, "width");
+      return true;
+    case Op::kMoeRouter:
+      pack_router(op, attr);
+      return true;
+    case Op::kSigmoid:
+    case Op::kSiluMul:
+    case Op::kAdd:
+    case Op::kSigmoidMul:
+      return true;
+    default:
+      return false;
+  }
 }
 
 }  // namespace plow::cuda

@@ -6,7 +6,7 @@
 // one warp reduction per (column, token). Rounding points are those of src/runtime/cpu/ops.
 #pragma once
 
-#include "runtime/cuda/device.cuh"
+#include "runtime/cuda/ops/common.cuh"
 
 namespace plow::cuda {
 
@@ -113,12 +113,6 @@ __device__ __forceinline__ void lane_dot(const DeviceWeight& w, int64_t part, in
 #pragma unroll
     for (int g = 0; g < G; ++g) acc[g] += f * xs[g * ld + k];
   }
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 
 // The staging buffer for `n`-wide token rows: shared memory when a group of at least one row fits,

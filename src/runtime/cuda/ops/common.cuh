@@ -1,0 +1,75 @@
+// Helpers shared by the CUDA op bodies (ops/*.cuh): warp reductions, a row-reduction scheduler, dense
+// weight loads and the per-sequence view of a step. Everything here is block-uniform where it says so:
+// a helper that synchronizes must be called by all kThreads threads of the block.
+#pragma once
+
+#include "runtime/cuda/device.cuh"
+
+namespace plow::cuda {
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ int warp_id() { return static_cast<int>(threadIdx.x) / 32; }
+__device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x) % 32; }
+
+// 1 / √(sum/n + ε), written exactly as the CPU reference (norm.cpp) writes it: IEEE sqrt and division.
+__device__ __forceinline__ float inv_rms(float sum_sq, int64_t n, float eps) { return 1.0f / sqrtf(sum_sq / static_cast<float>(n) + eps); }
+
+// Element i (row-major flat index) of part 0 of a dense weight (f32, bf16, f16): norm weights, conv
+// taps, A_log, dt_bias, kv_b and the router matrix. None of them is MXFP4 (only routed experts are);
+// an MXFP4 weight here reads as NaN so the mistake shows in every output.
+__device__ __forceinline__ float weight_flat(const DeviceWeight& w, int64_t i) {
+  switch (w.type) {
+    case kWBF16: return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(w.data)[i]);
+    case kWF16: return __half2float(reinterpret_cast<const __half*>(w.data)[i]);
+    case kWF32: return reinterpret_cast<const float*>(w.data)[i];
+    default: return __int_as_float(0x7fc00000);
+  }
+}
+
+// One reduction per row over `rows` rows. partial(t, first, stride) returns this thread's share of row
+// t's sum (elements first, first+stride, …); emit(t, total, first, stride) uses the row total with the
+// same element split. Few rows: the whole block reduces one row at a time; many rows: one warp per
+// row. Block-uniform; ends with __syncthreads so `red` (32 floats of shared memory) and whatever emit
+// wrote may be reused at once.
+template <typename Partial, typename Emit>
+__device__ __forceinline__ void for_each_row_sum(int rows, float* red, Partial partial, Emit emit) {
+  if (rows < 8) {
+    for (int t = 0; t < rows; ++t) {
+      const float total = block_sum(partial(t, static_cast<int>(threadIdx.x), kThreads), red);
+      emit(t, total, static_cast<int>(threadIdx.x), kThreads);
+    }
+  } else {
+    for (int t = warp_id(); t < rows; t += kWarps) {
+      const float total = warp_sum(partial(t, lane_id(), 32));
+      emit(t, total, lane_id(), 32);
+    }
+  }
+  __syncthreads();
+}
+
+// Calls fn(t, c) for every row t of the step and every column c of the task's slice.
+template <typename Fn>
+__device__ __forceinline__ void for_each_slice_element(const TaskCtx& ctx, Fn fn) {
+  const int64_t n = ctx.col_end - ctx.col_begin;
+  const int64_t total = static_cast<int64_t>(ctx.rows()) * n;
+  for (int64_t i = threadIdx.x; i < total; i += kThreads) fn(i / n, ctx.col_begin + i % n);
+}
+
+// The slot's buffer of a stateful op's state (fp32).
+__device__ __forceinline__ float* state_of(const TaskCtx& ctx, int slot) {
+  const DeviceState& state = ctx.step->states[ctx.op->state];
+  return state.base + static_cast<int64_t>(slot) * state.slot_floats;
+}
+
+__device__ __forceinline__ float* smem_floats(const TaskCtx& ctx) { return reinterpret_cast<float*>(ctx.smem); }
+
+}  // namespace plow::cuda

@@ -1,0 +1,48 @@
+// Elementwise op bodies (cpu: ops/elementwise.cpp, fused.cpp cpu_slice): one thread per element of the
+// task's slice [col_begin, col_end) × all rows; inputs share the output's width (kSlice: offset).
+// fp32 math, one rounding per output (SiLU·mul also rounds SiLU first, as the CPU does).
+#pragma once
+
+#include "runtime/cuda/ops/common.cuh"
+
+namespace plow::cuda {
+
+// kAdd: a + b. attrs: none.
+__device__ inline void op_add(const TaskCtx& ctx) {
+  for_each_slice_element(ctx, [&](int64_t t, int64_t c) { ctx.out(t)[c] = round_out(ctx, ctx.in(0, t)[c] + ctx.in(1, t)[c]); });
+}
+
+// kSiluMul: act(SiLU(a)) · b. attrs: none.
+__device__ inline void op_silu_mul(const TaskCtx& ctx) {
+  const int32_t act = ctx.op->act;
+  for_each_slice_element(ctx, [&](int64_t t, int64_t c) {
+    ctx.out(t)[c] = round_out(ctx, round_act(act, siluf_(ctx.in(0, t)[c])) * ctx.in(1, t)[c]);
+  });
+}
+
+// kSigmoid: σ(x), fp32 output. attrs: none.
+__device__ inline void op_sigmoid(const TaskCtx& ctx) {
+  for_each_slice_element(ctx, [&](int64_t t, int64_t c) { ctx.out(t)[c] = round_out(ctx, sigmoidf_(ctx.in(0, t)[c])); });
+}
+
+// kSituMul: SiTU(a, b), one rounding. attrs: [0] beta, [1] linear_beta (≤ 0: the up branch is b).
+__device__ inline void op_situ_mul(const TaskCtx& ctx) {
+  const float beta = ctx.attr(0), linear_beta = ctx.attr(1);
+  for_each_slice_element(ctx, [&](int64_t t, int64_t c) {
+    ctx.out(t)[c] = round_out(ctx, situf_(ctx.in(0, t)[c], ctx.in(1, t)[c], beta, linear_beta));
+  });
+}
+
+// kSigmoidMul: a · σ(g) (the K3 MLA output gate). attrs: none.
+__device__ inline void op_sigmoid_mul(const TaskCtx& ctx) {
+  for_each_slice_element(ctx, [&](int64_t t, int64_t c) { ctx.out(t)[c] = round_out(ctx, ctx.in(0, t)[c] * sigmoidf_(ctx.in(1, t)[c])); });
+}
+
+// kSlice: columns [offset + col_begin, offset + col_end) of the input, copied (already rounded).
+// attrs: [0] offset, [1] width.
+__device__ inline void op_slice(const TaskCtx& ctx) {
+  const auto offset = static_cast<int64_t>(ctx.attr(0));
+  for_each_slice_element(ctx, [&](int64_t t, int64_t c) { ctx.out(t)[c] = ctx.in(0, t)[offset + c]; });
+}
+
+}  // namespace plow::cuda

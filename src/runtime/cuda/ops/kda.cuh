@@ -1,0 +1,181 @@
+// KDA op bodies (spec/MODEL.md §4.2, §5; cpu: ops/kda.cpp): the causal short conv + SiLU over the conv
+// window, the forget gate (both forms), and the gated delta rule run token by token for every sequence
+// of the step. The CPU runs multi-token sequences in the chunked form (§6); the recurrent form equals
+// it to fp32 rounding (MODEL.md §6 derivation, tests/unit/kda_test.cpp).
+#pragma once
+
+#include "runtime/cuda/ops/common.cuh"
+#include "runtime/cuda/ops/limits.h"
+
+namespace plow::cuda {
+
+// kShortConvSilu: out[t,c] = act(SiLU(Σ_j C[c,0,j]·hist[t+j])), hist = window[c] ++ this step's inputs of
+// channel c, per sequence. attrs: [0] kernel K. Weight C [P,1,K]. State: window [P, K−1] per slot,
+// oldest column first (the last K−1 pre-conv inputs), updated for the slice's channels only.
+__device__ inline void op_short_conv_silu(const TaskCtx& ctx) {
+  const DeviceWeight& taps = ctx.weight(0);
+  const int kernel = static_cast<int>(ctx.attr(0)), keep = kernel - 1;
+  const int64_t cols = ctx.col_end - ctx.col_begin;
+  const StepView& step = *ctx.step;
+  for (int s = 0; s < step.num_seqs; ++s) {
+    const int first = step.seq_first_row[s], tokens = step.seq_tokens[s];
+    float* window = state_of(ctx, step.seq_slot[s]);
+    // history position p of channel c: the window for p < keep, else input row first + p − keep.
+    auto history = [&](int64_t p, int64_t c) { return p < keep ? window[c * keep + p] : ctx.in(0, first + p - keep)[c]; };
+    for (int64_t i = threadIdx.x; i < tokens * cols; i += kThreads) {
+      const int64_t t = i / cols, c = ctx.col_begin + i % cols;
+      float sum = 0.0f;
+      for (int j = 0; j < kernel; ++j) sum += weight_flat(taps, c * kernel + j) * history(t + j, c);
+      ctx.out(first + t)[c] = round_out(ctx, siluf_(sum));
+    }
+    __syncthreads();  // every output above read the old window
+    // New window = history[tokens .. tokens + keep): ascending j reads position tokens + j ≥ j, never a
+    // column this thread already overwrote.
+    for (int64_t c = ctx.col_begin + threadIdx.x; c < ctx.col_end; c += kThreads) {
+      for (int j = 0; j < keep; ++j) window[c * keep + j] = history(tokens + j, c);
+    }
+  }
+}
+
+// kKdaGate, fp32 output: g = −exp(A_log[h])·softplus(f + dt_bias) (softplus returns z above 20), or
+// with a lower bound lb (K3, §7.5) g = lb·σ(exp(A_log[h])·(f + dt_bias)). attrs: [0] head_dim,
+// [1] bounded (0/1), [2] lower_bound. Weights A_log [heads], dt_bias [P] (fp32 in checkpoints).
+__device__ inline void op_kda_gate(const TaskCtx& ctx) {
+  const DeviceWeight& a_log = ctx.weight(0);
+  const DeviceWeight& dt_bias = ctx.weight(1);
+  const auto d = static_cast<int64_t>(ctx.attr(0));
+  const bool bounded = ctx.attr(1) != 0.0f;
+  const float lower_bound = ctx.attr(2);
+  for_each_slice_element(ctx, [&](int64_t t, int64_t c) {
+    const float rate = expf(weight_flat(a_log, c / d));
+    const float z = ctx.in(0, t)[c] + weight_flat(dt_bias, c);
+    const float softplus = z > 20.0f ? z : logf(1.0f + expf(z));
+    ctx.out(t)[c] = round_out(ctx, bounded ? lower_bound * sigmoidf_(rate * z) : -rate * softplus);
+  });
+}
+
+// The delta rule for one head over the tokens of one sequence, state on chip. D (16, 32, 64, 128) is
+// the head dim rounded up; padded rows/columns hold zeros and are never stored. Thread layout: thread
+// tid owns value column c = tid / kPerCol and the kRows key rows j = r + kPerCol·i (r = tid mod
+// kPerCol); the kPerCol threads of a column are adjacent lanes, so Σ_j reductions are xor shuffles.
+template <int D>
+struct KdaLayout {
+  static constexpr int kRows = D * D >= kThreads ? D * D / kThreads : 1;  // state rows per thread
+  static constexpr int kPerCol = D / kRows;                               // threads per value column
+  // Tokens staged per tile in shared memory: q̂, k̂, exp(g), v [D] each and β.
+  static constexpr int kTile = (kSharedBytes / 4) / (4 * D + 1) < 64 ? (kSharedBytes / 4) / (4 * D + 1) : 64;
+  static_assert(kPerCol <= 32 && 32 % kPerCol == 0, "a column's threads must share a warp");
+  static_assert(kThreads / kPerCol >= D, "every value column needs its threads");
+};
+
+// Stages tokens [t0, t0 + n) of head h (rows first + t): q̂ = l2n(q)/√d, k̂ = l2n(k) (ε = 1e−6 on the
+// SUM, inside the root; divide then scale as the CPU), exp(g), v, β. One warp per (token, q|k) norm.
+template <int D>
+__device__ void kda_stage(const TaskCtx& ctx, int first, int t0, int n, int64_t h, int64_t d, float* sq, float* sk, float* sdecay, float* sv,
+                          float* sbeta) {
+  const float q_scale = 1.0f / sqrtf(static_cast<float>(d));
+  const int lane = lane_id();
+  for (int u = warp_id(); u < 2 * n; u += kWarps) {
+    const int t = u / 2, which = u % 2;  // 0: q, 1: k
+    const float* x = ctx.in(which, first + t0 + t) + h * d;
+    float sum = 0.0f;
+    for (int64_t j = lane; j < d; j += 32) sum += x[j] * x[j];
+    const float norm = sqrtf(warp_sum(sum) + 1e-6f);
+    const float scale = which == 0 ? q_scale : 1.0f;
+    float* dst = (which == 0 ? sq : sk) + t * D;
+    for (int j = lane; j < D; j += 32) dst[j] = j < d ? x[j] / norm * scale : 0.0f;
+  }
+  for (int i = static_cast<int>(threadIdx.x); i < n * D; i += kThreads) {
+    const int t = i / D, j = i % D;
+    const int row = first + t0 + t;
+    sdecay[i] = j < d ? expf(ctx.in(3, row)[h * d + j]) : 1.0f;
+    sv[i] = j < d ? ctx.in(2, row)[h * d + j] : 0.0f;
+  }
+  for (int t = static_cast<int>(threadIdx.x); t < n; t += kThreads) sbeta[t] = ctx.in(4, first + t0 + t)[h];
+  __syncthreads();
+}
+
+template <int D>
+__device__ void kda_delta_rule(const TaskCtx& ctx) {
+  using L = KdaLayout<D>;
+  const auto d = static_cast<int64_t>(ctx.attr(0));
+  const int tid = static_cast<int>(threadIdx.x);
+  const int c = tid / L::kPerCol, r = tid % L::kPerCol;
+  const bool active = c < D;  // whole warps: kPerCol divides 32
+  float* sq = smem_floats(ctx);
+  float* sk = sq + L::kTile * D;
+  float* sdecay = sk + L::kTile * D;
+  float* sv = sdecay + L::kTile * D;
+  float* sbeta = sv + L::kTile * D;
+  const StepView& step = *ctx.step;
+  for (int s = 0; s < step.num_seqs; ++s) {
+    const int first = step.seq_first_row[s], tokens = step.seq_tokens[s];
+    float* state = state_of(ctx, step.seq_slot[s]);  // [heads, d, d]: S[j][c] = row key j, column value c
+    for (int64_t h = ctx.col_begin / d; h < ctx.col_end / d; ++h) {
+      float* S_global = state + h * d * d;
+      float S[L::kRows];
+#pragma unroll
+      for (int i = 0; i < L::kRows; ++i) {
+        const int j = r + L::kPerCol * i;
+        S[i] = active && j < d && c < d ? S_global[j * d + c] : 0.0f;
+      }
+      for (int t0 = 0; t0 < tokens; t0 += L::kTile) {
+        const int n = tokens - t0 < L::kTile ? tokens - t0 : L::kTile;
+        kda_stage<D>(ctx, first, t0, n, h, d, sq, sk, sdecay, sv, sbeta);
+        if (active) {
+          for (int t = 0; t < n; ++t) {
+            const float* q = sq + t * D;
+            const float* k = sk + t * D;
+            const float* decay = sdecay + t * D;
+            // S ← diag(exp g)·S; prediction Sᵀk with the decayed S (§4.2 K6, §9.8).
+            float predicted = 0.0f;
+#pragma unroll
+            for (int i = 0; i < L::kRows; ++i) {
+              const int j = r + L::kPerCol * i;
+              S[i] *= decay[j];
+              predicted += S[i] * k[j];
+            }
+            for (int o = 1; o < L::kPerCol; o <<= 1) predicted += __shfl_xor_sync(0xffffffffu, predicted, o);
+            const float error = (sv[t * D + c] - predicted) * sbeta[t];
+            // S ← S + k ⊗ β·e; o = Sᵀq reads the updated S.
+            float out = 0.0f;
+#pragma unroll
+            for (int i = 0; i < L::kRows; ++i) {
+              const int j = r + L::kPerCol * i;
+              S[i] += k[j] * error;
+              out += S[i] * q[j];
+            }
+            for (int o = 1; o < L::kPerCol; o <<= 1) out += __shfl_xor_sync(0xffffffffu, out, o);
+            if (r == 0 && c < d) ctx.out(first + t0 + t)[h * d + c] = round_out(ctx, out);
+          }
+        }
+        __syncthreads();  // the staged tile is overwritten next
+      }
+#pragma unroll
+      for (int i = 0; i < L::kRows; ++i) {
+        const int j = r + L::kPerCol * i;
+        if (active && j < d && c < d) S_global[j * d + c] = S[i];
+      }
+    }
+  }
+}
+
+// kKdaDeltaRule (heads): q, k, v [T, P] (act), g [T, P] fp32 log-decay, β [T, heads] fp32 → o [T, P].
+// attrs: [0] head_dim (≤ 128; pack_misc_attrs refuses larger). State fp32 [heads, d, d] per slot.
+__device__ inline void op_kda_delta_rule(const TaskCtx& ctx) {
+  const int d = static_cast<int>(ctx.attr(0));
+  if (d <= 16) {
+    kda_delta_rule<16>(ctx);
+  } else if (d <= 32) {
+    kda_delta_rule<32>(ctx);
+  } else if (d <= 64) {
+    kda_delta_rule<64>(ctx);
+  } else if (d <= kKdaMaxHeadDim) {
+    static_assert(kKdaMaxHeadDim == 128, "the largest instantiation below");
+    kda_delta_rule<128>(ctx);
+  } else if (threadIdx.x == 0) {
+    report_error(ctx, kErrOpcode);
+  }
+}
+
+}  // namespace plow::cuda

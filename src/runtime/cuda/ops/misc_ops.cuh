@@ -1,0 +1,54 @@
+// The non-GEMV op bodies in one include for the megakernel's translation unit, and their dispatch:
+// run_misc_op runs the body of ctx.op->opcode and returns true, or returns false for an opcode it does
+// not own (the caller's switch handles the linear family, experts, tokens and embedding).
+#pragma once
+
+#include "graph/op_table.h"
+#include "runtime/cuda/ops/attn_res.cuh"
+#include "runtime/cuda/ops/elementwise.cuh"
+#include "runtime/cuda/ops/kda.cuh"
+#include "runtime/cuda/ops/mla.cuh"
+#include "runtime/cuda/ops/moe_router.cuh"
+#include "runtime/cuda/ops/norm.cuh"
+#include "runtime/cuda/ops_attrs.h"
+
+namespace plow::cuda {
+
+static_assert(kPackedAttrs == kMaxAttrs, "ops_attrs.h and device.cuh disagree on the attribute count");
+
+__device__ inline bool run_misc_op(const TaskCtx& ctx) {
+  switch (static_cast<Op>(ctx.op->opcode)) {
+    case Op::kRmsNorm: op_rms_norm(ctx); return true;
+    case Op::kGatedRmsNorm: op_gated_rms_norm(ctx); return true;
+    case Op::kAddNorm: op_add_norm(ctx); return true;
+    case Op::kShortConvSilu: op_short_conv_silu(ctx); return true;
+    case Op::kKdaGate: op_kda_gate(ctx); return true;
+    case Op::kKdaDeltaRule: op_kda_delta_rule(ctx); return true;
+    case Op::kMlaAttention: op_mla_attention(ctx); return true;
+    case Op::kSigmoid: op_sigmoid(ctx); return true;
+    case Op::kSiluMul: op_silu_mul(ctx); return true;
+    case Op::kAdd: op_add(ctx); return true;
+    case Op::kSituMul: op_situ_mul(ctx); return true;
+    case Op::kSigmoidMul: op_sigmoid_mul(ctx); return true;
+    case Op::kSlice: op_slice(ctx); return true;
+    case Op::kMoeRouter: op_moe_router(ctx); return true;
+    case Op::kAttnResMix: op_attn_res_mix(ctx); return true;
+    case Op::kAttnResNorm: op_attn_res_norm(ctx); return true;
+    default: return false;
+  }
+}
+
+// Whether run_misc_op has a body for `opcode` (host side too: for CudaBackend::has_op).
+__host__ __device__ constexpr bool is_misc_op(uint8_t opcode) {
+  switch (static_cast<Op>(opcode)) {
+    case Op::kRmsNorm: case Op::kGatedRmsNorm: case Op::kAddNorm: case Op::kShortConvSilu: case Op::kKdaGate:
+    case Op::kKdaDeltaRule: case Op::kMlaAttention: case Op::kSigmoid: case Op::kSiluMul: case Op::kAdd:
+    case Op::kSituMul: case Op::kSigmoidMul: case Op::kSlice: case Op::kMoeRouter: case Op::kAttnResMix:
+    case Op::kAttnResNorm:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace plow::cuda

@@ -1,0 +1,172 @@
+// MoE router (spec/MODEL.md §4.5 R1–R7; cpu: ops/moe.cpp cpu_moe_router), one task for the whole op:
+// fp32 logits, sigmoid or softmax scores, selection on score + bias with group-limited top-k (group
+// score = sum of its top-2), weights from the unbiased scores, renormalized then scaled. Ties go to the
+// lower index, as the CPU's stable sort: every top-k here is an iterative argmax whose comparison
+// prefers the lower index on equal values (−∞ included), which yields the stable order.
+#pragma once
+
+#include <climits>
+
+#include "runtime/cuda/ops/common.cuh"
+#include "runtime/cuda/ops/limits.h"
+
+namespace plow::cuda {
+
+inline constexpr int kRouterPerLane = kRouterMaxExperts / 32;
+inline constexpr int kRouterRowGroup = 8;                     // rows sharing one pass over a router row
+
+struct RouterArgs {
+  int experts, top_k, groups, keep_groups;
+  bool renormalize, softmax;
+  float scale;
+};
+
+// (value, index) argmax over the warp, lower index on equal values; idx = INT_MAX marks "none".
+__device__ __forceinline__ void warp_argmax(float& value, int& index) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float v = __shfl_xor_sync(0xffffffffu, value, o);
+    const int i = __shfl_xor_sync(0xffffffffu, index, o);
+    if (v > value || (v == value && i < index)) value = v, index = i;
+  }
+}
+
+// logits[r·E + e] = x[t0 + r]·W[e] (fp32) for rows r < rows: one warp per expert, kRouterRowGroup rows
+// per pass over the weight row.
+__device__ inline void router_logits(const TaskCtx& ctx, int experts, int t0, int rows, float* logits) {
+  const DeviceWeight& weight = ctx.weight(0);  // [E, H]
+  const int64_t hidden = ctx.in_width(0);
+  const int lane = lane_id();
+  for (int e = warp_id(); e < experts; e += kWarps) {
+    for (int r0 = 0; r0 < rows; r0 += kRouterRowGroup) {
+      float acc[kRouterRowGroup];
+#pragma unroll
+      for (int r = 0; r < kRouterRowGroup; ++r) acc[r] = 0.0f;
+      for (int64_t i = lane; i < hidden; i += 32) {
+        const float w = weight_flat(weight, e * hidden + i);
+#pragma unroll
+        for (int r = 0; r < kRouterRowGroup; ++r) {
+          if (r0 + r < rows) acc[r] += w * ctx.in(0, t0 + r0 + r)[i];
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRouterRowGroup; ++r) {
+        const float total = warp_sum(acc[r]);
+        if (lane == 0 && r0 + r < rows) logits[(r0 + r) * experts + e] = total;
+      }
+    }
+  }
+}
+
+// Selects and weights the experts of one row (one warp). logits: the row's E logits (shared memory,
+// left intact); buf: this warp's scratch (E choice values, then G group scores, then top_k ids).
+__device__ inline void router_select_row(const TaskCtx& ctx, const RouterArgs& a, const float* logits, float* buf, float* out) {
+  const DeviceWeight& bias = ctx.weight(1);
+  const int lane = lane_id(), experts = a.experts;
+  float max_logit = 0.0f, soft_total = 1.0f;
+  if (a.softmax) {
+    float m = -INFINITY;
+    for (int e = lane; e < experts; e += 32) m = fmaxf(m, logits[e]);
+    max_logit = warp_max(m);
+    float sum = 0.0f;
+    for (int e = lane; e < experts; e += 32) sum += expf(logits[e] - max_logit);
+    soft_total = warp_sum(sum);
+  }
+  auto score = [&](int e) { return a.softmax ? expf(logits[e] - max_logit) / soft_total : sigmoidf_(logits[e]); };
+  // Choice values, in registers (candidate e = lane + 32m) and in buf for the per-group scans.
+  float choice[kRouterPerLane];
+#pragma unroll
+  for (int m = 0; m < kRouterPerLane; ++m) {
+    const int e = lane + 32 * m;
+    choice[m] = e < experts ? score(e) + weight_flat(bias, e) : -INFINITY;
+    if (e < experts) buf[e] = choice[m];
+  }
+  __syncwarp();
+  if (a.groups > 1) {
+    const int per_group = experts / a.groups;
+    float* group_score = buf + experts;
+    for (int g = lane; g < a.groups; g += 32) {
+      float best = -INFINITY, second = -INFINITY;
+      for (int i = 0; i < per_group; ++i) {
+        const float v = buf[g * per_group + i];
+        if (v > best) second = best, best = v;
+        else if (v > second) second = v;
+      }
+      group_score[g] = per_group >= 2 ? best + second : best;
+    }
+    __syncwarp();
+    // Keep the best keep_groups groups (ties to the lower group); mask the others' experts to −∞.
+    uint32_t kept = 0;  // bit i: group lane + 32i kept (groups ≤ kRouterMaxExperts)
+    for (int k = 0; k < a.keep_groups; ++k) {
+      float value = -INFINITY;
+      int index = INT_MAX;
+      for (int i = 0, g = lane; g < a.groups; ++i, g += 32) {
+        const float v = group_score[g];
+        if (!(kept >> i & 1u) && (index == INT_MAX || v > value)) value = v, index = g;
+      }
+      warp_argmax(value, index);
+      if (index != INT_MAX && index % 32 == lane) kept |= 1u << (index / 32);
+    }
+    // Broadcast the kept flags through buf (group scores are no longer needed).
+    for (int i = 0, g = lane; g < a.groups; ++i, g += 32) group_score[g] = (kept >> i & 1u) ? 1.0f : 0.0f;
+    __syncwarp();
+#pragma unroll
+    for (int m = 0; m < kRouterPerLane; ++m) {
+      const int e = lane + 32 * m;
+      if (e < experts && group_score[e / per_group] == 0.0f) choice[m] = -INFINITY;
+    }
+    __syncwarp();
+  }
+  // Top-k of the choice values: k rounds of argmax over the candidates not taken yet.
+  float* ids = buf + experts + a.groups;
+  uint32_t taken = 0;
+  for (int k = 0; k < a.top_k; ++k) {
+    float value = -INFINITY;
+    int index = INT_MAX;
+#pragma unroll
+    for (int m = 0; m < kRouterPerLane; ++m) {
+      const int e = lane + 32 * m;
+      if (e < experts && !(taken >> m & 1u) && (index == INT_MAX || choice[m] > value)) value = choice[m], index = e;
+    }
+    warp_argmax(value, index);
+    if (index != INT_MAX && index % 32 == lane) taken |= 1u << (index / 32);  // top_k ≤ E: always found
+    if (lane == 0) ids[k] = static_cast<float>(index);
+  }
+  __syncwarp();
+  if (lane == 0) {  // weights from the unbiased scores, summed in selection order as the CPU does
+    float total = 0.0f;
+    for (int k = 0; k < a.top_k; ++k) total += score(static_cast<int>(ids[k]));
+    for (int k = 0; k < a.top_k; ++k) {
+      float w = score(static_cast<int>(ids[k]));
+      if (a.renormalize) w = w / (total + 1e-20f);
+      out[k] = round_out(ctx, w * a.scale);
+      out[a.top_k + k] = ids[k];
+    }
+  }
+  __syncwarp();
+}
+
+// kMoeRouter (whole): x [T, H] → [T, 2k] fp32: k weights, then k expert ids (exact in fp32).
+// attrs: [0] experts, [1] top_k, [2] groups, [3] topk_groups, [4] renormalize, [5] scale, [6] softmax.
+// Weights W [E, H], bias [E]. Requires E ≤ 1024, top_k ≤ 64, groups | E (pack_misc_attrs checks).
+__device__ inline void op_moe_router(const TaskCtx& ctx) {
+  RouterArgs a;
+  a.experts = static_cast<int>(ctx.attr(0));
+  a.top_k = static_cast<int>(ctx.attr(1));
+  a.groups = static_cast<int>(ctx.attr(2));
+  a.keep_groups = static_cast<int>(ctx.attr(3));
+  a.renormalize = ctx.attr(4) != 0.0f;
+  a.scale = ctx.attr(5);
+  a.softmax = ctx.attr(6) != 0.0f;
+  float* logits = smem_floats(ctx);
+  const int tile = (kSharedBytes / 4) / a.experts;  // rows of logits per tile
+  float* buf = ctx.scratch + warp_id() * (a.experts + a.groups + a.top_k);
+  for (int t0 = 0; t0 < ctx.rows(); t0 += tile) {
+    const int rows = ctx.rows() - t0 < tile ? ctx.rows() - t0 : tile;
+    router_logits(ctx, a.experts, t0, rows, logits);
+    __syncthreads();
+    for (int r = warp_id(); r < rows; r += kWarps) router_select_row(ctx, a, logits + r * a.experts, buf, ctx.out(t0 + r));
+    __syncthreads();  // logits are rewritten by the next tile
+  }
+}
+
+}  // namespace plow::cuda

@@ -1,0 +1,18 @@
+// Attribute packing for the CUDA op bodies in runtime/cuda/ops/ (host side, no CUDA headers): turns a
+// plan op's named attributes into the fixed float array OpDesc::attr the device bodies read. Each op
+// body documents its layout next to its code; ops_attrs.cpp is the one place that writes them.
+#pragma once
+
+#include "plan/plan.h"
+
+namespace plow::cuda {
+
+inline constexpr int kPackedAttrs = 16;  // = kMaxAttrs of device.cuh (static_assert in ops/misc_ops.cuh)
+
+// Fills attr[0..kPackedAttrs) for the norm, elementwise, KDA, MLA, router and AttnRes ops and returns
+// true; returns false for an op it does not handle (the linear family, experts, tokens, embedding).
+// Throws plow::Error when a shape exceeds what the device bodies support (KDA head_dim > 128, MLA
+// rank > 512 or rank + rope > 576, router experts > 1024 or top_k > 64, inconsistent groups).
+bool pack_misc_attrs(const PlanOp& op, float* attr);
+
+}  // namespace plow::cuda

@@ -1,0 +1,466 @@
+// CUDA op bodies vs the CPU reference (label gpu; runs on the GPU machine only), in the style of
+// llama.cpp's test-backend-ops: a table of cases with odd shapes, each a small graph
+// tokens → embedding(s) → the op under test, lowered to a decode and a prefill plan (3 or 7 workers, so
+// slices are exercised) and run step by step — prefill, mixed and decode steps over three slots, so
+// state carries — through ReferenceBackend and CudaBackend (eager and megakernel), f32 and bf16.
+// The op's inputs come straight from embedding tables (exact on both backends), so a difference is the
+// op's own. Error unit per case: |gpu − ref| / (ε_out · max(|ref|, floor · scale)), ε_out = 2⁻²³ for
+// fp32 outputs and 2⁻⁷ (one bf16 ulp at the bottom of a binade) for bf16; scale = max |ref| of the step.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "graph/graph.h"
+#include "graph/weights.h"
+#include "model/safetensors.h"
+#include "plan/lower.h"
+#include "runtime/cpu/reference.h"
+#include "runtime/cuda/backend.h"
+
+namespace plow {
+namespace {
+
+constexpr int64_t kVocab = 61;
+constexpr int kSlots = 3;
+constexpr int64_t kDecodeTokens = 4;    // decode plan bucket (steps of 1-token sequences)
+constexpr int64_t kPrefillTokens = 72;  // prefill plan bucket (holds the 70-token step: CPU chunks 64 + 6)
+constexpr int64_t kMaxContext = 128;
+
+// A weight declared by a case and how to draw it: mean + std·N(0,1), then an optional edit (ties).
+struct WeightSpec {
+  WeightSpec(std::string name_, std::vector<int64_t> shape_, float mean_, float std_, bool f32_ = false)
+      : name(std::move(name_)), shape(std::move(shape_)), mean(mean_), std(std_), f32(f32_) {}
+  std::string name;
+  std::vector<int64_t> shape;
+  float mean, std;
+  bool f32;  // stored fp32 whatever the case's dtype (A_log, dt_bias, router bias)
+  std::function<void(std::vector<float>&)> edit;
+};
+
+// The graph of one case under construction: tokens, embeddings, weights and states.
+class CaseGraph {
+ public:
+  CaseGraph() { tokens = graph.add(Op::kTokens, {}, {}, {}, "tokens"); }
+
+  int weight(WeightSpec spec) {
+    const int id = graph.add_weight({spec.name, {spec.name}, spec.shape, false, false});
+    specs.push_back(std::move(spec));
+    return id;
+  }
+  // An embedding of the tokens through a fresh random table [kVocab, width] (values ~ N(0, std²)).
+  int embed(int64_t width, float std = 1.0f) {
+    const std::string name = "embed" + std::to_string(embeddings++);
+    return graph.add(Op::kEmbedding, {tokens}, {weight({name + ".weight", {kVocab, width}, 0.0f, std})}, {}, name);
+  }
+  int op(Op op, std::vector<int> inputs, std::vector<int> weights, Attrs attrs, int state = -1) {
+    const int id = graph.add(op, std::move(inputs), std::move(weights), std::move(attrs), "under_test", state);
+    graph.set_output(id);
+    return id;
+  }
+
+  Checkpoint checkpoint(DType storage, uint64_t seed) const {
+    Checkpoint checkpoint = Checkpoint::in_memory("cuda op test");
+    std::mt19937_64 rng(seed);
+    for (const WeightSpec& spec : specs) {
+      int64_t count = 1;
+      for (int64_t d : spec.shape) count *= d;
+      std::normal_distribution<float> normal(spec.mean, spec.std);
+      std::vector<float> values(static_cast<size_t>(count));
+      for (float& v : values) v = normal(rng);
+      if (spec.edit) spec.edit(values);
+      const DType dtype = spec.f32 ? DType::F32 : storage;
+      std::vector<uint8_t> bytes(values.size() * dtype_size(dtype));
+      for (size_t i = 0; i < values.size(); ++i) {
+        if (dtype == DType::F32) {
+          std::memcpy(bytes.data() + 4 * i, &values[i], 4);
+        } else {
+          const uint16_t b = f32_to_bf16(values[i]);
+          std::memcpy(bytes.data() + 2 * i, &b, 2);
+        }
+      }
+      checkpoint.add_tensor(spec.name, dtype, spec.shape, std::move(bytes));
+    }
+    return checkpoint;
+  }
+
+  Graph graph;
+  int tokens = -1;
+  int embeddings = 0;
+  std::vector<WeightSpec> specs;
+};
+
+// Error bound of a case, in the unit of the file comment. 0 = bit-exact.
+struct Bound {
+  double f32 = 0, bf16 = 0;
+  double floor = 0.01;  // elements below floor·scale are measured against floor·scale
+};
+
+struct OpCase {
+  std::string name;
+  Op op;
+  std::function<void(CaseGraph&)> build;
+  Bound bound;
+  bool f32_out = false;  // the op's output is fp32 whatever the activation dtype
+};
+
+// ---- case builders ---------------------------------------------------------------------------------
+
+OpCase elementwise(std::string name, Op op, int64_t width, int arity, Attrs attrs, Bound bound, bool f32_out = false) {
+  return {std::move(name), op, [=](CaseGraph& g) {
+            std::vector<int> inputs;
+            for (int i = 0; i < arity; ++i) inputs.push_back(g.embed(width, 2.0f));
+            g.op(op, inputs, {}, attrs);
+          }, bound, f32_out};
+}
+
+WeightSpec norm_weight(std::string name, int64_t width) { return {std::move(name), {width}, 1.0f, 0.1f}; }
+
+OpCase rms_norm(int64_t width) {
+  return {"rms_norm_" + std::to_string(width), Op::kRmsNorm, [=](CaseGraph& g) {
+            g.op(Op::kRmsNorm, {g.embed(width)}, {g.weight(norm_weight("w", width))}, {{"eps", 1e-5}});
+          }, {32, 2}};
+}
+
+OpCase add_norm(int64_t width) {
+  return {"add_norm_" + std::to_string(width), Op::kAddNorm, [=](CaseGraph& g) {
+            g.op(Op::kAddNorm, {g.embed(width), g.embed(width)}, {g.weight(norm_weight("w", width))}, {{"eps", 1e-6}});
+          }, {32, 2}};
+}
+
+OpCase gated_rms_norm(int64_t heads, int64_t d) {
+  return {"gated_rms_norm_h" + std::to_string(heads) + "_d" + std::to_string(d), Op::kGatedRmsNorm, [=](CaseGraph& g) {
+            g.op(Op::kGatedRmsNorm, {g.embed(heads * d), g.embed(heads * d)}, {g.weight(norm_weight("w", d))},
+                 {{"heads", double(heads)}, {"head_dim", double(d)}, {"eps", 1e-5}});
+          }, {32, 2}};
+}
+
+OpCase short_conv(int64_t channels, int64_t kernel) {
+  return {"short_conv_silu_c" + std::to_string(channels) + "_k" + std::to_string(kernel), Op::kShortConvSilu, [=](CaseGraph& g) {
+            const int window = g.graph.add_state({StateKind::kConvWindow, channels, kernel - 1, "window"});
+            g.op(Op::kShortConvSilu, {g.embed(channels)}, {g.weight({"conv", {channels, 1, kernel}, 0.0f, 0.5f})},
+                 {{"kernel", double(kernel)}}, window);
+          }, {16, 1}};
+}
+
+Attrs gate_attrs(int64_t heads, int64_t d, bool bounded) {
+  Attrs attrs = {{"heads", double(heads)}, {"head_dim", double(d)}};
+  if (bounded) attrs.set("lower_bound", -5.0);
+  return attrs;
+}
+
+int kda_gate_node(CaseGraph& g, int64_t heads, int64_t d, bool bounded, float f_std, bool output) {
+  const int f = g.embed(heads * d, f_std);
+  const std::vector<int> weights = {g.weight({"A_log", {heads}, 1.0f, 0.8f, true}), g.weight({"dt_bias", {heads * d}, 0.0f, 0.5f, true})};
+  if (output) return g.op(Op::kKdaGate, {f}, weights, gate_attrs(heads, d, bounded));
+  return g.graph.add(Op::kKdaGate, {f}, weights, gate_attrs(heads, d, bounded), "gate");
+}
+
+OpCase kda_gate(int64_t heads, int64_t d, bool bounded, float f_std) {
+  // f_std 12 puts f + dt_bias past softplus's threshold of 20 for some channels.
+  return {"kda_gate_h" + std::to_string(heads) + "_d" + std::to_string(d) + (bounded ? "_bounded" : "") + (f_std > 4 ? "_wide" : ""),
+          Op::kKdaGate, [=](CaseGraph& g) { kda_gate_node(g, heads, d, bounded, f_std, true); }, {64, 64}, true};
+}
+
+OpCase kda_delta_rule(int64_t heads, int64_t d, bool bounded) {
+  return {"kda_delta_rule_h" + std::to_string(heads) + "_d" + std::to_string(d) + (bounded ? "_bounded" : ""), Op::kKdaDeltaRule,
+          [=](CaseGraph& g) {
+            const int q = g.embed(heads * d), k = g.embed(heads * d), v = g.embed(heads * d);
+            const int gate = kda_gate_node(g, heads, d, bounded, 1.0f, false);
+            const int beta = g.graph.add(Op::kSigmoid, {g.embed(heads)}, {}, {}, "beta");
+            const int state = g.graph.add_state({StateKind::kKdaRecurrent, heads * d, heads, "state"});
+            g.op(Op::kKdaDeltaRule, {q, k, v, gate, beta}, {}, {{"heads", double(heads)}, {"head_dim", double(d)}}, state);
+          },
+          // fp32: recurrent (GPU) vs chunked (CPU) forms agree to ~1e-6 of the scale; bf16: one rounding of that.
+          {128, 2, 1.0}};
+}
+
+OpCase mla(int64_t heads, int64_t nope, int64_t rope, int64_t dv, int64_t rank) {
+  return {"mla_h" + std::to_string(heads) + "_n" + std::to_string(nope) + "_r" + std::to_string(rope) + "_v" + std::to_string(dv) +
+              "_rank" + std::to_string(rank),
+          Op::kMlaAttention,
+          [=](CaseGraph& g) {
+            const int q = g.embed(heads * (nope + rope)), kv_a = g.embed(rank + rope);
+            const int cache = g.graph.add_state({StateKind::kMlaLatent, rank + rope, 0, "latent"});
+            g.op(Op::kMlaAttention, {q, kv_a},
+                 {g.weight(norm_weight("kv_a_norm", rank)), g.weight({"kv_b", {heads * (nope + dv), rank}, 0.0f, 1.0f / std::sqrt(float(rank))})},
+                 {{"heads", double(heads)}, {"nope", double(nope)}, {"rope", double(rope)}, {"v", double(dv)}, {"rank", double(rank)}, {"eps", 1e-6}},
+                 cache);
+          },
+          // fp32: absorbed vs expanded form, reassociation only. bf16: the CPU also rounds the expanded k
+          // and v to bf16 (a relative 2⁻⁹ each), which moves scores and outputs by a fraction of a
+          // percent of the scale: bound 4 ulps of the scale (3%).
+          {64, 4, 1.0}};
+}
+
+struct RouterShape {
+  int64_t hidden, experts, top_k, groups = 1, keep_groups = 1;
+  bool softmax = false, renormalize = true;
+  double scale = 2.446;
+  int64_t tie_a = -1, tie_b = -1;  // experts given identical weights and a high bias: a tie in the top
+};
+
+OpCase router(const RouterShape& s, std::string tag) {
+  return {"moe_router_" + std::move(tag), Op::kMoeRouter,
+          [=](CaseGraph& g) {
+            WeightSpec w{"router", {s.experts, s.hidden}, 0.0f, 4.0f / std::sqrt(float(s.hidden))};
+            WeightSpec bias{"bias", {s.experts}, 0.0f, 0.1f, true};
+            if (s.tie_a >= 0) {
+              w.edit = [=](std::vector<float>& v) { std::copy_n(v.begin() + s.tie_a * s.hidden, s.hidden, v.begin() + s.tie_b * s.hidden); };
+              bias.edit = [=](std::vector<float>& v) { v[size_t(s.tie_a)] = v[size_t(s.tie_b)] = 2.0f; };
+            }
+            g.op(Op::kMoeRouter, {g.embed(s.hidden)}, {g.weight(w), g.weight(bias)},
+                 {{"experts", double(s.experts)}, {"top_k", double(s.top_k)}, {"groups", double(s.groups)},
+                  {"topk_groups", double(s.keep_groups)}, {"renormalize", s.renormalize ? 1.0 : 0.0}, {"scale", s.scale},
+                  {"softmax", s.softmax ? 1.0 : 0.0}});
+          },
+          // Weights: fp32 sums in another order (~1e-6 of the scale). Ids must match exactly: a wrong id
+          // is off by ≥ 1, far past any bound.
+          {64, 64, 1.0}, true};
+}
+
+OpCase attn_res(int values, int64_t width, bool fused_norm) {
+  return {std::string(fused_norm ? "attn_res_norm" : "attn_res_mix") + "_j" + std::to_string(values) + "_w" + std::to_string(width),
+          fused_norm ? Op::kAttnResNorm : Op::kAttnResMix,
+          [=](CaseGraph& g) {
+            std::vector<int> inputs;
+            for (int j = 0; j < values; ++j) inputs.push_back(g.embed(width, 1.0f + 0.5f * float(j)));
+            std::vector<int> weights = {g.weight(norm_weight("res_norm", width)), g.weight({"res_proj", {1, width}, 0.0f, 2.0f / std::sqrt(float(width))})};
+            if (!fused_norm) {
+              g.op(Op::kAttnResMix, inputs, weights, {{"eps", 1e-5}});
+              return;
+            }
+            weights.push_back(g.weight(norm_weight("norm", width)));
+            g.op(Op::kAttnResNorm, inputs, weights, {{"eps", 1e-5}, {"norm_eps", 1e-6}});
+          },
+          {64, 2}};
+}
+
+std::vector<OpCase> cases() {
+  const Bound exact{0, 0}, transcendental{16, 1};
+  std::vector<OpCase> all;
+  for (int64_t width : {96, 130, 257}) {
+    const std::string w = std::to_string(width);
+    all.push_back(elementwise("add_" + w, Op::kAdd, width, 2, {}, exact));
+    all.push_back(elementwise("silu_mul_" + w, Op::kSiluMul, width, 2, {}, transcendental));
+    all.push_back(elementwise("sigmoid_mul_" + w, Op::kSigmoidMul, width, 2, {}, transcendental));
+    all.push_back(elementwise("sigmoid_" + w, Op::kSigmoid, width, 1, {}, transcendental, true));
+    all.push_back(rms_norm(width));
+    all.push_back(add_norm(width));
+  }
+  all.push_back(elementwise("situ_mul_130", Op::kSituMul, 130, 2, {{"beta", 4.0}, {"linear_beta", 25.0}}, transcendental));
+  all.push_back(elementwise("situ_mul_nolin_96", Op::kSituMul, 96, 2, {{"beta", 4.0}, {"linear_beta", 0.0}}, transcendental));
+  all.push_back({"slice_mid", Op::kSlice, [](CaseGraph& g) { g.op(Op::kSlice, {g.embed(257)}, {}, {{"offset", 31.0}, {"width", 130.0}}); }, exact});
+  all.push_back({"slice_head", Op::kSlice, [](CaseGraph& g) { g.op(Op::kSlice, {g.embed(130)}, {}, {{"offset", 0.0}, {"width", 96.0}}); }, exact});
+  for (auto [heads, d] : {std::pair{1, 16}, {3, 32}, {2, 64}, {4, 128}}) all.push_back(gated_rms_norm(heads, d));
+  all.push_back(short_conv(96, 4));
+  all.push_back(short_conv(130, 4));
+  all.push_back(short_conv(257, 3));
+  all.push_back(kda_gate(2, 16, false, 1.0f));
+  all.push_back(kda_gate(3, 32, true, 1.0f));
+  all.push_back(kda_gate(2, 16, false, 12.0f));
+  for (auto [heads, d] : {std::pair{1, 16}, {2, 32}, {3, 64}, {2, 128}, {4, 128}}) all.push_back(kda_delta_rule(heads, d, false));
+  all.push_back(kda_delta_rule(2, 64, true));
+  all.push_back(kda_delta_rule(1, 24, false));  // a head dim that is no power of two (padded to 32)
+  all.push_back(mla(1, 16, 8, 16, 16));
+  all.push_back(mla(2, 16, 8, 16, 32));
+  all.push_back(mla(3, 32, 8, 24, 64));
+  all.push_back(mla(4, 24, 16, 32, 100));
+  all.push_back(mla(2, 128, 64, 128, 512));  // the real head shape: latent 576 fills every register slot
+  all.push_back(router({96, 8, 2}, "e8_k2"));
+  all.push_back(router({257, 64, 6, 8, 3}, "e64_k6_g8"));
+  all.push_back(router({130, 96, 4, 1, 1, true, false, 1.0}, "e96_k4_softmax"));
+  all.push_back(router({96, 896, 16}, "e896_k16"));
+  all.push_back(router({96, 8, 1, 1, 1, false, true, 2.446, 2, 5}, "tie_k1"));
+  all.push_back(router({96, 8, 3, 1, 1, false, true, 2.446, 2, 5}, "tie_k3"));
+  all.push_back(router({96, 32, 4, 4, 2, false, true, 1.0, 9, 20}, "tie_groups"));
+  for (int values : {1, 3, 5}) {
+    all.push_back(attn_res(values, values == 3 ? 257 : 96, false));
+    all.push_back(attn_res(values, 130, true));
+  }
+  return all;
+}
+
+// ---- running a case --------------------------------------------------------------------------------
+
+// Steps over three slots: prefill, mixed, decode (batch 3), a 70-token continuation (two CPU chunks),
+// a short prefill beside decodes, decode.
+std::vector<std::vector<SequenceStep>> script() {
+  return {{{0, 33}}, {{0, 1}, {1, 3}}, {{0, 1}, {1, 1}, {2, 1}}, {{1, 70}}, {{0, 1}, {1, 1}, {2, 5}}, {{0, 1}, {1, 1}, {2, 1}}, {{2, 1}}};
+}
+
+StepInputs make_step(const std::vector<SequenceStep>& sequences, std::mt19937& rng) {
+  StepInputs inputs;
+  inputs.sequences = sequences;
+  inputs.all_logits = true;
+  std::uniform_int_distribution<int32_t> token(0, kVocab - 1);
+  for (const SequenceStep& seq : sequences) {
+    for (int64_t t = 0; t < seq.query_tokens; ++t) inputs.token_ids.push_back(token(rng));
+  }
+  return inputs;
+}
+
+// Poisons the arena before each step when the backend offers it (CudaOptions::poison_arena): then a
+// column no task writes reads back as NaN instead of a stale value.
+template <typename Options>
+bool request_poison(Options& options) {
+  if constexpr (requires { options.poison_arena = true; }) {
+    options.poison_arena = true;
+    return true;
+  } else {
+    return false;
+  }
+}
+
+struct Prepared {
+  CaseGraph g;
+  Checkpoint checkpoint = Checkpoint::in_memory("unused");
+  std::unique_ptr<BoundWeights> bound;
+  std::vector<Plan> plans;
+};
+
+std::unique_ptr<Prepared> prepare(const OpCase& c, DType act, int workers) {
+  auto p = std::make_unique<Prepared>();
+  c.build(p->g);
+  p->g.graph.verify();
+  p->checkpoint = p->g.checkpoint(act == DType::F32 ? DType::F32 : DType::BF16, 1234);
+  p->bound = std::make_unique<BoundWeights>(p->g.graph, p->checkpoint);
+  for (auto [phase, tokens] : {std::pair{PlanPhase::kDecode, kDecodeTokens}, {PlanPhase::kPrefill, kPrefillTokens}}) {
+    LowerOptions options;
+    options.phase = phase;
+    options.max_tokens = tokens;
+    options.workers = workers;
+    p->plans.push_back(lower_to_plan(p->g.graph, options));
+  }
+  return p;
+}
+
+// Compares one step; returns the error in the case's unit (infinity on NaN or a shape mismatch).
+double step_error(const StepOutput& gpu, const StepOutput& ref, double eps, double floor, std::string& worst) {
+  if (gpu.rows != ref.rows || gpu.vocab != ref.vocab || gpu.logits.size() != ref.logits.size()) {
+    worst = "shape differs";
+    return INFINITY;
+  }
+  double scale = 0;
+  for (float v : ref.logits) scale = std::max(scale, double(std::fabs(v)));
+  if (!(scale > 0)) {
+    worst = "reference output is all zero: the case cannot fail";
+    return INFINITY;
+  }
+  double error = 0;
+  for (size_t i = 0; i < ref.logits.size(); ++i) {
+    const double a = gpu.logits[i], b = ref.logits[i];
+    const double e = std::isnan(a) || std::isnan(b) ? INFINITY : std::fabs(a - b) / (eps * std::max(std::fabs(b), floor * scale));
+    if (e > error || std::isnan(a)) {
+      error = e;
+      worst = "row " + std::to_string(i / size_t(ref.vocab)) + " col " + std::to_string(i % size_t(ref.vocab)) + ": gpu " + std::to_string(a) +
+              " ref " + std::to_string(b);
+    }
+  }
+  return error;
+}
+
+struct Param {
+  size_t index;
+  DType act;
+  int workers;
+};
+
+std::string param_name(const testing::TestParamInfo<Param>& info) {
+  return cases()[info.param.index].name + (info.param.act == DType::F32 ? "_f32" : "_bf16") + "_w" + std::to_string(info.param.workers);
+}
+
+std::vector<Param> params() {
+  std::vector<Param> all;
+  const size_t n = cases().size();
+  for (size_t i = 0; i < n; ++i) {
+    for (DType act : {DType::F32, DType::BF16}) all.push_back({i, act, i % 2 == 0 ? 3 : 7});
+  }
+  return all;
+}
+
+class CudaOpTest : public testing::TestWithParam<Param> {};
+
+TEST_P(CudaOpTest, MatchesReference) {
+  const OpCase c = cases()[GetParam().index];
+  const DType act = GetParam().act;
+  if (!cuda::CudaBackend::has_op(static_cast<uint8_t>(c.op))) GTEST_SKIP() << "no device body for " << op_name(c.op);
+  const auto p = prepare(c, act, GetParam().workers);
+  const auto device_weights = cuda::upload_weights(p->g.graph, *p->bound);
+  const double eps = c.f32_out || act == DType::F32 ? 0x1p-23 : 0x1p-7;
+  const double bound = c.f32_out || act == DType::F32 ? c.bound.f32 : c.bound.bf16;
+  for (bool eager : {true, false}) {
+    SCOPED_TRACE(eager ? "eager" : "megakernel");
+    cuda::CudaOptions options;
+    options.act_dtype = act;
+    options.num_slots = kSlots;
+    options.max_context_tokens = kMaxContext;
+    options.eager = eager;
+    if (!request_poison(options)) RecordProperty("poison", "CudaOptions has no poison_arena: unwritten columns are caught only as stale values");
+    cuda::CudaBackend gpu(p->g.graph, device_weights, p->plans, options);
+    ReferenceBackend ref(p->g.graph, *p->bound, act, kSlots);
+    std::mt19937 rng(99);
+    int index = 0;
+    double worst_error = 0;
+    for (const auto& sequences : script()) {
+      const StepInputs inputs = make_step(sequences, rng);
+      const StepOutput expected = ref.step(inputs);
+      const StepOutput got = gpu.step(inputs);
+      std::string worst;
+      const double error = step_error(got, expected, eps, c.bound.floor, worst);
+      EXPECT_LE(error, bound) << c.name << " step " << index << " (" << inputs.token_ids.size() << " tokens): " << worst;
+      worst_error = std::max(worst_error, error);
+      ++index;
+    }
+    // The observed error next to its bound, for tuning bounds from real runs.
+    std::printf("  %s %s: max error %.3g (bound %.3g)\n", c.name.c_str(), eager ? "eager" : "megakernel", worst_error, bound);
+    for (int slot = 0; slot < kSlots; ++slot) EXPECT_EQ(gpu.context_tokens(slot), ref.context_tokens(slot));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, CudaOpTest, testing::ValuesIn(params()), param_name);
+
+// The device reports an out-of-vocabulary token as plow::Error from step(), in both modes.
+TEST(CudaOpErrors, OutOfVocabularyToken) {
+  const OpCase c = elementwise("add", Op::kAdd, 96, 2, {}, {});
+  const auto p = prepare(c, DType::F32, 3);
+  const auto device_weights = cuda::upload_weights(p->g.graph, *p->bound);
+  for (bool eager : {true, false}) {
+    cuda::CudaOptions options;
+    options.num_slots = kSlots;
+    options.max_context_tokens = kMaxContext;
+    options.eager = eager;
+    cuda::CudaBackend gpu(p->g.graph, device_weights, p->plans, options);
+    StepInputs inputs;
+    inputs.token_ids = {3, static_cast<int32_t>(kVocab), 5};
+    inputs.sequences = {{0, 3}};
+    inputs.all_logits = true;
+    EXPECT_THROW(gpu.step(inputs), Error) << (eager ? "eager" : "megakernel");
+  }
+}
+
+// A sequence that grows past the slot's cache is refused (host check or the device's kErrContext).
+TEST(CudaOpErrors, ContextPastTheCache) {
+  const OpCase c = mla(1, 16, 8, 16, 16);
+  const auto p = prepare(c, DType::F32, 3);
+  const auto device_weights = cuda::upload_weights(p->g.graph, *p->bound);
+  cuda::CudaOptions options;
+  options.num_slots = kSlots;
+  options.max_context_tokens = 40;
+  cuda::CudaBackend gpu(p->g.graph, device_weights, p->plans, options);
+  std::mt19937 rng(7);
+  EXPECT_NO_THROW(gpu.step(make_step({{0, 33}}, rng)));
+  EXPECT_THROW(gpu.step(make_step({{0, 10}}, rng)), Error);
+}
+
+}  // namespace
+}  // namespace plow
