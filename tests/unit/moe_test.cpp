@@ -1,7 +1,7 @@
 // Routed experts as two ops (moe_gate_up, moe_down) against an independent formulation: per token and
 // per routed expert, the dense FFN kernels (linear, silu_mul / situ_mul, linear) on that expert's
 // weights, summed over k in fp32 in order. Bit-equal in f32 and bf16; column slices that cut across
-// experts equal the whole op.
+// experts equal the whole op; moe_down_add equals moe_down then add.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
@@ -133,6 +133,23 @@ TEST_P(MoeSplit, SlicesAcrossExpertsEqualTheWholeOp) {
   EXPECT_EQ(acts_sliced, acts);
   EXPECT_EQ(out_sliced, out);
   EXPECT_NE(acts, std::vector<float>(acts.size(), 0.0f));
+}
+
+// The fused op is never extracted on the model graphs (the shared expert's linear_add takes the
+// add), so its column slices are checked here: moe_down_add = moe_down, then add, bit for bit.
+TEST_P(MoeSplit, DownAddSlicesEqualDownThenAdd) {
+  const int64_t k = GetParam().top_k;
+  const std::vector<float> acts = gate_up(), routed = down(acts);
+  std::vector<float> shared(routed.size()), want, fused(routed.size(), -1.0f);
+  for (size_t i = 0; i < shared.size(); ++i) shared[i] = round_to(GetParam().act, 0.37f * static_cast<float>(i % 11) - 1.5f);
+  run(Op::kAdd, {}, kWidth, {{routed.data(), kWidth}, {shared.data(), kWidth}}, {}, want, kRows);
+  for (int64_t begin = 0; begin < kWidth; begin += 4) {
+    std::vector<float> part;
+    run(Op::kMoeDownAdd, graph_.node(down_).attrs, kWidth, {{acts.data(), k * kInter}, {route_values_.data(), 2 * k}, {shared.data(), kWidth}},
+        {&(*weights_)[2]}, part, kRows, begin, std::min(begin + 4, kWidth));
+    copy_columns(part, fused, kWidth, begin, std::min(begin + 4, kWidth));
+  }
+  EXPECT_EQ(fused, want);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoeSplit,
