@@ -19,7 +19,7 @@ double node_cost(const Symbol& symbol, const std::vector<int64_t>& input_widths,
     double numel = 1;
     for (int64_t d : decl.shape) numel *= static_cast<double>(d);
     double parts = static_cast<double>(decl.parts.size());
-    if (symbol.op == Op::kMoeExperts || symbol.op == Op::kMoeExpertsAdd) parts = symbol.attrs.get("top_k");  // k of E experts
+    if (reads_routed_experts(symbol.op)) parts = symbol.attrs.get("top_k");  // k of E experts
     bytes += numel * parts * (decl.mxfp4 ? 0.53125 : model.bytes_per_param);
     bytes += numel * parts * model.bytes_per_instruction;
   }

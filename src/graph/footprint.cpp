@@ -26,7 +26,7 @@ Footprint footprint(const Graph& graph, const std::function<DType(const WeightDe
       const int64_t part_bytes = decl.mxfp4 ? numel / 2 + numel / 32 : numel * static_cast<int64_t>(dtype_size(storage(decl)));
       if (node.op == Op::kEmbedding) {
         result.weight_bytes_per_token += part_bytes / decl.shape[0];  // one row
-      } else if (node.op == Op::kMoeExperts) {
+      } else if (reads_routed_experts(node.op)) {
         result.weight_bytes_per_token += part_bytes * node.attrs.i("top_k");  // k of the E stacked experts
       } else {
         result.weight_bytes_per_token += part_bytes * static_cast<int64_t>(decl.parts.size());

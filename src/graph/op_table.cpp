@@ -1,6 +1,7 @@
 #include "graph/op_table.h"
 
 #include <array>
+#include <limits>
 
 #include "core/error.h"
 #include "graph/graph.h"
@@ -158,10 +159,10 @@ int64_t act_linear_rule(const Node& node, Widths in, Weights w) {
   return linear_out(node, in[0], w[0]);
 }
 
-int64_t experts_rule(const Node& node, Widths in, Weights w);
+int64_t moe_down_rule(const Node& node, Widths in, Weights w);
 
-int64_t experts_add_rule(const Node& node, Widths in, Weights w) {
-  const int64_t out = experts_rule(node, in.subspan(0, 2), w);
+int64_t moe_down_add_rule(const Node& node, Widths in, Weights w) {
+  const int64_t out = moe_down_rule(node, in.subspan(0, 2), w);
   PLOW_CHECK(in[2] == out, "{}: shared width {} vs experts output {}", node.label, in[2], out);
   return out;
 }
@@ -190,15 +191,31 @@ int64_t router_rule(const Node& node, Widths in, Weights w) {
   return 2 * node.attrs.i("top_k");
 }
 
-int64_t experts_rule(const Node& node, Widths in, Weights w) {
-  const int64_t hidden = in[0];
-  PLOW_CHECK(in[1] == 2 * node.attrs.i("top_k"), "{}: routes width", node.label);
-  const int64_t inter = w[0]->shape.at(0);
-  expect_shape(node, w[0], {inter, hidden});
-  expect_shape(node, w[1], {inter, hidden});
-  expect_shape(node, w[2], {hidden, inter});
-  PLOW_CHECK(static_cast<int64_t>(w[0]->parts.size()) == node.attrs.i("experts"), "{}: expert stack size", node.label);
-  return hidden;
+// The expert ops read routes [T, 2k] and a stack of `experts` parts per weight.
+void expect_routed(const Node& node, int64_t routes_width, Weights w) {
+  PLOW_CHECK(node.attrs.i("top_k") >= 1, "{}: top_k {}", node.label, node.attrs.i("top_k"));
+  PLOW_CHECK(routes_width == 2 * node.attrs.i("top_k"), "{}: routes width {} for top_k {}", node.label, routes_width, node.attrs.i("top_k"));
+  for (const WeightDecl* stack : w) {
+    PLOW_CHECK(stack->shape.size() == 2 && static_cast<int64_t>(stack->parts.size()) == node.attrs.i("experts"),
+               "{}: expert stack '{}' of {} parts for {} experts", node.label, stack->name, stack->parts.size(), node.attrs.i("experts"));
+  }
+}
+
+int64_t moe_gate_up_rule(const Node& node, Widths in, Weights w) {
+  expect_routed(node, in[1], w);
+  const int64_t inter = w[0]->shape[0];
+  expect_shape(node, w[0], {inter, in[0]});
+  expect_shape(node, w[1], {inter, in[0]});
+  PLOW_CHECK(inter <= std::numeric_limits<int64_t>::max() / node.attrs.i("top_k"), "{}: top_k × {} overflows", node.label, inter);
+  return node.attrs.i("top_k") * inter;
+}
+
+int64_t moe_down_rule(const Node& node, Widths in, Weights w) {
+  expect_routed(node, in[1], w);
+  const int64_t top_k = node.attrs.i("top_k"), inter = w[0]->shape[1];  // w2 [W, I]
+  PLOW_CHECK(inter <= std::numeric_limits<int64_t>::max() / top_k && in[0] == top_k * inter,
+             "{}: input width {} is not top_k × the expert width ({} × {})", node.label, in[0], top_k, inter);
+  return w[0]->shape[0];
 }
 
 constexpr std::array<OpInfo, static_cast<size_t>(Op::kCount)> kOps = {{
@@ -215,7 +232,8 @@ constexpr std::array<OpInfo, static_cast<size_t>(Op::kCount)> kOps = {{
     {Op::kSiluMul, "silu_mul", 2, 0, OutDType::kAct, false, same_width_rule, Slicing::kColumns, ""},
     {Op::kAdd, "add", 2, 0, OutDType::kAct, false, same_width_rule, Slicing::kColumns, ""},
     {Op::kMoeRouter, "moe_router", 1, 2, OutDType::kF32, false, router_rule, Slicing::kWhole, ""},
-    {Op::kMoeExperts, "moe_experts", 2, 3, OutDType::kAct, false, experts_rule, Slicing::kColumns, ""},
+    {Op::kMoeGateUp, "moe_gate_up", 2, 2, OutDType::kAct, false, moe_gate_up_rule, Slicing::kColumns, ""},
+    {Op::kMoeDown, "moe_down", 2, 1, OutDType::kAct, false, moe_down_rule, Slicing::kColumns, ""},
     {Op::kSituMul, "situ_mul", 2, 0, OutDType::kAct, false, same_width_rule, Slicing::kColumns, ""},
     {Op::kSigmoidMul, "sigmoid_mul", 2, 0, OutDType::kAct, false, same_width_rule, Slicing::kColumns, ""},
     {Op::kAttnResMix, "attn_res_mix", -1, 2, OutDType::kAct, false, attn_res_rule, Slicing::kColumns, ""},
@@ -227,7 +245,7 @@ constexpr std::array<OpInfo, static_cast<size_t>(Op::kCount)> kOps = {{
     {Op::kLinearAdd, "linear_add", 2, 1, OutDType::kAct, false, linear_add_rule, Slicing::kColumns, ""},
     {Op::kGateUpAct, "gate_up_act", 1, 2, OutDType::kAct, false, gate_up_rule, Slicing::kColumns, ""},
     {Op::kActLinear, "act_linear", 2, 1, OutDType::kAct, false, act_linear_rule, Slicing::kColumns, ""},
-    {Op::kMoeExpertsAdd, "moe_experts_add", 3, 3, OutDType::kAct, false, experts_add_rule, Slicing::kColumns, ""},
+    {Op::kMoeDownAdd, "moe_down_add", 3, 1, OutDType::kAct, false, moe_down_add_rule, Slicing::kColumns, ""},
     {Op::kGatedNormLinear, "gated_norm_linear", 2, 2, OutDType::kAct, false, gated_norm_linear_rule, Slicing::kColumns, ""},
     {Op::kAddNorm, "add_norm", 2, 1, OutDType::kAct, false, add_norm_rule, Slicing::kColumns, ""},
     {Op::kAttnResNorm, "attn_res_norm", -1, 3, OutDType::kAct, false, attn_res_norm_rule, Slicing::kColumns, ""},
@@ -249,6 +267,8 @@ const OpInfo& op_info(Op op) {
 }
 
 std::string_view op_name(Op op) { return op_info(op).name; }
+
+bool reads_routed_experts(Op op) { return op == Op::kMoeGateUp || op == Op::kMoeDown || op == Op::kMoeDownAdd; }
 
 int64_t slice_granularity(const Node& node) {
   const OpInfo& info = op_info(node.op);

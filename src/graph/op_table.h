@@ -26,7 +26,10 @@ enum class Op : uint8_t {
   kSiluMul,       // [T,F] SiLU(a) ⊙ b
   kAdd,           // [T,F] a + b
   kMoeRouter,     // [T,2k] fp32: k routing weights, then k expert ids   weights: W [E,H], bias [E]
-  kMoeExperts,    // [T,W] Σ_k w_k·E_k(x), W = H or the latent width   weights: w1 stack, w3 stack, w2 stack
+  kMoeGateUp,     // [T,k·I] column k·I+i = act(w1_e[i]·x, w3_e[i]·x) of the k-th routed expert e; act = SiLU·mul
+                  //       or SiTU (attr situ), both dots rounded      inputs: x [T,W], routes   weights: w1, w3 stacks [I,W]
+  kMoeDown,       // [T,W] Σ_k w_k·(w2_e·h[kI, (k+1)I)), each dot rounded, fp32 sum in k order; W = H or the latent
+                  //       width                                       inputs: h = moe_gate_up, routes   weights: w2 stack [W,I]
   kSituMul,       // [T,F] SiTU(a, b) = β·tanh(a/β)·σ(a)·β_lin·tanh(b/β_lin), one rounding (K3)
   kSigmoidMul,    // [T,F] a ⊙ σ(g): the K3 MLA output gate
   kAttnResMix,    // [T,H] Block AttnRes: softmax over depth of the inputs (variadic)  weights: norm [H], proj [1,H]
@@ -40,7 +43,7 @@ enum class Op : uint8_t {
   kLinearAdd,        // r + linear(y; W)  (residual add in the epilogue)   inputs: y, r
   kGateUpAct,        // act(linear(x; W_gate), linear(x; W_up)), act = SiLU·mul or SiTU
   kActLinear,        // linear(act(a, b); W), act = SiLU·mul, SiTU or a·σ(b) (MLA output gate)
-  kMoeExpertsAdd,    // moe_experts(x, routes) + shared                    inputs: x, routes, shared
+  kMoeDownAdd,       // moe_down(h, routes) + shared                       inputs: h, routes, shared   weights: w2 stack
   kGatedNormLinear,  // linear(gated_rms_norm(o, z; w); W)                 weights: w, W
   kAddNorm,          // [T,2F] concat(a + b, rms_norm(a + b; w))
   kAttnResNorm,      // rms_norm(attn_res_mix(values; w_n, w_q); w)        weights: w_n, w_q, w
@@ -90,6 +93,9 @@ struct OpInfo {
 };
 
 const OpInfo& op_info(Op op);
+// Ops whose weights are expert stacks of which a token reads only the top_k experts its router
+// (input 1) chose: weight traffic counts top_k parts, not all of them.
+bool reads_routed_experts(Op op);
 // Output columns per indivisible unit of work: 1 for column-sliced ops, a head's width for per-head
 // ops, the whole width for ops that run as one task.
 int64_t slice_granularity(const Node& node);

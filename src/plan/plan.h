@@ -13,7 +13,8 @@
 
 namespace plow {
 
-inline constexpr uint32_t kPlanFormatVersion = 1;
+// 2: the routed experts became moe_gate_up + moe_down (moe_experts and moe_experts_add are gone).
+inline constexpr uint32_t kPlanFormatVersion = 2;
 inline constexpr int64_t kBufferAlignFloats = 16;
 
 enum class PlanPhase : uint8_t { kDecode, kPrefill };

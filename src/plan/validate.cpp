@@ -161,14 +161,13 @@ class Checker {
       case Op::kEmbedding:
         if (plan_.ops[static_cast<size_t>(op.inputs[0])].op() != Op::kTokens) reject("{}: embeds op {}, which is not the token ids", describe(i), op.inputs[0]);
         break;
-      case Op::kMoeExperts: {
-        const PlanOp& routes = plan_.ops[static_cast<size_t>(op.inputs[1])];
-        if (routes.op() != Op::kMoeRouter || routes.attrs.get("experts") != op.attrs.get("experts") || routes.attrs.get("top_k") != op.attrs.get("top_k")) {
-          reject("{}: routes come from {}, not a router over the same experts", describe(i), describe(op.inputs[1]));
-        }
-        break;
-      }
       default: break;
+    }
+    if (reads_routed_experts(op.op())) {  // kernels index the expert stacks by the ids in input 1
+      const PlanOp& routes = plan_.ops[static_cast<size_t>(op.inputs[1])];
+      if (routes.op() != Op::kMoeRouter || routes.attrs.get("experts") != op.attrs.get("experts") || routes.attrs.get("top_k") != op.attrs.get("top_k")) {
+        reject("{}: routes come from {}, not a router over the same experts", describe(i), describe(op.inputs[1]));
+      }
     }
   }
 

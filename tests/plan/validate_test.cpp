@@ -172,6 +172,10 @@ TEST(ValidatePlan, ShapesAndStatesAreRederived) {
   plan = tiny_plan();
   plan.ops[static_cast<size_t>(first_op(plan, Op::kMoeRouter))].attrs.set("groups", 3);
   expect_rejected(plan, "impossible");
+  plan = tiny_plan();  // moe_down reading the routes [T, 2k] as if they were the k experts' activations
+  PlanOp& down = plan.ops[static_cast<size_t>(first_op(plan, Op::kMoeDown))];
+  down.inputs[0] = down.inputs[1];
+  expect_rejected(plan, "is not top_k × the expert width");
   plan = tiny_plan();
   plan.ops[static_cast<size_t>(first_op(plan, Op::kMlaAttention))].attrs.set("rope", -8);
   expect_rejected(plan, "must be an integer >= 0");

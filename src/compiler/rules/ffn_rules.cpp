@@ -60,13 +60,15 @@ Rule act_down(bool situ) {
 Rule routed_shared_combine() {
   Rule r;
   r.name = "routed-shared-combine";
-  r.definition = "(add@a (moe_experts@e ?x ?routes) ?shared) => (moe_experts_add ?x ?routes ?shared | e.W1 e.W3 e.W2)";
-  r.lhs = Pattern::n(Op::kAdd, "a", {Pattern::n(Op::kMoeExperts, "e", {Pattern::v("x"), Pattern::v("routes")}), Pattern::v("shared")});
+  r.definition = "(add@a (moe_down@d ?h ?routes) ?shared) => (moe_down_add ?h ?routes ?shared | d.W2)";
+  r.lhs = Pattern::n(Op::kAdd, "a", {Pattern::n(Op::kMoeDown, "d", {Pattern::v("h"), Pattern::v("routes")}), Pattern::v("shared")});
   r.apply = [](EGraph& g, const Match& m) -> std::optional<ClassId> {
-    const Symbol& e = symbol_of(g, m, "e");
-    return add_fused(g, Op::kMoeExpertsAdd, e.attrs, e.weights, {m.vars.at("x"), m.vars.at("routes"), m.vars.at("shared")}, e.width,
+    const Symbol& d = symbol_of(g, m, "d");
+    return add_fused(g, Op::kMoeDownAdd, d.attrs, d.weights, {m.vars.at("h"), m.vars.at("routes"), m.vars.at("shared")}, d.width,
                      symbol_of(g, m, "a").label);
   };
+  // The whole routed block (router, gate/up, down) so that h holds real expert activations and the
+  // routes real expert ids; the expert width n + 2 differs from the model width n.
   r.instance = [](int64_t n) {
     constexpr int64_t kExperts = 5, kTopK = 2;
     Graph g;
@@ -83,9 +85,11 @@ Rule routed_shared_combine() {
       decl.shape = j == 1 ? std::vector<int64_t>{n, n + 2} : std::vector<int64_t>{n + 2, n};  // w1/w3 [I,H], w2 [H,I]
       stacks[j] = g.add_weight(std::move(decl));
     }
-    const int experts = g.add(Op::kMoeExperts, {x, routes}, {stacks[0], stacks[2], stacks[1]},
-                              {{"experts", kExperts}, {"top_k", kTopK}, {"situ", 0}, {"beta", 0}, {"linear_beta", 0}}, "experts");
-    return rules::finish(g, g.add(Op::kAdd, {experts, shared}, {}, {}, "combine"));
+    const Attrs routing = {{"experts", kExperts}, {"top_k", kTopK}};
+    const int acts = g.add(Op::kMoeGateUp, {x, routes}, {stacks[0], stacks[2]},
+                           {{"experts", kExperts}, {"top_k", kTopK}, {"situ", 0}, {"beta", 0}, {"linear_beta", 0}}, "experts_gate_up");
+    const int down = g.add(Op::kMoeDown, {acts, routes}, {stacks[1]}, routing, "experts_down");
+    return rules::finish(g, g.add(Op::kAdd, {down, shared}, {}, {}, "combine"));
   };
   return r;
 }

@@ -167,9 +167,13 @@ class KimiLinearBuilder {
       decl.mxfp4 = c_.experts_mxfp4;
       stacks[j] = g_.add_weight(std::move(decl));
     }
-    Attrs expert_attrs = activation_attrs();
-    expert_attrs.set("experts", static_cast<double>(experts)).set("top_k", static_cast<double>(c_.experts_per_token));
-    int routed = g_.add(Op::kMoeExperts, {expert_input, routes}, {stacks[0], stacks[1], stacks[2]}, expert_attrs, label + ".experts");
+    // Two ops, so a plan slices the gate/up rows and the down columns separately and no slice
+    // recomputes another's activations: [T, k·I] activations of the k routed experts, then down.
+    const Attrs routing = {{"experts", static_cast<double>(experts)}, {"top_k", static_cast<double>(c_.experts_per_token)}};
+    Attrs gate_up_attrs = activation_attrs();
+    gate_up_attrs.set("experts", static_cast<double>(experts)).set("top_k", static_cast<double>(c_.experts_per_token));
+    const int acts = g_.add(Op::kMoeGateUp, {expert_input, routes}, {stacks[0], stacks[1]}, gate_up_attrs, label + ".experts_gate_up");
+    int routed = g_.add(Op::kMoeDown, {acts, routes}, {stacks[2]}, routing, label + ".experts_down");
     if (c_.latent_moe_size) {
       if (c_.latent_moe_norm) routed = norm(routed, p + "routed_expert_norm.weight", io, c_.rms_norm_eps, label + ".latent_norm");
       routed = linear(routed, p + "routed_expert_up_proj.weight", hidden, label + ".latent_up");

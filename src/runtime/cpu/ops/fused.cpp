@@ -106,10 +106,9 @@ void cpu_act_linear(OpContext& ctx) {
   copy_columns(ctx, out, ctx.node.width, 0, ctx.begin(), ctx.end());
 }
 
-void cpu_moe_experts_add(OpContext& ctx) {
+void cpu_moe_down_add(OpContext& ctx) {
   const int64_t width = ctx.node.width;
-  const auto routed = run_sub(ctx, Op::kMoeExperts, ctx.node.attrs, width, {ctx.inputs[0], ctx.inputs[1]},
-                              {ctx.weights[0], ctx.weights[1], ctx.weights[2]}, ctx.begin(), ctx.end());
+  const auto routed = run_sub(ctx, Op::kMoeDown, ctx.node.attrs, width, {ctx.inputs[0], ctx.inputs[1]}, {ctx.weights[0]}, ctx.begin(), ctx.end());
   const auto sum = run_sub(ctx, Op::kAdd, {}, width, {{routed.data(), width}, ctx.inputs[2]}, {}, ctx.begin(), ctx.end());
   copy_columns(ctx, sum, width, 0, ctx.begin(), ctx.end());
 }

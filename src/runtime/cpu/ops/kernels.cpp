@@ -19,7 +19,8 @@ CpuOpFn cpu_kernel(Op op) {
     case Op::kSiluMul: return cpu_silu_mul;
     case Op::kAdd: return cpu_add;
     case Op::kMoeRouter: return cpu_moe_router;
-    case Op::kMoeExperts: return cpu_moe_experts;
+    case Op::kMoeGateUp: return cpu_moe_gate_up;
+    case Op::kMoeDown: return cpu_moe_down;
     case Op::kSituMul: return cpu_situ_mul;
     case Op::kSigmoidMul: return cpu_sigmoid_mul;
     case Op::kAttnResMix: return cpu_attn_res_mix;
@@ -31,7 +32,7 @@ CpuOpFn cpu_kernel(Op op) {
     case Op::kLinearAdd: return cpu_linear_add;
     case Op::kGateUpAct: return cpu_gate_up_act;
     case Op::kActLinear: return cpu_act_linear;
-    case Op::kMoeExpertsAdd: return cpu_moe_experts_add;
+    case Op::kMoeDownAdd: return cpu_moe_down_add;
     case Op::kGatedNormLinear: return cpu_gated_norm_linear;
     case Op::kAddNorm: return cpu_add_norm;
     case Op::kAttnResNorm: return cpu_attn_res_norm;

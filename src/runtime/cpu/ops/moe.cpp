@@ -1,6 +1,6 @@
 // MoE router (spec/MODEL.md §4.5 R1–R7: select with s + bias, weight with unbiased s, renormalize then
-// scale; ties go to the lower expert index) and routed experts (X1–X2: fp32 sum over k, one rounding;
-// SiLU or SiTU; in LatentMoE the experts read and write the latent width).
+// scale; ties go to the lower expert index) and routed experts in two ops, gate/up then down (X1–X2:
+// fp32 sum over k, one rounding; SiLU or SiTU; in LatentMoE the experts read and write the latent width).
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -70,32 +70,45 @@ void cpu_moe_router(OpContext& ctx) {
   }
 }
 
-void cpu_moe_experts(OpContext& ctx) {
-  const int64_t top_k = ctx.node.attrs.i("top_k"), hidden = ctx.inputs[0].width;  // output columns: ctx's slice of W
-  const BoundWeight& w1 = *ctx.weights[0];  // gate [I,H] per expert
-  const BoundWeight& w3 = *ctx.weights[1];  // up   [I,H]
-  const BoundWeight& w2 = *ctx.weights[2];  // down [H,I]
+// Columns [begin, end) of [T, k·I]: column k·I + i is expert e_k's activation at i. A slice may
+// span experts; each column needs only its own gate and up rows.
+void cpu_moe_gate_up(OpContext& ctx) {
+  const int64_t top_k = ctx.node.attrs.i("top_k"), width = ctx.inputs[0].width;
+  const BoundWeight& w1 = *ctx.weights[0];  // gate [I,W] per expert
+  const BoundWeight& w3 = *ctx.weights[1];  // up   [I,W]
   const int64_t inter = w1.decl->shape[0];
   const bool use_situ = ctx.node.attrs.get("situ") != 0.0;
   const float beta = ctx.node.attrs.f("beta"), linear_beta = ctx.node.attrs.f("linear_beta");
-  std::vector<float> act(static_cast<size_t>(inter)), acc(static_cast<size_t>(hidden));
   for (int64_t t = 0; t < ctx.rows; ++t) {
     const float* x = ctx.in(0, t);
     const float* route = ctx.in(1, t);
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t k = 0; k < top_k; ++k) {
-      const auto e = static_cast<size_t>(route[top_k + k]);
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gate = ctx.round_act(dot_weight_row(*w1.parts[e], i, x, hidden));
-        const float up = ctx.round_act(dot_weight_row(*w3.parts[e], i, x, hidden));
-        act[static_cast<size_t>(i)] = use_situ ? ctx.round_act(situ(gate, up, beta, linear_beta))
-                                               : ctx.round_act(ctx.round_act(silu(gate)) * up);
-      }
-      for (int64_t o = ctx.begin(); o < ctx.end(); ++o) {
-        acc[static_cast<size_t>(o)] += route[k] * ctx.round_act(dot_weight_row(*w2.parts[e], o, act.data(), inter));
-      }
+    for (int64_t c = ctx.begin(); c < ctx.end(); ++c) {
+      const auto e = static_cast<size_t>(route[top_k + c / inter]);
+      const int64_t i = c % inter;
+      const float gate = ctx.round_act(dot_weight_row(*w1.parts[e], i, x, width));
+      const float up = ctx.round_act(dot_weight_row(*w3.parts[e], i, x, width));
+      ctx.out_row(t)[c] = use_situ ? ctx.round_out(situ(gate, up, beta, linear_beta)) : ctx.round_out(ctx.round_act(silu(gate)) * up);
     }
-    for (int64_t o = ctx.begin(); o < ctx.end(); ++o) ctx.out_row(t)[o] = ctx.round_out(acc[static_cast<size_t>(o)]);
+  }
+}
+
+// Columns [begin, end) of [T, W]: Σ_k w_k·round(w2_{e_k}[o]·h_k), fp32 in k order, one rounding at
+// the end; h_k = h[k·I, (k+1)·I) is moe_gate_up's output for the k-th routed expert.
+void cpu_moe_down(OpContext& ctx) {
+  const int64_t top_k = ctx.node.attrs.i("top_k");
+  const BoundWeight& w2 = *ctx.weights[0];  // down [W,I] per expert
+  const int64_t inter = w2.decl->shape[1];
+  for (int64_t t = 0; t < ctx.rows; ++t) {
+    const float* h = ctx.in(0, t);
+    const float* route = ctx.in(1, t);
+    for (int64_t o = ctx.begin(); o < ctx.end(); ++o) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < top_k; ++k) {
+        const auto e = static_cast<size_t>(route[top_k + k]);
+        acc += route[k] * ctx.round_act(dot_weight_row(*w2.parts[e], o, h + k * inter, inter));
+      }
+      ctx.out_row(t)[o] = ctx.round_out(acc);
+    }
   }
 }
 
