@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <memory>
+#include <tuple>
 
 #include "graph/random_weights.h"
 #include "graph/weights.h"
@@ -24,6 +25,7 @@ struct GemvCase {
   int64_t hidden;
   int64_t out;
   DType dtype;
+  bool mxfp4 = false;  // MoE cases: experts stored as MXFP4
 };
 
 // Builds tokens → embedding [V, hidden] → (inputs) → op; returns the graph.
@@ -72,6 +74,30 @@ Graph build(const GemvCase& c) {
       const int o = linear(x, c.hidden, "o"), z = linear(x, c.hidden, "z");
       y = g.add(Op::kGatedNormLinear, {o, z}, {weight("o_norm.weight", {d}), weight("w", {c.out, c.hidden})},
                 {{"heads", 2.0}, {"head_dim", static_cast<double>(d)}, {"eps", 1e-5}}, "y");
+      break;
+    }
+    case Op::kMoeDown:
+    case Op::kMoeDownAdd: {  // router → gate/up → down over 8 experts, top-3; inter = c.out
+      const int64_t experts = 8, top_k = 3;
+      const int routes = g.add(Op::kMoeRouter, {x},
+                               {weight("mlp.block_sparse_moe.gate.weight", {experts, c.hidden}),
+                                weight("mlp.block_sparse_moe.gate.e_score_correction_bias", {experts})},
+                               {{"experts", 8.0}, {"top_k", 3.0}, {"groups", 1.0}, {"topk_groups", 1.0}, {"renormalize", 1.0}, {"scale", 2.5}, {"softmax", 0.0}},
+                               "router");
+      int stacks[3];
+      for (int j = 0; j < 3; ++j) {
+        WeightDecl decl;
+        for (int64_t e = 0; e < experts; ++e) decl.parts.push_back("experts." + std::to_string(e) + ".w" + std::to_string(j));
+        decl.name = decl.parts.front();
+        decl.shape = j == 2 ? std::vector<int64_t>{c.hidden, c.out} : std::vector<int64_t>{c.out, c.hidden};
+        decl.mxfp4 = c.mxfp4;
+        stacks[j] = g.add_weight(std::move(decl));
+      }
+      const Attrs act = {{"situ", c.out % 64 == 0 ? 1.0 : 0.0}, {"beta", 4.0}, {"linear_beta", 25.0}, {"experts", 8.0}, {"top_k", 3.0}};
+      const int h = g.add(Op::kMoeGateUp, {x, routes}, {stacks[0], stacks[1]}, act, "gate_up");
+      const Attrs routing = {{"experts", 8.0}, {"top_k", static_cast<double>(top_k)}};
+      y = c.op == Op::kMoeDown ? g.add(Op::kMoeDown, {h, routes}, {stacks[2]}, routing, "down")
+                               : g.add(Op::kMoeDownAdd, {h, routes, x}, {stacks[2]}, routing, "down");
       break;
     }
     default: ADD_FAILURE() << "no graph for " << op_name(c.op);
@@ -148,6 +174,16 @@ std::vector<GemvCase> cases() {
         if (op == Op::kGatedNormLinear && hidden % 2 != 0) continue;
         all.push_back({std::string(op_name(op)) + "_" + std::to_string(hidden) + "x" + std::to_string(out) + "_" + std::string(dtype_name(dtype)), op, hidden,
                        out, dtype});
+      }
+    }
+  }
+  // Routed experts (inter = out): bf16/f32 experts at odd sizes, MXFP4 experts (sizes multiples of 32).
+  for (Op op : {Op::kMoeDown, Op::kMoeDownAdd}) {
+    for (auto [hidden, out, mxfp4] : {std::tuple<int64_t, int64_t, bool>{96, 40, false}, {130, 64, false}, {64, 96, true}, {256, 64, true}}) {
+      for (DType dtype : {DType::F32, DType::BF16}) {
+        all.push_back({std::string(op_name(op)) + "_" + std::to_string(hidden) + "x" + std::to_string(out) + (mxfp4 ? "_mxfp4_" : "_") +
+                           std::string(dtype_name(dtype)),
+                       op, hidden, out, dtype, mxfp4});
       }
     }
   }

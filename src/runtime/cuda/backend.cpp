@@ -244,6 +244,16 @@ void pack_attrs(const PlanOp& op, float* attr) {
       attr[0] = get("eps");
       attr[1] = get("head_dim");
       return;
+    case Op::kMoeGateUp:
+      attr[0] = get("top_k");
+      attr[1] = get("situ");
+      attr[2] = get("beta");
+      attr[3] = get("linear_beta");
+      return;
+    case Op::kMoeDown:
+    case Op::kMoeDownAdd:
+      attr[0] = get("top_k");
+      return;
     default:
       if (!pack_misc_attrs(op, attr)) fail("cuda: no attribute layout for op '{}' ({})", op.label, op_name(op.op()));
   }

@@ -24,6 +24,9 @@ __device__ void run_task(const TaskCtx& ctx, int32_t opcode) {
     case Op::kGateUpAct: op_gate_up_act(ctx); return;
     case Op::kActLinear: op_act_linear(ctx); return;
     case Op::kGatedNormLinear: op_gated_norm_linear(ctx); return;
+    case Op::kMoeGateUp: op_moe_gate_up(ctx); return;
+    case Op::kMoeDown: op_moe_down_impl<false>(ctx); return;
+    case Op::kMoeDownAdd: op_moe_down_impl<true>(ctx); return;
     default:
       if (!run_misc_op(ctx) && threadIdx.x == 0) report_error(ctx, kErrOpcode);
       return;
@@ -42,6 +45,9 @@ constexpr bool host_has_op(Op op) {
     case Op::kGateUpAct:
     case Op::kActLinear:
     case Op::kGatedNormLinear:
+    case Op::kMoeGateUp:
+    case Op::kMoeDown:
+    case Op::kMoeDownAdd:
       return true;
     default:
       return is_misc_op(static_cast<uint8_t>(op));
