@@ -1,0 +1,156 @@
+// A host stand-in for CudaBackend that runs the real CUDA op bodies (runtime/cuda/ops/misc_ops.cuh) on
+// 512 emulated threads per task (emu_prelude.h), tasks one after another in plan order, the arena
+// poisoned with NaN before every step. It checks the bodies' logic (indexing, slices, state, barriers:
+// a divergent one aborts) without a GPU; it says nothing about speed, races across blocks or nvcc.
+// Only the ops of the op test graphs exist here: kTokens, kEmbedding and the bodies of run_misc_op.
+#include <algorithm>
+
+#include "core/error.h"
+#include "runtime/cuda/backend.h"
+#include "runtime/cuda/device.cuh"  // the emulation copy made by tests/CMakeLists.txt
+#include "runtime/cuda/ops/misc_ops.cuh"
+
+namespace plow::cuda {
+
+struct DeviceWeightSet { const Graph* graph; const BoundWeights* bound; };
+std::shared_ptr<DeviceWeightSet> upload_weights(const Graph& g, const BoundWeights& w) { return std::make_shared<DeviceWeightSet>(DeviceWeightSet{&g, &w}); }
+
+struct CudaBackend::Impl {
+  std::shared_ptr<DeviceWeightSet> weights;
+  std::vector<Plan> plans;
+  CudaOptions opt;
+  std::vector<std::vector<float>> states;
+  std::vector<DeviceState> dstates;
+  std::vector<int64_t> context;
+};
+
+static DeviceWeight device_weight(const DeviceWeightSet& set, const WeightDecl& decl) {
+  for (size_t i = 0; i < set.graph->weights().size(); ++i) {
+    if (set.graph->weights()[i].name != decl.name) continue;
+    const TensorView& t = *(*set.bound)[static_cast<int>(i)].parts[0];
+    DeviceWeight w;
+    w.data = t.data;
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    w.rows = t.shape.size() >= 2 ? t.shape[0] : 1;
+    w.cols = n / w.rows;
+    w.type = t.dtype == DType::BF16 ? kWBF16 : t.dtype == DType::F16 ? kWF16 : kWF32;
+    return w;
+  }
+  fail("emu: weight {} not found", decl.name);
+}
+
+CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> weights, std::vector<Plan> plans, const CudaOptions& o)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->weights = weights;
+  impl_->plans = std::move(plans);
+  impl_->opt = o;
+  for (const StateDecl& d : graph.states()) {
+    DeviceState s;
+    s.width = d.width;
+    if (d.kind == StateKind::kConvWindow) s.depth = d.depth, s.slot_floats = d.width * d.depth;
+    if (d.kind == StateKind::kKdaRecurrent) s.depth = d.depth, s.slot_floats = d.width * (d.width / d.depth);
+    if (d.kind == StateKind::kMlaLatent) s.depth = o.max_context_tokens, s.slot_floats = o.max_context_tokens * d.width;
+    impl_->states.emplace_back(static_cast<size_t>(s.slot_floats * o.num_slots), 0.0f);
+    impl_->dstates.push_back(s);
+  }
+  impl_->context.assign(static_cast<size_t>(o.num_slots), 0);
+}
+CudaBackend::~CudaBackend() = default;
+void CudaBackend::reset_slot(int slot) {
+  for (size_t i = 0; i < impl_->states.size(); ++i) {
+    auto& s = impl_->dstates[i];
+    std::fill(impl_->states[i].begin() + slot * s.slot_floats, impl_->states[i].begin() + (slot + 1) * s.slot_floats, 0.0f);
+  }
+  impl_->context[static_cast<size_t>(slot)] = 0;
+}
+int64_t CudaBackend::context_tokens(int s) const { return impl_->context[static_cast<size_t>(s)]; }
+int CudaBackend::num_slots() const { return impl_->opt.num_slots; }
+DType CudaBackend::act_dtype() const { return impl_->opt.act_dtype; }
+bool CudaBackend::has_op(uint8_t op) { return is_misc_op(op) || op == uint8_t(Op::kTokens) || op == uint8_t(Op::kEmbedding); }
+
+static void run_block(TaskCtx ctx) {
+  static EmuBlock* block = new EmuBlock;  // 128 MiB of fiber stacks, made once
+  bool unknown = false;
+  block->run([&] { if (!run_misc_op(ctx)) unknown = true; });
+  if (unknown) fail("emu: no body for opcode {}", ctx.op->opcode);
+}
+
+StepOutput CudaBackend::step(const StepInputs& in) {
+  Impl& m = *impl_;
+  const bool decode = std::all_of(in.sequences.begin(), in.sequences.end(), [](const SequenceStep& s) { return s.query_tokens == 1; });
+  const auto rows = static_cast<int64_t>(in.token_ids.size());
+  const Plan* plan = nullptr;
+  for (const Plan& p : m.plans) {
+    if (p.phase != (decode ? PlanPhase::kDecode : PlanPhase::kPrefill) || p.max_tokens < rows) continue;
+    if (!plan || p.max_tokens < plan->max_tokens) plan = &p;
+  }
+  if (!plan) fail("emu: no plan");
+  std::vector<int32_t> row_seq, row_pos, seq_slot, seq_first, seq_tokens, seq_context;
+  int first = 0;
+  for (size_t s = 0; s < in.sequences.size(); ++s) {
+    const auto& q = in.sequences[s];
+    seq_slot.push_back(q.slot), seq_first.push_back(first), seq_tokens.push_back(int32_t(q.query_tokens));
+    seq_context.push_back(int32_t(m.context[size_t(q.slot)]));
+    for (int64_t t = 0; t < q.query_tokens; ++t) row_seq.push_back(int32_t(s)), row_pos.push_back(int32_t(m.context[size_t(q.slot)] + t));
+    first += int(q.query_tokens);
+  }
+  std::vector<DeviceState> dstates = m.dstates;
+  for (size_t i = 0; i < dstates.size(); ++i) dstates[i].base = m.states[i].data();
+  int32_t error = 0;
+  StepView view;
+  view.tokens = int32_t(rows);
+  view.num_seqs = int32_t(in.sequences.size());
+  view.token_ids = in.token_ids.data();
+  view.row_seq = row_seq.data(), view.row_pos = row_pos.data(), view.seq_slot = seq_slot.data(), view.seq_first_row = seq_first.data();
+  view.seq_tokens = seq_tokens.data(), view.seq_context = seq_context.data(), view.states = dstates.data(), view.error = &error;
+  std::vector<float> arena(size_t(plan->arena_floats), NAN);  // poisoned every step
+  std::vector<DeviceWeight> all_weights;
+  for (const WeightDecl& d : plan->weights) all_weights.push_back(device_weight(*m.weights, d));
+  const int32_t act = m.opt.act_dtype == DType::BF16 ? kABF16 : m.opt.act_dtype == DType::F16 ? kAF16 : kAF32;
+  for (size_t oi = 0; oi < plan->ops.size(); ++oi) {
+    const PlanOp& op = plan->ops[oi];
+    std::vector<int64_t> in_off, in_w;
+    for (int32_t i : op.inputs) in_off.push_back(plan->ops[size_t(i)].offset), in_w.push_back(plan->ops[size_t(i)].width);
+    std::vector<DeviceWeight> ws;
+    for (int32_t w : op.weights) ws.push_back(all_weights[size_t(w)]);
+    OpDesc d;
+    d.opcode = op.opcode, d.act = act, d.round_out = op.dtype == OutDType::kAct ? 1 : 0;
+    d.num_inputs = int32_t(op.inputs.size()), d.num_weights = int32_t(op.weights.size()), d.state = op.state;
+    d.width = op.width, d.out_offset = op.offset, d.in_offset = in_off.data(), d.in_width = in_w.data(), d.weights = ws.data();
+    if (is_misc_op(op.opcode) && !pack_misc_attrs(op, d.attr)) fail("emu: no attrs");
+    if (op.op() == Op::kTokens) {
+      for (int64_t t = 0; t < rows; ++t) arena[size_t(op.offset + t)] = float(in.token_ids[size_t(t)]);
+      continue;
+    }
+    for (const PlanTask& task : plan->tasks) {
+      if (task.op != int32_t(oi)) continue;
+      if (op.op() == Op::kEmbedding) {
+        const DeviceWeight& table = ws[0];
+        for (int64_t t = 0; t < rows; ++t) {
+          const auto id = int64_t(arena[size_t(in_off[0] + t)]);
+          if (id < 0 || id >= table.rows) {
+            error = kErrBadToken;
+            continue;
+          }
+          for (int64_t c = task.col_begin; c < task.col_end; ++c) arena[size_t(op.offset + t * op.width + c)] = round_act(act, weight_at(table, 0, id, c));
+        }
+      } else {
+        TaskCtx ctx{&d, arena.data(), &view, task.col_begin, task.col_end, nullptr, nullptr};
+        std::vector<unsigned char> smem(kSharedBytes);
+        std::vector<float> scratch(size_t(kScratchFloats), NAN);
+        ctx.smem = smem.data(), ctx.scratch = scratch.data();
+        run_block(ctx);
+      }
+    }
+  }
+  if (error) fail("emu: device error {}", error);
+  for (const auto& q : in.sequences) m.context[size_t(q.slot)] += q.query_tokens;
+  const PlanOp& out = plan->ops[size_t(plan->output_op)];
+  StepOutput r;
+  r.rows = rows, r.vocab = out.width;
+  r.logits.assign(arena.begin() + out.offset, arena.begin() + out.offset + rows * out.width);
+  return r;
+}
+
+}  // namespace plow::cuda

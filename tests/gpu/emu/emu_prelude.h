@@ -1,0 +1,119 @@
+// Host emulation of the CUDA features the op bodies use: 512 cooperative fibers (ucontext) per block on
+// one OS thread; __syncthreads / __syncwarp are barriers the scheduler releases when every live fiber of
+// the block / warp has arrived (a divergent barrier deadlocks and is reported). Test scaffolding only.
+#pragma once
+#include <atomic>
+#include <bit>
+#include <climits>
+#include <cmath>
+#include <math.h>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <vector>
+#include <ucontext.h>
+#include "core/dtype.h"
+#define __device__
+#define __host__
+#define __global__
+#define __forceinline__ inline
+#define __noinline__
+struct __nv_bfloat16 { uint16_t bits; };
+struct __half { uint16_t bits; };
+inline float __bfloat162float(__nv_bfloat16 b) { return plow::bf16_to_f32(b.bits); }
+inline __nv_bfloat16 __float2bfloat16_rn(float v) { return {plow::f32_to_bf16(v)}; }
+inline float __half2float(__half h) { return plow::f16_to_f32(h.bits); }
+inline __half __float2half_rn(float v) { return {plow::f32_to_f16(v)}; }
+inline float __int_as_float(int i) { return std::bit_cast<float>(i); }
+struct EmuDim3 { unsigned x = 0, y = 0, z = 0; };
+inline EmuDim3 threadIdx;  // set by the scheduler before resuming a fiber
+
+struct EmuBlock {
+  enum Wait { kRun, kBlock, kWarp, kDone };
+  static constexpr int kN = 512;
+  static constexpr size_t kStack = 256 * 1024;
+  ucontext_t sched;
+  ucontext_t ctx[kN];
+  Wait wait[kN];
+  std::vector<char> stacks = std::vector<char>(kN * kStack);
+  uint32_t xch[kN];
+  int current = 0;
+  std::function<void()> body;
+  static void entry();
+  void run(std::function<void()> fn);
+};
+inline EmuBlock* emu_block = nullptr;
+inline void EmuBlock::entry() {
+  emu_block->body();
+  emu_block->wait[emu_block->current] = kDone;
+  swapcontext(&emu_block->ctx[emu_block->current], &emu_block->sched);
+}
+inline void EmuBlock::run(std::function<void()> fn) {
+  body = std::move(fn);
+  emu_block = this;
+  for (int i = 0; i < kN; ++i) {
+    getcontext(&ctx[i]);
+    ctx[i].uc_stack.ss_sp = stacks.data() + i * kStack;
+    ctx[i].uc_stack.ss_size = kStack;
+    ctx[i].uc_link = &sched;
+    makecontext(&ctx[i], &EmuBlock::entry, 0);
+    wait[i] = kRun;
+  }
+  for (;;) {
+    bool ran = false;
+    for (int i = 0; i < kN; ++i) {
+      if (wait[i] != kRun) continue;
+      current = i;
+      threadIdx.x = static_cast<unsigned>(i);
+      swapcontext(&sched, &ctx[i]);
+      ran = true;
+    }
+    int done = 0, at_block = 0;
+    for (int i = 0; i < kN; ++i) done += wait[i] == kDone, at_block += wait[i] == kBlock;
+    if (done == kN) return;
+    bool released = false;
+    if (at_block > 0 && at_block + done == kN) {
+      if (done > 0) { std::fprintf(stderr, "emu: __syncthreads with %d threads already exited\n", done); std::abort(); }
+      for (int i = 0; i < kN; ++i) wait[i] = kRun;
+      released = true;
+    }
+    for (int w = 0; w < kN / 32; ++w) {
+      int at_warp = 0;
+      for (int l = 0; l < 32; ++l) at_warp += wait[w * 32 + l] == kWarp;
+      if (at_warp == 32) { for (int l = 0; l < 32; ++l) wait[w * 32 + l] = kRun; released = true; }
+      else if (at_warp > 0) {
+        int other = 0;
+        for (int l = 0; l < 32; ++l) other += wait[w * 32 + l] != kWarp && wait[w * 32 + l] != kRun;
+        if (other + at_warp == 32 && !ran) { std::fprintf(stderr, "emu: divergent warp barrier in warp %d\n", w); std::abort(); }
+      }
+    }
+    if (!ran && !released) { std::fprintf(stderr, "emu: deadlock\n"); std::abort(); }
+  }
+}
+inline void emu_wait(EmuBlock::Wait kind) {
+  EmuBlock& b = *emu_block;
+  const int me = b.current;
+  b.wait[me] = kind;
+  swapcontext(&b.ctx[me], &b.sched);
+  threadIdx.x = static_cast<unsigned>(me);
+}
+inline void __syncthreads() { emu_wait(EmuBlock::kBlock); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_wait(EmuBlock::kWarp); }
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int o) {
+  static_assert(sizeof(T) == 4);
+  const unsigned t = threadIdx.x, lane = t % 32, base = t - lane;
+  emu_block->xch[t] = std::bit_cast<uint32_t>(v);
+  __syncwarp();
+  const uint32_t other = emu_block->xch[base + (lane ^ static_cast<unsigned>(o))];
+  __syncwarp();
+  return std::bit_cast<T>(other);
+}
+inline int atomicCAS(int* p, int expected, int desired) {
+  const int old = *p;
+  if (old == expected) *p = desired;
+  return old;
+}
