@@ -172,7 +172,9 @@ CompletionParams parse_completion(const json& body, const ServedModel& model, bo
   CompletionParams p;
   p.chat = chat;
   if (const json* m = field(body, "model")) {
-    if (!m->is_string() || m->get<std::string>() != model.name) bad("model", fmt::format("The model '{}' does not exist; this server serves '{}'", m->is_string() ? m->get<std::string>() : m->dump(), model.name));
+    if (!m->is_string()) bad("model", fmt::format("'model' must be a string, found {}", m->dump()));
+    // 404 as OpenAI and vLLM answer an unknown model (the openai client raises NotFoundError).
+    if (m->get<std::string>() != model.name) throw ApiError(404, fmt::format("The model '{}' does not exist; this server serves '{}'", m->get<std::string>(), model.name), "model");
   }
   if (chat) {
     const json* messages = field(body, "messages");

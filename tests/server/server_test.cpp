@@ -66,6 +66,10 @@ class ServerTest : public ::testing::Test {
     model_ = LoadedModel::load(model_dir_->string()).release();
     ServeOptions options;
     options.model_dir = model_dir_->string();
+    // These tests compare with generate() alone, prefilled in one step. A prefix-cache hit resumes at
+    // the snapshot and so moves KDA's chunk boundaries (equal only to fp32 rounding): the cache is off
+    // here, and its exactness is tested where the cold run splits the same way (prefix_cache_test.cpp).
+    options.prefix_cache_mb = 0;
     server_ = new Running(options);
   }
   static void TearDownTestSuite() {
@@ -141,7 +145,7 @@ TEST_F(ServerTest, GreedyCompletionEqualsGenerate) {
   EXPECT_EQ(r["object"], "text_completion");
   EXPECT_EQ(r["choices"][0]["token_ids"].get<std::vector<int32_t>>(), solo(ids, 12));
   EXPECT_EQ(r["choices"][0]["finish_reason"], "length");
-  EXPECT_EQ(r["usage"], json({{"prompt_tokens", 3}, {"completion_tokens", 12}, {"total_tokens", 15}}));
+  EXPECT_EQ(r["usage"], json({{"prompt_tokens", 3}, {"completion_tokens", 12}, {"total_tokens", 15}, {"prompt_tokens_details", {{"cached_tokens", 0}}}}));
   const Tokenizer tokenizer = Tokenizer::load(model_dir_->string());
   EXPECT_EQ(r["choices"][0]["text"], tokenizer.decode(solo(ids, 12)));
 }
@@ -292,7 +296,8 @@ TEST_F(ServerTest, MalformedRequestsGetErrorObjects) {
       {R"({"prompt": [1, 999]})", 400},
       {R"({"prompt": []})", 400},
       {R"({"max_tokens": 4})", 400},
-      {R"({"prompt": [1], "model": "gpt-4"})", 400},
+      {R"({"prompt": [1], "model": "gpt-4"})", 404},
+      {R"({"prompt": [1], "model": 7})", 400},
       {R"({"prompt": [1], "logprobs": 21})", 400},
       {R"({"prompt": [1], "stop": ["a", "b", "c", "d", "e"]})", 400},
       {"{\"prompt\": \"caf\xff\"}", 400},
