@@ -26,6 +26,7 @@
 #include "plan/wire.h"
 #include "runtime/cpu/interpreter.h"
 #include "runtime/cpu/reference.h"
+#include "subcommands.h"
 
 namespace {
 
@@ -388,6 +389,11 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--slots", serve.num_slots, "requests decoding at once");
   serve_cmd->add_option("--max-waiting", serve.max_waiting, "queued requests beyond which new ones get 429");
   serve_cmd->add_option("--served-model-name", serve.served_model_name, "the model id clients pass (default: the directory's name)");
+  serve_cmd->add_option("--prefix-cache-mb", serve.prefix_cache_mb, "prefix cache memory budget in MiB (0: no prefix cache; default 512)");
+  serve_cmd->add_flag("--debug-endpoints", serve.debug_endpoints, "serve GET /debug/integrity (slot and page manager check)");
+
+  const Subcommand chat_cmd = add_chat_command(app);
+  const Subcommand bench_serve_cmd = add_bench_serve_command(app);
 
   try {
     app.parse(argc, argv);
@@ -403,6 +409,8 @@ int main(int argc, char** argv) {
     if (inspect_cmd->parsed()) return run_inspect(inspect_source);
     if (compile_cmd->parsed()) return run_compile(comp);
     if (serve_cmd->parsed()) return run_serve(serve);
+    if (chat_cmd.command->parsed()) return chat_cmd.run();
+    if (bench_serve_cmd.command->parsed()) return bench_serve_cmd.run();
   } catch (const plow::Error& e) {
     std::fprintf(stderr, "plow: error: %s\n", e.what());
     return 1;
