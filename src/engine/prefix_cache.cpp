@@ -27,7 +27,7 @@ struct PrefixCache::Entry {
 };
 
 namespace {
-constexpr int64_t kMaxPages = int64_t{1} << 22;  // the page table's size bound, whatever the budget
+constexpr int64_t kMaxPages = int64_t{1} << 20;  // bounds the page table (~24 MB of headers), whatever the budget
 }
 
 PrefixCache::PrefixCache(int64_t budget_bytes, int64_t page_tokens)
