@@ -42,6 +42,7 @@ struct BenchArgs {
   int user_tokens = 32;
   int reply_tokens = 16;
   int slots = 16;
+  int64_t prefix_cache_mb = 512;  // with --model (0: the cache off, the baseline for the hit rate's effect)
   int64_t vocab = 0;          // token ids are drawn below this (0: the model's vocab_size, or 256 with --url)
   uint64_t seed = 1;
   std::string output_dir = "bench/results";
@@ -229,6 +230,7 @@ int run_bench_serve(const BenchArgs& a) {
     options.model_dir = a.model_dir;
     options.port = 0;
     options.num_slots = a.slots;
+    options.prefix_cache_mb = a.prefix_cache_mb;
     options.max_waiting = 4096;
     server = std::make_unique<Server>(options);
     port = server->bind();
@@ -295,6 +297,7 @@ int run_bench_serve(const BenchArgs& a) {
                        {"device", cpu_model()},
                        {"backend", a.model_dir.empty() ? "remote server" : "cpu reference (plow serve in-process)"},
                        {"model", a.model_dir.empty() ? a.url : a.model_dir},
+                       {"prefix_cache_mb", a.model_dir.empty() ? json(nullptr) : json(a.prefix_cache_mb)},
                        {"command", command_line()},
                        {"utc", stamp},
                        {"concurrency_sweep", sweep},
@@ -330,6 +333,7 @@ Subcommand add_bench_serve_command(CLI::App& app) {
   cmd->add_option("--user-tokens", args->user_tokens, "agentic replay: tokens of each user message");
   cmd->add_option("--reply-tokens", args->reply_tokens, "agentic replay: generated tokens per turn");
   cmd->add_option("--slots", args->slots, "with --model: sequences decoding at once");
+  cmd->add_option("--prefix-cache-mb", args->prefix_cache_mb, "with --model: prefix cache budget in MiB (0: off)");
   cmd->add_option("--vocab", args->vocab, "token ids are drawn from [0, vocab)");
   cmd->add_option("--seed", args->seed, "prompt seed");
   cmd->add_option("-o,--output-dir", args->output_dir, "where serve-*.json goes");
