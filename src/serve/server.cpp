@@ -16,6 +16,7 @@
 #include "serve/chat_template.h"
 #include "serve/completion.h"
 #include "serve/engine_loop.h"
+#include "serve/generation_config.h"
 #include "serve/metrics.h"
 #include "serve/openai_params.h"
 #include "serve/tokenizer.h"
@@ -117,6 +118,7 @@ Server::Impl::Impl(ServeOptions opts) : options(std::move(opts)) {
   served.max_context_tokens = options.max_context_tokens;
   served.max_tokens_limit = options.max_tokens_limit;
   for (int64_t id : model->config.eos_token_ids) served.eos_ids.push_back(static_cast<int32_t>(id));
+  apply_generation_config(options.model_dir, served);  // sampling defaults and extra eos ids
   served.tokenizer = tokenizer ? &*tokenizer : nullptr;
   served.chat_template = chat_template ? &*chat_template : nullptr;
   backend = std::make_unique<ReferenceBackend>(model->graph, *model->weights, model->weights->storage_dtype(), options.num_slots);

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cctype>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <thread>
 
@@ -347,6 +348,38 @@ TEST_F(ServerTest, DisconnectMidStreamAbortsTheRequest) {
   EXPECT_EQ(metric("plow:num_requests_running"), 0);
   EXPECT_LT(metric("plow:generation_tokens_total") - before, 4000) << "the request ran to the end after its client left";
   EXPECT_EQ(post_json("/v1/completions", {{"prompt", {1}}, {"max_tokens", 3}, {"temperature", 0}, {"ignore_eos", true}})["usage"]["completion_tokens"], 3);
+}
+
+TEST(ServerGenerationConfig, SamplingDefaultsComeFromTheModel) {
+  const fs::path dir = make_model_dir();
+  std::ofstream(dir / "generation_config.json") << R"({"temperature": 0.0, "top_k": 1, "eos_token_id": [1, 250]})";
+  ServeOptions options;
+  options.model_dir = dir.string();
+  options.prefix_cache_mb = 0;
+  {
+    Running running(options);
+    auto c = running.client();
+    // No temperature in the request: the model's 0 applies, so the result is greedy.
+    const json body = {{"prompt", {5, 17, 42}}, {"max_tokens", 8}, {"ignore_eos", true}};
+    auto a = c.Post("/v1/completions", body.dump(), "application/json");
+    auto b = c.Post("/v1/completions", body.dump(), "application/json");
+    ASSERT_TRUE(a && b);
+    const auto model = LoadedModel::load(dir.string());
+    ReferenceBackend backend(model->graph, *model->weights, DType::F32, 1);
+    GenerateOptions greedy;
+    greedy.prompt = {5, 17, 42};
+    greedy.max_new_tokens = 8;
+    EXPECT_EQ(json::parse(a->body)["choices"][0]["token_ids"].get<std::vector<int32_t>>(), generate(backend, 0, greedy).generated) << a->body;
+    EXPECT_EQ(json::parse(a->body)["choices"][0]["token_ids"], json::parse(b->body)["choices"][0]["token_ids"]);
+  }
+  std::ofstream(dir / "generation_config.json") << R"({"temperature": "hot"})";
+  try {
+    Server server(options);
+    ADD_FAILURE() << "a malformed generation_config.json was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("generation_config.json: field 'temperature'"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir.parent_path());
 }
 
 TEST(ServerAuth, ApiKeyAndFullQueue) {
