@@ -173,7 +173,12 @@ int64_t Scheduler::step() {
   PLOW_CHECK(out.rows == static_cast<int64_t>(batch.size()), "step returned {} rows for {} sequences", out.rows, batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     Sequence& seq = *batch[i];
-    if (!samples[i]) continue;
+    if (!samples[i]) {
+      // A chunk ended inside the prompt: the slot holds exactly its first prefilled_tokens, so a later
+      // prompt sharing only that much (a long system prompt) can resume here.
+      snapshot(seq, seq.prefilled_tokens);
+      continue;
+    }
     if (seq.state == RequestState::kPrefilling) snapshot(seq, static_cast<int64_t>(seq.request.prompt.size()));  // prompt end
     std::span<const float> row(out.logits.data() + static_cast<int64_t>(i) * out.vocab, static_cast<size_t>(out.vocab));
     SampledToken sampled = seq.sampler.sample(row, seq.request.prompt, seq.output);

@@ -4,7 +4,8 @@
 // exactly one running sequence (check_integrity() verifies it; tests call it after every step).
 // With a prefix cache (options.prefix_cache_bytes > 0 and a backend with snapshots), admission
 // restores the longest cached prefix that ends at a snapshot and leaves ≥ 1 prompt token to compute;
-// snapshots are taken when a prompt is consumed and when a sequence finishes (its turn end).
+// snapshots are taken where a prefill chunk ends (inside the prompt and at its end) and when a
+// sequence finishes (its turn end) or is aborted while decoding.
 // Not thread-safe: the caller serializes submit/abort/step (the server holds one mutex).
 #pragma once
 

@@ -356,6 +356,38 @@ TEST_F(PrefixCacheHitTest, MultiTurnHitsEqualAColdRunBitForBit) {
   EXPECT_LT(max_diff, 1e-4f);
 }
 
+// Prefill chunk ends inside a prompt are snapshots: a second prompt that shares only a long opening
+// resumes at the last chunk end inside it. The scheduler splits a cold prompt at the same chunk ends,
+// so the hit's logits equal the cold run's through the same scheduler bit for bit.
+TEST_F(PrefixCacheHitTest, ChunkEndsInsideAPromptServeOtherPrompts) {
+  const SchedulerOptions cached{.max_step_tokens = 32, .max_prefill_chunk = 32, .prefix_cache_bytes = 64 << 20, .prefix_cache_block_tokens = 16};
+  SchedulerOptions cold_options = cached;
+  cold_options.prefix_cache_bytes = 0;
+  const auto system = range_tokens(3, 70);
+  const auto a = concat(system, range_tokens(100, 5)), b = concat(system, range_tokens(150, 9));
+
+  ReferenceBackend reference(model_->graph, *model_->weights, DType::F32, 1);
+  RecordingBackend recording(reference);
+  Scheduler scheduler(recording, cached);
+  run_turn(scheduler, recording, a, 3);
+  recording.rows.clear();
+  const Turn hit = run_turn(scheduler, recording, b, 3);
+  EXPECT_EQ(hit.cached, 64);  // chunk ends at 32 and 64 lie inside the shared 70 tokens
+
+  ReferenceBackend fresh(model_->graph, *model_->weights, DType::F32, 1);
+  RecordingBackend cold_recording(fresh);
+  Scheduler cold_scheduler(cold_recording, cold_options);
+  Turn cold = run_turn(cold_scheduler, cold_recording, b, 3);
+  EXPECT_EQ(cold.cached, 0);
+  EXPECT_EQ(hit.output, cold.output);
+  // The cold run also recorded its two inner chunks (no logits sampled there): compare the sampled rows.
+  ASSERT_EQ(cold.logits.size(), hit.logits.size() + 2);
+  cold.logits.erase(cold.logits.begin(), cold.logits.begin() + 2);
+  for (size_t i = 0; i < hit.logits.size(); ++i) {
+    EXPECT_EQ(0, std::memcmp(hit.logits[i].data(), cold.logits[i].data(), hit.logits[i].size() * sizeof(float))) << "row " << i;
+  }
+}
+
 TEST_F(PrefixCacheHitTest, SharedSystemPromptAcrossConcurrentUsersEqualsSolo) {
   ReferenceBackend reference(model_->graph, *model_->weights, DType::F32, 4);
   Scheduler scheduler(reference, {.max_step_tokens = 64, .max_prefill_chunk = 64, .prefix_cache_bytes = 64 << 20, .prefix_cache_block_tokens = 16});
