@@ -1,5 +1,6 @@
 # The two README commands:
-#   make run   installs the Debian packages, builds, and runs the main job on the bundled model
+#   make run   installs the Debian packages, builds, and serves the bundled model over the OpenAI API
+#              (prints a curl line to try it, then blocks serving; Ctrl-C drains and exits)
 #   make test  installs, builds and runs every CPU test (unit, oracle, plan, bad input; bad input, plan
 #              files and the validator also under ASan/UBSan; the plan protocol under ThreadSanitizer)
 # GPU tests (CTest label `gpu`) run on the GPU machine only: `make test-gpu`.
@@ -8,7 +9,11 @@ BUILD ?= build
 ASAN_BUILD ?= build-asan
 TSAN_BUILD ?= build-tsan
 JOBS ?= $(shell nproc)
-MODEL ?= tests/data/tiny-kimi-linear
+# The model `make run` serves: a tiny random-weight fixture with a byte-level tokenizer and a chat
+# template until a trained bundled model lands under models/.
+MODEL ?= tests/data/tiny-kimi-linear-chat
+HOST ?= 127.0.0.1
+PORT ?= 8000
 CMAKE_FLAGS ?=
 
 .PHONY: setup build run test test-asan test-tsan test-gpu clean
@@ -23,9 +28,10 @@ build: setup $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS)
 
 run: build
-	$(BUILD)/bin/plow inspect --model $(MODEL)
-	$(BUILD)/bin/plow generate --model $(MODEL) --prompt-ids 5,17,42,99,7 --max-new-tokens 16
-	$(BUILD)/bin/plow generate --model $(MODEL) --prompt-ids 5,17,42,99,7 --max-new-tokens 16 --backend cpu-plan --workers 2
+	$(BUILD)/bin/plow inspect --model $(MODEL) > /dev/null
+	@echo "plow: serving $(MODEL) on http://$(HOST):$(PORT) (Ctrl-C to stop). Try, from another terminal:"
+	@echo "  curl -s http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16}'"
+	$(BUILD)/bin/plow serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE gpu

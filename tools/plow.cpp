@@ -27,6 +27,7 @@
 #include "runtime/cpu/interpreter.h"
 #include "runtime/cpu/reference.h"
 #include "tools/cuda_commands.h"
+#include "subcommands.h"
 
 namespace {
 
@@ -395,9 +396,13 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--slots", serve.num_slots, "requests decoding at once");
   serve_cmd->add_option("--max-waiting", serve.max_waiting, "queued requests beyond which new ones get 429");
   serve_cmd->add_option("--served-model-name", serve.served_model_name, "the model id clients pass (default: the directory's name)");
+  serve_cmd->add_option("--prefix-cache-mb", serve.prefix_cache_mb, "prefix cache memory budget in MiB (0: no prefix cache; default 512)");
+  serve_cmd->add_flag("--debug-endpoints", serve.debug_endpoints, "serve GET /debug/integrity (slot and page manager check)");
 
-  CLI::App* bench_cmd = app.add_subcommand("bench", "benchmarks that write bench/results records");
-  bench_cmd->require_subcommand(1);
+  const Subcommand chat_cmd = add_chat_command(app);
+  const Subcommand bench_serve_cmd = add_bench_serve_command(app);
+
+  CLI::App* bench_cmd = app.get_subcommand("bench");  // declared with `bench serve` (cmd_bench_serve.cpp)
   tools::BenchDecodeArgs bench_decode;
   CLI::App* bench_decode_cmd = bench_cmd->add_subcommand("decode", "decode steps on the GPU: megakernel, cuda-eager, read roofline, HF peer");
   tools::add_bench_decode_options(bench_decode_cmd, bench_decode);
@@ -418,6 +423,8 @@ int main(int argc, char** argv) {
     if (compile_cmd->parsed()) return run_compile(comp);
     if (serve_cmd->parsed()) return run_serve(serve);
     if (bench_decode_cmd->parsed()) return tools::run_bench_decode(bench_decode);
+    if (chat_cmd.command->parsed()) return chat_cmd.run();
+    if (bench_serve_cmd.command->parsed()) return bench_serve_cmd.run();
   } catch (const plow::Error& e) {
     std::fprintf(stderr, "plow: error: %s\n", e.what());
     return 1;

@@ -18,28 +18,35 @@ const char* finish_reason_name(FinishReason reason) {
 struct Scheduler::Sequence {
   Request request;
   TokenCallback on_token;
+  AdmitCallback on_admit;
   Sampler sampler;
   RequestState state = RequestState::kQueued;
   int slot = -1;
   int64_t prefilled_tokens = 0;  // prompt tokens already consumed by the backend
   std::vector<int32_t> output;
+  PrefixCache::Node* cache_lock = nullptr;  // the cached path this sequence restored (held until release)
 
-  Sequence(Request r, TokenCallback cb) : request(std::move(r)), on_token(std::move(cb)), sampler(request.sampling) {}
+  Sequence(Request r, TokenCallback cb, AdmitCallback admit)
+      : request(std::move(r)), on_token(std::move(cb)), on_admit(std::move(admit)), sampler(request.sampling) {}
 };
 
 Scheduler::Scheduler(Backend& backend, SchedulerOptions options) : backend_(backend), options_(options) {
   PLOW_CHECK(options_.max_step_tokens >= 1 && options_.max_prefill_chunk >= 1, "scheduler budgets must be >= 1");
   slot_owner_.assign(static_cast<size_t>(backend_.num_slots()), nullptr);
   for (int slot = backend_.num_slots() - 1; slot >= 0; --slot) free_slots_.push_back(slot);
+  if (options_.prefix_cache_bytes > 0 && backend_.has_snapshots()) {
+    PLOW_CHECK(options_.prefix_cache_block_tokens >= 1, "prefix cache blocks must hold >= 1 token");
+    cache_ = std::make_unique<PrefixCache>(options_.prefix_cache_bytes, options_.prefix_cache_block_tokens);
+  }
 }
 
 Scheduler::~Scheduler() = default;
 
-void Scheduler::submit(Request request, TokenCallback on_token) {
+void Scheduler::submit(Request request, TokenCallback on_token, AdmitCallback on_admit) {
   if (request.prompt.empty()) fail("request '{}': empty prompt", request.id);
   if (request.max_tokens < 1) fail("request '{}': max_tokens must be >= 1, found {}", request.id, request.max_tokens);
   if (state(request.id)) fail("request '{}': an id already queued or running", request.id);
-  waiting_.push_back(std::make_unique<Sequence>(std::move(request), std::move(on_token)));
+  waiting_.push_back(std::make_unique<Sequence>(std::move(request), std::move(on_token), std::move(on_admit)));
 }
 
 std::optional<RequestState> Scheduler::state(const std::string& id) const {
@@ -60,8 +67,11 @@ bool Scheduler::abort(const std::string& id) {
   }
   auto running = std::find_if(running_.begin(), running_.end(), [&](const auto& s) { return s->request.id == id; });
   if (running == running_.end()) return false;
-  (*running)->state = RequestState::kAborted;
-  release(**running);
+  Sequence& seq = **running;
+  // Between steps a decoding slot has consumed the prompt and all but the last output token.
+  if (seq.state == RequestState::kDecoding) snapshot(seq, static_cast<int64_t>(seq.request.prompt.size() + seq.output.size()) - 1);
+  seq.state = RequestState::kAborted;
+  release(seq);
   running_.erase(running);
   return true;
 }
@@ -77,7 +87,32 @@ void Scheduler::admit() {
   backend_.reset_slot(seq->slot);
   slot_owner_[static_cast<size_t>(seq->slot)] = seq.get();
   seq->state = RequestState::kPrefilling;
+  const std::vector<int32_t>& prompt = seq->request.prompt;
+  if (cache_) {
+    // At most prompt − 1 tokens: the last prompt token is computed so its logits exist.
+    if (auto hit = cache_->match(prompt, static_cast<int64_t>(prompt.size()) - 1)) {
+      try {
+        backend_.restore_slot(seq->slot, cache_->materialize(*hit));
+        cache_->lock(hit->node);
+        seq->cache_lock = hit->node;
+        seq->prefilled_tokens = hit->tokens;
+      } catch (const Error&) {
+        backend_.reset_slot(seq->slot);  // a snapshot this backend cannot take (e.g. its context limit): run cold
+      }
+    }
+    counters_.queried_tokens += static_cast<int64_t>(prompt.size());
+    counters_.hit_tokens += seq->prefilled_tokens;
+  }
+  if (seq->on_admit) seq->on_admit(seq->prefilled_tokens);
   running_.push_back(std::move(seq));
+}
+
+void Scheduler::snapshot(const Sequence& seq, int64_t tokens) {
+  if (!cache_ || tokens < 1) return;
+  std::vector<int32_t> consumed(seq.request.prompt.begin(), seq.request.prompt.end());
+  consumed.insert(consumed.end(), seq.output.begin(), seq.output.end());
+  consumed.resize(static_cast<size_t>(tokens));
+  cache_->insert(consumed, backend_, seq.slot);  // false: over the budget even when empty; nothing kept
 }
 
 void Scheduler::release(Sequence& seq) {
@@ -85,6 +120,8 @@ void Scheduler::release(Sequence& seq) {
   slot_owner_[static_cast<size_t>(seq.slot)] = nullptr;
   free_slots_.push_back(seq.slot);
   seq.slot = -1;
+  if (seq.cache_lock) cache_->unlock(seq.cache_lock);
+  seq.cache_lock = nullptr;
 }
 
 void Scheduler::finish_all_on_error(const std::vector<Sequence*>& batch) {
@@ -136,7 +173,13 @@ int64_t Scheduler::step() {
   PLOW_CHECK(out.rows == static_cast<int64_t>(batch.size()), "step returned {} rows for {} sequences", out.rows, batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     Sequence& seq = *batch[i];
-    if (!samples[i]) continue;
+    if (!samples[i]) {
+      // A chunk ended inside the prompt: the slot holds exactly its first prefilled_tokens, so a later
+      // prompt sharing only that much (a long system prompt) can resume here.
+      snapshot(seq, seq.prefilled_tokens);
+      continue;
+    }
+    if (seq.state == RequestState::kPrefilling) snapshot(seq, static_cast<int64_t>(seq.request.prompt.size()));  // prompt end
     std::span<const float> row(out.logits.data() + static_cast<int64_t>(i) * out.vocab, static_cast<size_t>(out.vocab));
     SampledToken sampled = seq.sampler.sample(row, seq.request.prompt, seq.output);
     seq.output.push_back(sampled.id);
@@ -149,6 +192,7 @@ int64_t Scheduler::step() {
       finished = FinishReason::kLength;
     }
     if (finished) {
+      snapshot(seq, static_cast<int64_t>(seq.request.prompt.size() + seq.output.size()) - 1);  // turn end
       seq.state = RequestState::kFinished;
       release(seq);
     }
@@ -172,6 +216,10 @@ void Scheduler::check_integrity() const {
   PLOW_CHECK(free_slots_.size() + owned == slot_owner_.size(), "free list has {} entries, {} owned, {} slots", free_slots_.size(), owned, slot_owner_.size());
   PLOW_CHECK(owned == running_.size(), "{} running sequences own {} slots", running_.size(), owned);
   for (const auto& seq : waiting_) PLOW_CHECK(seq->slot == -1 && seq->state == RequestState::kQueued, "queued '{}' holds slot {}", seq->request.id, seq->slot);
+  if (!cache_) return;
+  const auto locks = std::count_if(running_.begin(), running_.end(), [](const auto& s) { return s->cache_lock != nullptr; });
+  PLOW_CHECK(cache_->stats().locks == locks, "the prefix cache counts {} locks, {} running sequences hold one", cache_->stats().locks, locks);
+  cache_->check_integrity();
 }
 
 }  // namespace plow

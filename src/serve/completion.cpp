@@ -37,6 +37,10 @@ bool Completion::check_stop(Choice& c, size_t from) {
 
 bool Completion::apply(const EngineEvent& event) {
   Choice& c = choices_[event.choice];
+  if (event.cached_tokens) {  // the admission event
+    c.cached_tokens = *event.cached_tokens;
+    return false;
+  }
   if (c.finish_reason) return false;  // already cut by a stop string
   if (event.token >= 0) {
     c.tokens.push_back(event.token);
@@ -98,10 +102,16 @@ json Completion::envelope(const char* object) const {
 }
 
 json Completion::usage() const {
-  int64_t prompt = 0, completion = 0;
+  int64_t prompt = 0, completion = 0, cached = 0;
   for (const auto& p : params_.prompts) prompt += static_cast<int64_t>(p.size());
-  for (const Choice& c : choices_) completion += static_cast<int64_t>(c.tokens.size());
-  return {{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+  for (const Choice& c : choices_) {
+    completion += static_cast<int64_t>(c.tokens.size());
+    cached += c.cached_tokens;
+  }
+  return {{"prompt_tokens", prompt},
+          {"completion_tokens", completion},
+          {"total_tokens", prompt + completion},
+          {"prompt_tokens_details", {{"cached_tokens", cached}}}};
 }
 
 std::optional<json> Completion::next_chunk(size_t choice) {

@@ -47,6 +47,7 @@ class Completion {
     bool sent_role = false;
     bool sent_finish = false;
     std::optional<std::string> finish_reason;
+    int64_t cached_tokens = 0;  // prompt tokens the prefix cache supplied
   };
 
   bool check_stop(Choice& c, size_t from);

@@ -48,7 +48,8 @@ void EngineLoop::submit(std::vector<Request> requests, std::shared_ptr<EventQueu
     throw ApiError(429, fmt::format("the waiting queue is full ({} requests); retry later", max_waiting_));
   }
   for (size_t i = 0; i < requests.size(); ++i) {
-    metrics_.add_prompt_tokens(static_cast<int64_t>(requests[i].prompt.size()));
+    const auto prompt_tokens = static_cast<int64_t>(requests[i].prompt.size());
+    metrics_.add_prompt_tokens(prompt_tokens);
     auto last = std::make_shared<std::optional<Clock::time_point>>();
     const Clock::time_point submitted = Clock::now();
     scheduler_.submit(std::move(requests[i]), [this, queue, i, last, submitted](int32_t token, const SampledToken& sampled, std::optional<FinishReason> finished) {
@@ -62,7 +63,10 @@ void EngineLoop::submit(std::vector<Request> requests, std::shared_ptr<EventQueu
         }
         *last = now;
       }
-      queue->push({i, token, sampled, finished});
+      queue->push({i, token, sampled, finished, std::nullopt});
+    }, [this, queue, i, prompt_tokens, cached_enabled = scheduler_.prefix_cache() != nullptr](int64_t cached) {
+      if (cached_enabled) metrics_.add_prefix_cache(prompt_tokens, cached);
+      queue->push({i, -1, SampledToken{}, std::nullopt, cached});
     });
   }
   work_cv_.notify_one();
@@ -93,6 +97,23 @@ int64_t EngineLoop::num_running() const {
 int64_t EngineLoop::num_waiting() const {
   std::lock_guard lock(mu_);
   return scheduler_.num_waiting();
+}
+
+EngineGauges EngineLoop::gauges() const {
+  std::lock_guard lock(mu_);
+  EngineGauges g;
+  g.running = scheduler_.num_running();
+  g.waiting = scheduler_.num_waiting();
+  if (const PrefixCache* cache = scheduler_.prefix_cache()) {
+    const PrefixCacheStats stats = cache->stats();
+    g.kv_cache_usage = static_cast<double>(stats.bytes_used) / static_cast<double>(stats.budget_bytes);
+  }
+  return g;
+}
+
+void EngineLoop::check_integrity() const {
+  std::lock_guard lock(mu_);
+  scheduler_.check_integrity();
 }
 
 void EngineLoop::run() {

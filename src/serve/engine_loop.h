@@ -24,6 +24,7 @@ struct EngineEvent {
   int32_t token = -1;
   SampledToken sampled;
   std::optional<FinishReason> finished;
+  std::optional<int64_t> cached_tokens;  // set on the admission event (token −1): prompt tokens from the prefix cache
 };
 
 class EventQueue {
@@ -51,6 +52,9 @@ class EngineLoop {
   bool stopped() const;
   int64_t num_running() const;
   int64_t num_waiting() const;
+  EngineGauges gauges() const;
+  // The scheduler's integrity check (slots, prefix cache tree, pages, locks); InternalError when broken.
+  void check_integrity() const;
 
  private:
   void run();

@@ -46,15 +46,24 @@ void Metrics::observe_tpot(double seconds) {
   tpot_.observe(seconds);
 }
 
-std::string Metrics::render(const std::string& model_name, int64_t running, int64_t waiting) const {
+void Metrics::add_prefix_cache(int64_t queried_tokens, int64_t hit_tokens) {
+  std::lock_guard lock(mu_);
+  prefix_queries_ += static_cast<uint64_t>(queried_tokens);
+  prefix_hits_ += static_cast<uint64_t>(hit_tokens);
+}
+
+std::string Metrics::render(const std::string& model_name, const EngineGauges& gauges) const {
   std::lock_guard lock(mu_);
   const std::string labels = fmt::format("model_name=\"{}\"", model_name);
   std::string out;
   auto scalar = [&](const char* name, const char* type, const char* help, auto value) {
     out += fmt::format("# HELP {} {}\n# TYPE {} {}\n{}{{{}}} {}\n", name, help, name, type, name, labels, value);
   };
-  scalar("plow:num_requests_running", "gauge", "Requests holding a slot (prefilling or decoding).", running);
-  scalar("plow:num_requests_waiting", "gauge", "Requests queued for a slot.", waiting);
+  scalar("plow:num_requests_running", "gauge", "Requests holding a slot (prefilling or decoding).", gauges.running);
+  scalar("plow:num_requests_waiting", "gauge", "Requests queued for a slot.", gauges.waiting);
+  scalar("plow:kv_cache_usage_perc", "gauge", "Fraction of the prefix cache's memory budget in use (1 = full).", gauges.kv_cache_usage);
+  scalar("plow:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", prefix_queries_);
+  scalar("plow:prefix_cache_hits_total", "counter", "Prompt tokens restored from the prefix cache.", prefix_hits_);
   scalar("plow:prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", prompt_tokens_);
   scalar("plow:generation_tokens_total", "counter", "Generated tokens.", generation_tokens_);
   out += "# HELP plow:time_to_first_token_seconds Time from submit to the first token.\n# TYPE plow:time_to_first_token_seconds histogram\n";

@@ -1,5 +1,6 @@
 // Server counters in Prometheus text format, named like vLLM's (plow: prefix): gauges for running and
-// waiting requests, token counters, and latency histograms. Thread-safe.
+// waiting requests, prefix-cache usage, token counters (prefix-cache queries and hits count tokens,
+// as in vLLM), and latency histograms. Thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,13 @@ class Histogram {
   uint64_t count_ = 0;
 };
 
+// What the engine reports at scrape time.
+struct EngineGauges {
+  int64_t running = 0;
+  int64_t waiting = 0;
+  double kv_cache_usage = 0;  // fraction of the prefix cache's budget in use (pages + snapshots)
+};
+
 class Metrics {
  public:
   Metrics();
@@ -29,13 +37,16 @@ class Metrics {
   void add_generation_tokens(int64_t n);
   void observe_ttft(double seconds);
   void observe_tpot(double seconds);
+  void add_prefix_cache(int64_t queried_tokens, int64_t hit_tokens);
   // Text exposition; running/waiting are the scheduler's counts at scrape time.
-  std::string render(const std::string& model_name, int64_t running, int64_t waiting) const;
+  std::string render(const std::string& model_name, const EngineGauges& gauges) const;
 
  private:
   mutable std::mutex mu_;
   uint64_t prompt_tokens_ = 0;
   uint64_t generation_tokens_ = 0;
+  uint64_t prefix_queries_ = 0;  // prompt tokens looked up in the prefix cache
+  uint64_t prefix_hits_ = 0;     // of those, found
   Histogram ttft_;
   Histogram tpot_;
 };

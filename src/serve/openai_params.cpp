@@ -98,18 +98,18 @@ void parse_stop(const json& body, CompletionParams& p, const ServedModel& model)
   if (!boolean(body, "ignore_eos", false)) p.stop_token_ids.insert(p.stop_token_ids.end(), model.eos_ids.begin(), model.eos_ids.end());
 }
 
-void parse_sampling(const json& body, CompletionParams& p) {
+void parse_sampling(const json& body, const SamplingParams& defaults, CompletionParams& p) {
   SamplingParams& s = p.sampling;
-  s.temperature = static_cast<float>(number(body, "temperature", 1.0, 0.0, 2.0));
-  s.top_p = static_cast<float>(number(body, "top_p", 1.0, 0.0, 1.0));
+  s.temperature = static_cast<float>(number(body, "temperature", defaults.temperature, 0.0, 2.0));
+  s.top_p = static_cast<float>(number(body, "top_p", defaults.top_p, 0.0, 1.0));
   if (s.top_p <= 0) bad("top_p", "'top_p' must be in (0, 1], found 0");
-  const int64_t top_k = integer(body, "top_k", 0, -1, 1 << 30);
+  const int64_t top_k = integer(body, "top_k", defaults.top_k, -1, 1 << 30);
   s.top_k = top_k < 0 ? 0 : top_k;
-  s.min_p = static_cast<float>(number(body, "min_p", 0.0, 0.0, 1.0));
+  s.min_p = static_cast<float>(number(body, "min_p", defaults.min_p, 0.0, 1.0));
   s.seed = static_cast<uint64_t>(integer(body, "seed", 0, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()));
   s.presence_penalty = static_cast<float>(number(body, "presence_penalty", 0.0, -2.0, 2.0));
   s.frequency_penalty = static_cast<float>(number(body, "frequency_penalty", 0.0, -2.0, 2.0));
-  s.repetition_penalty = static_cast<float>(number(body, "repetition_penalty", 1.0, 0.01, 10.0));
+  s.repetition_penalty = static_cast<float>(number(body, "repetition_penalty", defaults.repetition_penalty, 0.01, 10.0));
 }
 
 }  // namespace
@@ -172,7 +172,9 @@ CompletionParams parse_completion(const json& body, const ServedModel& model, bo
   CompletionParams p;
   p.chat = chat;
   if (const json* m = field(body, "model")) {
-    if (!m->is_string() || m->get<std::string>() != model.name) bad("model", fmt::format("The model '{}' does not exist; this server serves '{}'", m->is_string() ? m->get<std::string>() : m->dump(), model.name));
+    if (!m->is_string()) bad("model", fmt::format("'model' must be a string, found {}", m->dump()));
+    // 404 as OpenAI and vLLM answer an unknown model (the openai client raises NotFoundError).
+    if (m->get<std::string>() != model.name) throw ApiError(404, fmt::format("The model '{}' does not exist; this server serves '{}'", m->get<std::string>(), model.name), "model");
   }
   if (chat) {
     const json* messages = field(body, "messages");
@@ -204,7 +206,7 @@ CompletionParams parse_completion(const json& body, const ServedModel& model, bo
       }
     }
   }
-  parse_sampling(body, p);
+  parse_sampling(body, model.sampling_defaults, p);
   parse_stop(body, p, model);
   p.stream = boolean(body, "stream", false);
   if (const json* options = field(body, "stream_options")) {

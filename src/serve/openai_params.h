@@ -24,6 +24,9 @@ struct ServedModel {
   std::vector<int32_t> eos_ids;
   const Tokenizer* tokenizer = nullptr;      // absent: token-id prompts only
   const ChatTemplate* chat_template = nullptr;
+  // What a request that omits a sampling field gets: OpenAI's temperature 1 unless the model's
+  // generation_config.json says otherwise (generation_config.h).
+  SamplingParams sampling_defaults{.temperature = 1.0f};
 };
 
 struct CompletionParams {

@@ -3,7 +3,10 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
+#include <condition_variable>
 #include <filesystem>
+#include <mutex>
 #include <optional>
 
 #include "core/error.h"
@@ -13,6 +16,7 @@
 #include "serve/chat_template.h"
 #include "serve/completion.h"
 #include "serve/engine_loop.h"
+#include "serve/generation_config.h"
 #include "serve/metrics.h"
 #include "serve/openai_params.h"
 #include "serve/tokenizer.h"
@@ -21,6 +25,7 @@ namespace plow {
 
 namespace {
 constexpr size_t kHttpThreads = 128;  // concurrent connections served at once
+constexpr std::chrono::milliseconds kProbe{100};  // a whole response's idle write interval
 }  // namespace
 
 namespace {
@@ -67,7 +72,22 @@ struct Server::Impl {
   using Handler = std::function<void(const httplib::Request&, httplib::Response&)>;
   httplib::Server::Handler guarded(bool authenticated, Handler handler);
   void completions(const httplib::Request& req, httplib::Response& res, bool chat);
-  void wait_all(Completion& completion, EventQueue& queue);
+  // Responses still being written; shutdown() waits for them after the engine drained, so a drained
+  // request's last events reach its client before the listener stops.
+  std::mutex inflight_mu;
+  std::condition_variable inflight_cv;
+  int64_t inflight = 0;
+  struct InFlight {
+    Impl& impl;
+    explicit InFlight(Impl& i) : impl(i) {
+      std::lock_guard lock(impl.inflight_mu);
+      ++impl.inflight;
+    }
+    ~InFlight() {
+      std::lock_guard lock(impl.inflight_mu);
+      if (--impl.inflight == 0) impl.inflight_cv.notify_all();
+    }
+  };
   bool pump(Completion& completion, EventQueue& queue, std::chrono::milliseconds wait);
   void abort_unfinished(const Completion& completion);
 };
@@ -76,6 +96,9 @@ Server::Impl::Impl(ServeOptions opts) : options(std::move(opts)) {
   if (options.num_slots < 1) fail("--slots must be >= 1, found {}", options.num_slots);
   if (options.max_tokens_limit < 1) fail("--max-tokens-limit must be >= 1, found {}", options.max_tokens_limit);
   if (options.max_context_tokens < 2) fail("--max-model-len must be >= 2, found {}", options.max_context_tokens);
+  if (options.prefix_cache_mb < 0) fail("--prefix-cache-mb must be >= 0 (0 disables the cache), found {}", options.prefix_cache_mb);
+  if (options.prefix_cache_mb > (int64_t{1} << 30)) fail("--prefix-cache-mb {} is larger than any memory", options.prefix_cache_mb);
+  options.scheduler.prefix_cache_bytes = options.prefix_cache_mb << 20;
   model = LoadedModel::load(options.model_dir);
   const fs::path dir(options.model_dir);
   if (fs::exists(dir / "tokenizer.json") || fs::exists(dir / "tiktoken.model")) tokenizer = Tokenizer::load(options.model_dir);
@@ -95,6 +118,7 @@ Server::Impl::Impl(ServeOptions opts) : options(std::move(opts)) {
   served.max_context_tokens = options.max_context_tokens;
   served.max_tokens_limit = options.max_tokens_limit;
   for (int64_t id : model->config.eos_token_ids) served.eos_ids.push_back(static_cast<int32_t>(id));
+  apply_generation_config(options.model_dir, served);  // sampling defaults and extra eos ids
   served.tokenizer = tokenizer ? &*tokenizer : nullptr;
   served.chat_template = chat_template ? &*chat_template : nullptr;
   backend = std::make_unique<ReferenceBackend>(model->graph, *model->weights, model->weights->storage_dtype(), options.num_slots);
@@ -141,12 +165,9 @@ void Server::Impl::abort_unfinished(const Completion& completion) {
   }
 }
 
-void Server::Impl::wait_all(Completion& completion, EventQueue& queue) {
-  while (!completion.done()) {
-    if (!pump(completion, queue, std::chrono::milliseconds(100)) && engine->stopped()) throw ApiError(503, "the server stopped");
-  }
-}
-
+// Both kinds of response are written by a content provider, so a client that hangs up is noticed
+// while its request runs (a failed write) and its slot is freed at once: a stream writes its events;
+// a whole response, while it waits, writes a space (JSON allows leading whitespace) every kProbe.
 void Server::Impl::completions(const httplib::Request& req, httplib::Response& res, bool chat) {
   const json body = parse_body(req);
   CompletionParams params = parse_completion(body, served, chat);
@@ -159,9 +180,32 @@ void Server::Impl::completions(const httplib::Request& req, httplib::Response& r
     requests.push_back({completion->request_id(i), p.prompts[i], p.sampling, p.max_tokens, p.stop_token_ids});
   }
   engine->submit(std::move(requests), queue);
+  auto tracker = std::make_shared<InFlight>(*this);  // shutdown() waits for it to be released
+  auto release = [this, completion, tracker](bool success) {
+    if (!success) abort_unfinished(*completion);
+  };
   if (!p.stream) {
-    wait_all(*completion, *queue);
-    res.set_content(dump(completion->response()), "application/json");
+    auto last_write = std::make_shared<std::chrono::steady_clock::time_point>(std::chrono::steady_clock::now());
+    res.set_chunked_content_provider(
+        "application/json",
+        [this, completion, queue, last_write](size_t, httplib::DataSink& sink) {
+          pump(*completion, *queue, kProbe);
+          std::string out;
+          if (completion->done()) {
+            out = dump(completion->response());
+          } else if (engine->stopped()) {
+            out = dump(error_body(503, "the server stopped", ""));
+          } else if (std::chrono::steady_clock::now() - *last_write >= kProbe) {
+            *last_write = std::chrono::steady_clock::now();
+            return sink.write(" ", 1);  // false: the client left
+          } else {
+            return true;
+          }
+          if (!sink.write(out.data(), out.size())) return false;
+          sink.done();
+          return true;
+        },
+        release);
     return;
   }
   res.set_header("Cache-Control", "no-cache");
@@ -186,9 +230,7 @@ void Server::Impl::completions(const httplib::Request& req, httplib::Response& r
         }
         return true;
       },
-      [this, completion](bool success) {
-        if (!success) abort_unfinished(*completion);
-      });
+      release);
 }
 
 void Server::Impl::routes() {
@@ -211,8 +253,19 @@ void Server::Impl::routes() {
     res.status = 200;
   });
   http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(metrics.render(served.name, engine->num_running(), engine->num_waiting()), "text/plain; version=0.0.4");
+    res.set_content(metrics.render(served.name, engine->gauges()), "text/plain; version=0.0.4");
   });
+  if (options.debug_endpoints) {
+    http.Get("/debug/integrity", [this](const httplib::Request&, httplib::Response& res) {
+      try {
+        engine->check_integrity();
+        res.set_content(dump({{"ok", true}, {"num_requests_running", engine->num_running()}, {"num_requests_waiting", engine->num_waiting()}}),
+                        "application/json");
+      } catch (const std::exception& e) {
+        set_error(res, 500, fmt::format("integrity check failed: {}", e.what()));
+      }
+    });
+  }
   http.Post("/tokenize", guarded(true, [this](const auto& req, auto& res) {
     const json body = parse_body(req);
     if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object");
@@ -263,6 +316,10 @@ void Server::run() { impl_->http.listen_after_bind(); }
 void Server::shutdown() {
   impl_->draining = true;
   impl_->engine->drain();
+  {
+    std::unique_lock lock(impl_->inflight_mu);
+    impl_->inflight_cv.wait(lock, [&] { return impl_->inflight == 0; });  // a failed write releases a response too
+  }
   impl_->http.stop();
 }
 

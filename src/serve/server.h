@@ -1,6 +1,6 @@
 // `plow serve`: an OpenAI-compatible HTTP server (cpp-httplib) over one model on the reference CPU
 // backend. Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET
-// /v1/models, /health, /metrics. Every refused request gets an OpenAI error object and the server
+// /v1/models, /health, /metrics (and /debug/integrity with debug_endpoints). Every refused request gets an OpenAI error object and the server
 // keeps serving; shutdown() stops accepting, finishes in-flight requests, then returns from run().
 #pragma once
 
@@ -25,6 +25,8 @@ struct ServeOptions {
   size_t max_body_bytes = size_t{1} << 20;
   SchedulerOptions scheduler;
   std::string served_model_name;    // default: the model directory's name
+  int64_t prefix_cache_mb = 512;    // prefix cache budget (0: no prefix cache)
+  bool debug_endpoints = false;     // GET /debug/integrity: the scheduler's and prefix cache's integrity check
 };
 
 class Server {

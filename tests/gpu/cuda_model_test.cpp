@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <cstdlib>
 #include <filesystem>
@@ -104,14 +105,44 @@ struct Case {
 
 class CudaModelTest : public ::testing::TestWithParam<Case> {};
 
+// Greedy token identity. fp32 activations: free-running, every token identical. bf16 activations: the
+// GPU sums in another order, and a bf16 rounding that lands differently can flip a near tie (the CPU's
+// own bf16 run differs from its fp32 run far more); so the GPU is teacher-forced with the reference's
+// tokens and each step's argmax must equal the reference's, except where the reference's margin
+// between the two tokens is within twice the row's measured |GPU − reference| (a near tie the logit
+// error explains), and such steps are at most 1 in 32.
+struct TokenCheck {
+  int flips = 0;  // near-tie disagreements (bf16 only)
+  int rows = 0;
+};
+
+void check_row(const float* want, const float* have, int64_t vocab, DType act, const std::string& where, TokenCheck& tally) {
+  const float limit = bound(act, want, vocab);
+  float worst = 0;
+  for (int64_t v = 0; v < vocab; ++v) {
+    ASSERT_FALSE(std::isnan(have[v])) << where << " logit " << v;
+    ASSERT_LE(std::fabs(have[v] - want[v]), limit) << where << " logit " << v;
+    worst = std::max(worst, std::fabs(have[v] - want[v]));
+  }
+  const auto expected = std::max_element(want, want + vocab) - want;
+  const auto got = std::max_element(have, have + vocab) - have;
+  tally.rows += 1;
+  if (got == expected) return;
+  ASSERT_NE(act, DType::F32) << where << ": argmax " << got << ", the reference's " << expected;
+  ASSERT_LE(want[expected] - want[got], 2 * worst) << where << ": argmax " << got << " vs the reference's " << expected << " is not a near tie";
+  tally.flips += 1;
+}
+
 TEST_P(CudaModelTest, GreedyTokensMatchTheReferenceBatchOneAndThree) {
   const Case& c = GetParam();
   const LoadedModel& model = model_for(c.fixture);
   const DType act = model.weights->storage_dtype();
+  const bool exact = act == DType::F32;
   const int64_t vocab = model.config.vocab_size;
   const std::vector<std::vector<int32_t>> prompts = {prompt(1, vocab, 37), prompt(2, vocab, 5), prompt(3, vocab, 70)};
   std::vector<GenerateResult> expected;
   for (const auto& p : prompts) expected.push_back(reference_run(model, p, act));
+  TokenCheck tally;
 
   // Batch 1: each prompt alone through generate (prefill chunk 32: several prefill steps, then decode).
   for (size_t i = 0; i < prompts.size(); ++i) {
@@ -121,50 +152,47 @@ TEST_P(CudaModelTest, GreedyTokensMatchTheReferenceBatchOneAndThree) {
     options.max_new_tokens = kSteps;
     options.keep_logits = true;
     options.prefill_chunk_tokens = 32;
+    if (!exact) options.forced_tokens = expected[i].generated;
     const GenerateResult got = generate(*backend, 0, options);
-    ASSERT_EQ(got.generated, expected[i].generated) << c.fixture << " prompt " << i;
+    if (exact) {
+      ASSERT_EQ(got.generated, expected[i].generated) << c.fixture << " prompt " << i;
+    }
     ASSERT_EQ(got.logits.size(), expected[i].logits.size());
     for (size_t r = 0; r < got.logits.size() / static_cast<size_t>(vocab); ++r) {
-      const float* want = expected[i].logits.data() + r * static_cast<size_t>(vocab);
-      const float* have = got.logits.data() + r * static_cast<size_t>(vocab);
-      const float limit = bound(act, want, vocab);
-      for (int64_t v = 0; v < vocab; ++v) {
-        ASSERT_FALSE(std::isnan(have[v])) << "row " << r;
-        ASSERT_LE(std::fabs(have[v] - want[v]), limit) << c.fixture << " prompt " << i << " row " << r << " logit " << v;
-      }
+      check_row(expected[i].logits.data() + r * static_cast<size_t>(vocab), got.logits.data() + r * static_cast<size_t>(vocab), vocab, act,
+                c.fixture + " prompt " + std::to_string(i) + " row " + std::to_string(r), tally);
     }
   }
 
-  // Batch 3: prefill each sequence alone (one step each), then decode all three together, feeding
-  // back the reference's own greedy tokens; compare each step's argmax with the reference's.
+  // Batch 3: prefill each sequence alone (one step each), then decode all three together, feeding back
+  // the reference's tokens (equal to the GPU's own wherever the check above demands identity).
   auto backend = make_cuda(model, 3, c.workers, c.eager, act, 128);
-  std::vector<int32_t> last(3);
   for (int s = 0; s < 3; ++s) {
     StepInputs in;
     in.token_ids = prompts[static_cast<size_t>(s)];
     in.sequences = {{s, static_cast<int64_t>(prompts[static_cast<size_t>(s)].size())}};
     const StepOutput out = backend->step(in);
-    const auto best = std::max_element(out.logits.begin(), out.logits.end()) - out.logits.begin();
-    ASSERT_EQ(best, expected[static_cast<size_t>(s)].generated[0]) << "prefill of sequence " << s;
-    last[static_cast<size_t>(s)] = static_cast<int32_t>(best);
+    const auto& want = expected[static_cast<size_t>(s)].logits;
+    check_row(want.data() + (prompts[static_cast<size_t>(s)].size() - 1) * static_cast<size_t>(vocab), out.logits.data(), vocab, act,
+              c.fixture + " batched prefill of sequence " + std::to_string(s), tally);
   }
   for (int64_t n = 1; n < kSteps; ++n) {
     StepInputs in;
     for (int s = 0; s < 3; ++s) {
-      if (static_cast<int64_t>(expected[static_cast<size_t>(s)].generated.size()) <= n) continue;
-      in.token_ids.push_back(last[static_cast<size_t>(s)]);
+      in.token_ids.push_back(expected[static_cast<size_t>(s)].generated[static_cast<size_t>(n - 1)]);
       in.sequences.push_back({s, 1});
     }
-    if (in.sequences.empty()) break;
     const StepOutput out = backend->step(in);
-    for (size_t j = 0; j < in.sequences.size(); ++j) {
-      const int s = in.sequences[j].slot;
-      const float* row = out.logits.data() + j * static_cast<size_t>(vocab);
-      const auto best = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
-      ASSERT_EQ(best, expected[static_cast<size_t>(s)].generated[static_cast<size_t>(n)]) << c.fixture << " sequence " << s << " step " << n;
-      last[static_cast<size_t>(s)] = best;
+    for (int s = 0; s < 3; ++s) {
+      const auto& want = expected[static_cast<size_t>(s)].logits;
+      const size_t row = prompts[static_cast<size_t>(s)].size() - 1 + static_cast<size_t>(n);
+      check_row(want.data() + row * static_cast<size_t>(vocab), out.logits.data() + static_cast<size_t>(s) * static_cast<size_t>(vocab), vocab, act,
+                c.fixture + " batched sequence " + std::to_string(s) + " step " + std::to_string(n), tally);
     }
   }
+  EXPECT_LE(tally.flips * 32, tally.rows) << tally.flips << " near-tie flips in " << tally.rows << " rows";
+  RecordProperty("near_tie_flips", tally.flips);
+  std::printf("  %s: %d near-tie flips in %d rows\n", c.fixture.c_str(), tally.flips, tally.rows);
 }
 
 TEST_P(CudaModelTest, RunToRunBitIdentical) {

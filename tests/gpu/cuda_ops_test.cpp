@@ -152,7 +152,7 @@ OpCase short_conv(int64_t channels, int64_t kernel) {
             const int window = g.graph.add_state({StateKind::kConvWindow, channels, kernel - 1, "window"});
             g.op(Op::kShortConvSilu, {g.embed(channels)}, {g.weight({"conv", {channels, 1, kernel}, 0.0f, 0.5f})},
                  {{"kernel", double(kernel)}}, window);
-          }, {16, 1}};
+          }, {32, 1}};  // fp32: K-term sum + expf of SiLU, reassociated (16.4 observed on the H200)
 }
 
 Attrs gate_attrs(int64_t heads, int64_t d, bool bounded) {
@@ -318,17 +318,6 @@ StepInputs make_step(const std::vector<SequenceStep>& sequences, std::mt19937& r
   return inputs;
 }
 
-// Poisons the arena before each step when the backend offers it (CudaOptions::poison_arena): then a
-// column no task writes reads back as NaN instead of a stale value.
-template <typename Options>
-bool request_poison(Options& options) {
-  if constexpr (requires { options.poison_arena = true; }) {
-    options.poison_arena = true;
-    return true;
-  } else {
-    return false;
-  }
-}
 
 struct Prepared {
   CaseGraph g;
@@ -402,7 +391,7 @@ class CudaOpTest : public testing::TestWithParam<Param> {};
 TEST_P(CudaOpTest, MatchesReference) {
   const OpCase c = cases()[GetParam().index];
   const DType act = GetParam().act;
-  if (!cuda::CudaBackend::has_op(static_cast<uint8_t>(c.op))) GTEST_SKIP() << "no device body for " << op_name(c.op);
+  ASSERT_TRUE(cuda::CudaBackend::has_op(static_cast<uint8_t>(c.op))) << "no device body for " << op_name(c.op);
   const auto p = prepare(c, act, GetParam().workers);
   const auto device_weights = cuda::upload_weights(p->g.graph, *p->bound);
   const bool f32_unit = c.f32_out || act == DType::F32;
@@ -416,7 +405,7 @@ TEST_P(CudaOpTest, MatchesReference) {
     options.num_slots = kSlots;
     options.max_context_tokens = kMaxContext;
     options.eager = eager;
-    if (!request_poison(options)) RecordProperty("poison", "CudaOptions has no poison_arena: unwritten columns are caught only as stale values");
+    options.poison_arena = true;  // a column no task writes reads back as NaN
     cuda::CudaBackend gpu(p->g.graph, device_weights, p->plans, options);
     ReferenceBackend ref(p->g.graph, *p->bound, act, kSlots);
     std::mt19937 rng(99);

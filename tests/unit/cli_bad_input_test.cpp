@@ -198,6 +198,16 @@ TEST_F(BadInput, MalformedTokenizer) {
   expect_rejected(generate(), "tokenizer.json");
 }
 
+TEST_F(BadInput, ServeChatAndBenchServeOptions) {
+  const std::string m = " --model " + model_.string();
+  expect_rejected(run("serve" + m + " --port 0 --prefix-cache-mb -1"), "--prefix-cache-mb must be >= 0");
+  expect_rejected(run("chat" + m + " </dev/null"), "has no tokenizer.json");
+  expect_rejected(run("chat" + m + " --max-tokens 0 </dev/null"), "--max-tokens must be >= 1");
+  expect_rejected(run("bench serve"), "exactly one of --model DIR");
+  expect_rejected(run("bench serve" + m + " --concurrency 4,0"), "--concurrency: levels must be >= 1, found 0");
+  expect_rejected(run("bench serve" + m + " --turns 0"), "--turns must be >= 1, found 0");
+}
+
 TEST_F(BadInput, InspectRejectsTheSameWay) {
   fs::remove(model_ / "config.json");
   expect_rejected(run("inspect --model " + model_.string()), "cannot open config file");

@@ -192,6 +192,17 @@ int64_t PlanInterpreter::context_tokens(int slot) const {
   return slots_[static_cast<size_t>(slot)].context_tokens;
 }
 
+SlotSnapshot PlanInterpreter::save_slot(int slot, int64_t rows_begin) const {
+  if (slot < 0 || slot >= num_slots()) fail("cpu-plan: slot {} outside 0..{}", slot, num_slots() - 1);
+  return save_slot_state(slots_[static_cast<size_t>(slot)], plans_.front()->plan.states, rows_begin);
+}
+
+void PlanInterpreter::restore_slot(int slot, const SlotSnapshot& snapshot) {
+  if (slot < 0 || slot >= num_slots()) fail("cpu-plan: slot {} outside 0..{}", slot, num_slots() - 1);
+  reset_slot(slot);  // reserves the MLA caches before the rows are copied in
+  restore_slot_state(slots_[static_cast<size_t>(slot)], plans_.front()->plan.states, snapshot, options_.max_context_tokens);
+}
+
 int PlanInterpreter::choose_plan(const StepInputs& inputs) const {
   const auto rows = static_cast<int64_t>(inputs.token_ids.size());
   const bool decode = std::all_of(inputs.sequences.begin(), inputs.sequences.end(), [](const SequenceStep& s) { return s.query_tokens == 1; });

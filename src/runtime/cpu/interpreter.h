@@ -49,6 +49,9 @@ class PlanInterpreter : public Backend {
   int64_t context_tokens(int slot) const override;
   int num_slots() const override { return static_cast<int>(slots_.size()); }
   DType act_dtype() const override { return options_.act_dtype; }
+  bool has_snapshots() const override { return true; }
+  SlotSnapshot save_slot(int slot, int64_t rows_begin) const override;
+  void restore_slot(int slot, const SlotSnapshot& snapshot) override;  // within max_context_tokens
 
   // Whether this backend runs `opcode` (kTokens: filled from the step; others: a CPU kernel exists).
   static bool has_op(uint8_t opcode);

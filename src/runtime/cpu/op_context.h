@@ -19,6 +19,13 @@ struct SlotState {
   std::vector<std::vector<float>> buffers;  // one per graph StateDecl
 };
 
+struct SlotSnapshot;
+// The CPU backends' Backend::save_slot / restore_slot over one SlotState (slot_snapshot.cpp).
+// restore_slot_state keeps each buffer's capacity (the interpreter reserves MLA caches once) and
+// fails when the snapshot's tokens exceed max_context_tokens (> 0).
+SlotSnapshot save_slot_state(const SlotState& state, const std::vector<StateDecl>& decls, int64_t rows_begin);
+void restore_slot_state(SlotState& state, const std::vector<StateDecl>& decls, const SlotSnapshot& snapshot, int64_t max_context_tokens);
+
 struct Activation {
   const float* data = nullptr;
   int64_t width = 0;

@@ -39,6 +39,14 @@ void ReferenceBackend::reset_slot(int slot) {
 
 int64_t ReferenceBackend::context_tokens(int slot) const { return slots_.at(static_cast<size_t>(slot)).context_tokens; }
 
+SlotSnapshot ReferenceBackend::save_slot(int slot, int64_t rows_begin) const {
+  return save_slot_state(slots_.at(static_cast<size_t>(slot)), graph_.states(), rows_begin);
+}
+
+void ReferenceBackend::restore_slot(int slot, const SlotSnapshot& snapshot) {
+  restore_slot_state(slots_.at(static_cast<size_t>(slot)), graph_.states(), snapshot, 0);
+}
+
 StepOutput ReferenceBackend::step(const StepInputs& inputs) {
   const auto rows = static_cast<int64_t>(inputs.token_ids.size());
   int64_t total = 0;

@@ -28,6 +28,9 @@ class ReferenceBackend : public Backend {
   int64_t context_tokens(int slot) const override;  // tokens this slot has consumed
   int num_slots() const override { return static_cast<int>(slots_.size()); }
   DType act_dtype() const override { return act_dtype_; }
+  bool has_snapshots() const override { return true; }
+  SlotSnapshot save_slot(int slot, int64_t rows_begin) const override;
+  void restore_slot(int slot, const SlotSnapshot& snapshot) override;
 
  private:
   const Graph& graph_;

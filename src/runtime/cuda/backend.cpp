@@ -633,6 +633,7 @@ StepOutput CudaBackend::step(const StepInputs& inputs) {
   if (covered != rows) fail("cuda: sequences cover {} tokens, the step has {}", covered, rows);
   const int chosen = m.choose(decode, rows);
   Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(chosen)];
+  if (m.options.poison_arena) check(cudaMemsetAsync(m.arena.ptr, 0xFF, m.arena.bytes, m.stream), "arena poison");  // 0xFFFFFFFF is a NaN
   const StepView view = m.upload_step(prepared, inputs.token_ids, inputs.sequences);
   m.launch(prepared, m.params(prepared, view, m.options.eager), m.options.eager);
 

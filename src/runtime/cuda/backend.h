@@ -37,6 +37,7 @@ struct CudaOptions {
   int num_slots = 1;
   int64_t max_context_tokens = 4096;  // per slot: MLA latent rows reserved at construction
   bool eager = false;                 // one launch per op instead of the megakernel
+  bool poison_arena = false;          // tests: fill the activation arena with NaN before every step
   int device = 0;
 };
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# GPU checks on a machine with an H100/H200, from binaries built elsewhere (BIN, default build/bin):
+# the three gpu test binaries, then compute-sanitizer memcheck and racecheck on a small plan (the
+# megakernel and eager). Logs go to OUT (default /tmp/plow-gpu); a summary is printed last.
+set -u
+BIN=${BIN:-build/bin}
+OUT=${OUT:-/tmp/plow-gpu}
+mkdir -p "$OUT"
+export PLOW_TEST_DATA=${PLOW_TEST_DATA:-$PWD/tests/data}
+summary=()
+run() {  # name timeout command...
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$name: rc $rc, $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$name.log" | tr '\n' ' ')$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$name.log" | tr '\n' ' ')")
+}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
+run gemv_tests 120 "$BIN/cuda_gemv_tests"
+run ops_tests 120 "$BIN/cuda_ops_tests"
+run model_tests 300 "$BIN/cuda_model_tests"
+small='Fixtures/CudaModelTest.RunToRunBitIdentical/tiny_kimi_linear_w7_'
+run memcheck_mega 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_model_tests" --gtest_filter="${small}mega"
+run memcheck_eager 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_model_tests" --gtest_filter="${small}eager"
+run racecheck_mega 120 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_model_tests" --gtest_filter="${small}mega"
+for line in "${summary[@]}"; do echo "$line"; done
+grep -h -E '^\[  FAILED  \]' "$OUT"/*_tests.log | sort -u | head -40
