@@ -133,6 +133,7 @@ void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
   cmd->add_option("--steps", args.steps, "timed decode steps per point");
   cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
   cmd->add_flag("--profile", args.profile, "per-opcode time, bytes and bandwidth; the megakernel's wait and run time");
+  cmd->add_flag("--diagnose", args.diagnose, "time the first batch's decode ops one launch at a time (10 s timeout each), then stop");
   cmd->add_option("-o,--output", args.output, "JSON array the records are appended to");
   cmd->add_option("--hf-peer", args.hf_peer, "command printing the HF transformers peer's records (run after the engine frees the GPU)");
 }
@@ -171,6 +172,12 @@ int run_bench_decode(const BenchDecodeArgs& args) {
     options.max_context_tokens = max_context;
     cuda::CudaBackend backend(model->graph, weights, std::move(plans), options);
     std::cerr << fmt::format("weights on the device: {:.2f} GB\n", static_cast<double>(cuda::device_weight_bytes(*weights)) / 1e9);
+    if (args.diagnose) {
+      backend.fake_context(args.contexts.front());
+      const int stuck = backend.diagnose_decode_step(static_cast<int>(args.batches.front()), 10000.0);
+      if (stuck >= 0) std::_Exit(3);  // a kernel that does not finish cannot be reclaimed
+      return 0;
+    }
     for (size_t bi = 0; bi < args.batches.size(); ++bi) {
       const int64_t batch = args.batches[bi];
       for (int64_t context : args.contexts) {

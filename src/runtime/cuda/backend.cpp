@@ -6,6 +6,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <map>
 #include <numeric>
@@ -663,6 +665,37 @@ StepOutput CudaBackend::step(const StepInputs& inputs) {
 }
 
 void CudaBackend::set_eager(bool eager) { impl_->options.eager = eager; }
+
+int CudaBackend::diagnose_decode_step(int batch, double timeout_ms) {
+  Impl& m = *impl_;
+  Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(m.choose(true, batch))];
+  std::vector<int32_t> tokens(static_cast<size_t>(batch), 1);
+  std::vector<SequenceStep> seqs;
+  for (int s = 0; s < batch; ++s) seqs.push_back({s, 1});
+  const StepView view = m.upload_step(prepared, tokens, seqs);
+  const KernelParams p = m.params(prepared, view, true);
+  for (size_t i = 0; i < prepared.plan.ops.size(); ++i) {
+    const auto [first, end] = prepared.op_tasks[i];
+    if (end <= first) continue;
+    const auto start = std::chrono::steady_clock::now();
+    launch_eager(p, first, end - first, m.stream);
+    cudaError_t state = cudaErrorNotReady;
+    double ms = 0;
+    while ((state = cudaStreamQuery(m.stream)) == cudaErrorNotReady) {
+      ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      if (ms > timeout_ms) {
+        std::fprintf(stderr, "op %zu %s (%s, %d tasks): still running after %.0f ms\n", i, prepared.plan.ops[i].label.c_str(),
+                     std::string(op_name(prepared.plan.ops[i].op())).c_str(), end - first, ms);
+        return static_cast<int>(i);
+      }
+    }
+    check(state, "diagnosis");
+    ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    std::fprintf(stderr, "op %zu %s (%s, %d tasks): %.3f ms\n", i, prepared.plan.ops[i].label.c_str(), std::string(op_name(prepared.plan.ops[i].op())).c_str(),
+                 end - first, ms);
+  }
+  return -1;
+}
 
 double measure_read_bandwidth_gbps(int64_t bytes, int device) {
   check(cudaSetDevice(device), "selecting the device");

@@ -77,7 +77,11 @@ class CudaBackend : public Backend {
   // step attends over that many cached positions — for benchmarks at long context.
   void fake_context(int64_t tokens);
   std::vector<OpcodeProfile> profile_decode_step(int batch);
-  void set_eager(bool eager);  // switch between the megakernel and one launch per op (same weights and state)
+  void set_eager(bool eager);
+  // Diagnosis: runs one decode step's ops one launch at a time, each waited for with a host timeout;
+  // prints each op's label, tasks and time to stderr, and returns the index of the first op that did
+  // not finish within `timeout_ms` (the process cannot reclaim such a GPU: the caller should exit), or −1.
+  int diagnose_decode_step(int batch, double timeout_ms);  // switch between the megakernel and one launch per op (same weights and state)
   const Plan& plan(int index) const;
   int last_plan() const;
 
