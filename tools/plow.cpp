@@ -12,6 +12,7 @@
 #include <map>
 #include <thread>
 
+#include "cmd_eval_ppl.h"
 #include "core/error.h"
 #include "core/npy.h"
 #include "engine/generate.h"
@@ -389,6 +390,8 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--max-waiting", serve.max_waiting, "queued requests beyond which new ones get 429");
   serve_cmd->add_option("--served-model-name", serve.served_model_name, "the model id clients pass (default: the directory's name)");
 
+  const SubcommandEntry eval_ppl = add_eval_ppl_command(app);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -403,6 +406,7 @@ int main(int argc, char** argv) {
     if (inspect_cmd->parsed()) return run_inspect(inspect_source);
     if (compile_cmd->parsed()) return run_compile(comp);
     if (serve_cmd->parsed()) return run_serve(serve);
+    if (eval_ppl.command->parsed()) return eval_ppl.run();
   } catch (const plow::Error& e) {
     std::fprintf(stderr, "plow: error: %s\n", e.what());
     return 1;
