@@ -252,8 +252,8 @@ def write_fixtures(st: State, ref: K3Reference, fixture_dir: Path, model_rel: st
         "greedy_note": f"greedy ids stop before the first step whose top1-top2 margin is < {MIN_GREEDY_MARGIN}; "
                        "eos is ignored (plow generate --ignore-eos)",
     }
-    # the text shrinks (not below 256 tokens) when the deadline is near; ~40 s stay for the greedy cases
-    n_tokens = int(min(st.args.heldout_tokens, (time_left(st) - 40) / (1.5 * sec_per_token)))
+    # the text shrinks (not below 256 tokens) when the deadline is near; ~30 s stay for the greedy cases
+    n_tokens = int(min(st.args.heldout_tokens, (time_left(st) - 30) / (1.5 * sec_per_token)))
     if n_tokens < 256:
         st.summary["errors"].append(f"fixture: held-out perplexity skipped, {time_left(st):.0f}s left")
     else:
