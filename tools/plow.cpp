@@ -12,6 +12,7 @@
 #include <map>
 #include <thread>
 
+#include "cmd_eval_ppl.h"
 #include "core/error.h"
 #include "core/npy.h"
 #include "engine/generate.h"
@@ -408,6 +409,8 @@ int main(int argc, char** argv) {
   tools::add_bench_decode_options(bench_decode_cmd, bench_decode);
   for (int i = 0; i < argc; ++i) bench_decode.command_line += (i ? " " : "") + std::string(i == 0 ? "plow" : argv[i]);
 
+  const SubcommandEntry eval_ppl = add_eval_ppl_command(app);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -425,6 +428,7 @@ int main(int argc, char** argv) {
     if (bench_decode_cmd->parsed()) return tools::run_bench_decode(bench_decode);
     if (chat_cmd.command->parsed()) return chat_cmd.run();
     if (bench_serve_cmd.command->parsed()) return bench_serve_cmd.run();
+    if (eval_ppl.command->parsed()) return eval_ppl.run();
   } catch (const plow::Error& e) {
     std::fprintf(stderr, "plow: error: %s\n", e.what());
     return 1;

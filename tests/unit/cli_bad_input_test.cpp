@@ -1,7 +1,6 @@
 // Bad input through the real `plow` binary: each case must exit non-zero, print nothing on stdout and
 // exactly one line on stderr naming the problem. CI also runs these under ASan/UBSan.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <nlohmann/json.hpp>
 
@@ -11,6 +10,8 @@
 #include <functional>
 #include <sstream>
 
+#include "cli_test_util.h"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -18,17 +19,8 @@ using nlohmann::json;
 
 const char* kFixture = "tiny-kimi-linear";
 
-std::string slurp(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
-
-struct Outcome {
-  int exit_code;
-  std::string out, err;
-};
+using plow::test::Outcome;
+using plow::test::slurp;
 
 class BadInput : public ::testing::Test {
  protected:
@@ -42,12 +34,7 @@ class BadInput : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  Outcome run(const std::string& args) {
-    const std::string command = std::string("timeout 120 ") + PLOW_BINARY + " " + args + " >" + (dir_ / "out").string() + " 2>" +
-                                (dir_ / "err").string();
-    const int status = std::system(command.c_str());
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : 128, slurp(dir_ / "out"), slurp(dir_ / "err")};
-  }
+  Outcome run(const std::string& args) { return plow::test::run_plow(args, dir_); }
 
   Outcome generate() { return run("generate --model " + model_.string() + " --prompt-ids 5,17,42 --max-new-tokens 2"); }
 
