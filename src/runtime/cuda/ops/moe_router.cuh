@@ -8,6 +8,7 @@
 #include <climits>
 
 #include "runtime/cuda/ops/common.cuh"
+#include "runtime/cuda/ops/gemv.cuh"
 #include "runtime/cuda/ops/limits.h"
 
 namespace plow::cuda {
@@ -30,28 +31,35 @@ __device__ __forceinline__ void warp_argmax(float& value, int& index) {
   }
 }
 
-// logits[r·E + e] = x[t0 + r]·W[e] (fp32) for rows r < rows: one warp per expert, kRouterRowGroup rows
-// per pass over the weight row.
+// logits[r·E + e] = x[t0 + r]·W[e] (fp32) for rows r < rows: up to 8 rows staged in the block's
+// scratch (past the selection buffers), then one warp per expert streams its weight row with the GEMV
+// family's 16-byte loads (lane_dot) against all staged rows.
+inline constexpr int64_t kRouterStageOffset = 65536;  // floats of scratch before the staged rows
+
 __device__ inline void router_logits(const TaskCtx& ctx, int experts, int t0, int rows, float* logits) {
   const DeviceWeight& weight = ctx.weight(0);  // [E, H]
-  const int64_t hidden = ctx.in_width(0);
+  const int hidden = static_cast<int>(ctx.in_width(0));
+  const int ld = (hidden + 3) & ~3;
+  float* xs = ctx.scratch + kRouterStageOffset;
   const int lane = lane_id();
-  for (int e = warp_id(); e < experts; e += kWarps) {
-    for (int r0 = 0; r0 < rows; r0 += kRouterRowGroup) {
-      float acc[kRouterRowGroup];
-#pragma unroll
-      for (int r = 0; r < kRouterRowGroup; ++r) acc[r] = 0.0f;
-      for (int64_t i = lane; i < hidden; i += 32) {
-        const float w = weight_flat(weight, e * hidden + i);
-#pragma unroll
-        for (int r = 0; r < kRouterRowGroup; ++r) {
-          if (r0 + r < rows) acc[r] += w * ctx.in(0, t0 + r0 + r)[i];
-        }
+  for (int r0 = 0; r0 < rows; r0 += kRouterRowGroup) {
+    const int count = rows - r0 < kRouterRowGroup ? rows - r0 : kRouterRowGroup;
+    __syncthreads();  // the previous group's readers are done with xs
+    stage_rows(ctx, 0, xs, ld, t0 + r0, count, padded(count));
+    __syncthreads();
+    for (int e = warp_id(); e < experts; e += kWarps) {
+      float acc[kRouterRowGroup] = {};
+      if (count == 1) {
+        float one[1] = {0.0f};
+        lane_dot<1>(weight, 0, e, xs, ld, hidden, one);
+        acc[0] = one[0];
+      } else {
+        lane_dot<kRouterRowGroup>(weight, 0, e, xs, ld, hidden, acc);
       }
 #pragma unroll
       for (int r = 0; r < kRouterRowGroup; ++r) {
         const float total = warp_sum(acc[r]);
-        if (lane == 0 && r0 + r < rows) logits[(r0 + r) * experts + e] = total;
+        if (lane == 0 && r < count) logits[(r0 + r) * experts + e] = total;
       }
     }
   }
