@@ -701,8 +701,10 @@ int CudaBackend::diagnose_decode_step(int batch, double timeout_ms) {
     }
     check(state, "diagnosis");
     ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    std::fprintf(stderr, "op %zu %s (%s, %d tasks): %.3f ms\n", i, prepared.plan.ops[i].label.c_str(), std::string(op_name(prepared.plan.ops[i].op())).c_str(),
-                 end - first, ms);
+    int32_t code = 0;
+    check(cudaMemcpy(&code, m.error_flag.ptr, sizeof(code), cudaMemcpyDeviceToHost), "error flag");
+    std::fprintf(stderr, "op %zu %s (%s, %d tasks): %.3f ms%s\n", i, prepared.plan.ops[i].label.c_str(), std::string(op_name(prepared.plan.ops[i].op())).c_str(),
+                 end - first, ms, code != 0 ? fmt::format("  device error {}", code).c_str() : "");
   }
   return -1;
 }
