@@ -783,6 +783,8 @@ std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
   for (cudaEvent_t& e : events) check(cudaEventCreate(&e), "event");
   std::vector<double> ms(plan.ops.size(), 0.0);
   for (int r = 0; r < repeats + 1; ++r) {
+    // A step's later ops may reuse the token buffer's floats (arena reuse): write the ids again.
+    m.upload_step(prepared, tokens, seqs);
     const KernelParams p = m.params(prepared, view, true);
     for (size_t i = 0; i < plan.ops.size(); ++i) {
       check(cudaEventRecord(events[i], m.stream), "event");
@@ -817,6 +819,7 @@ std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
   }
   // The megakernel's own view: wait vs run cycles summed over its blocks.
   check(cudaMemsetAsync(m.profile.ptr, 0, m.profile.bytes, m.stream), "profile");
+  m.upload_step(prepared, tokens, seqs);
   KernelParams p = m.params(prepared, view, false);
   p.profile = m.profile.as<unsigned long long>();
   launch_megakernel(p, plan.workers, m.stream);
