@@ -9,9 +9,8 @@ BUILD ?= build
 ASAN_BUILD ?= build-asan
 TSAN_BUILD ?= build-tsan
 JOBS ?= $(shell nproc)
-# The model `make run` serves: a tiny random-weight fixture with a byte-level tokenizer and a chat
-# template until a trained bundled model lands under models/.
-MODEL ?= tests/data/tiny-kimi-linear-chat
+# The model `make run` serves: the bundled K3-architecture code model (models/plow-k3-code-small/README.md).
+MODEL ?= models/plow-k3-code-small
 HOST ?= 127.0.0.1
 PORT ?= 8000
 CMAKE_FLAGS ?=
@@ -30,7 +29,7 @@ build: setup $(BUILD)/build.ninja
 run: build
 	$(BUILD)/bin/plow inspect --model $(MODEL) > /dev/null
 	@echo "plow: serving $(MODEL) on http://$(HOST):$(PORT) (Ctrl-C to stop). Try, from another terminal:"
-	@echo "  curl -s http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16}'"
+	@echo "  curl -s http://$(HOST):$(PORT)/v1/completions -H 'Content-Type: application/json' -d '{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48}'"
 	$(BUILD)/bin/plow serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 test: build
