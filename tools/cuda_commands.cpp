@@ -70,7 +70,7 @@ double decode_bytes(const LoadedModel& model, int64_t batch, int64_t context, DT
         continue;
       }
       if (!counted.insert(w).second) continue;
-      const double total = weight_bytes(decl, dtype);
+      const double total = weight_bytes(decl, dtype) * static_cast<double>(decl.parts.size());  // every part of a stack
       if (decl.parts.size() > 1) {
         const double experts = static_cast<double>(decl.parts.size());
         const double k = static_cast<double>(model.config.experts_per_token);
@@ -133,6 +133,7 @@ void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
   cmd->add_option("--steps", args.steps, "timed decode steps per point");
   cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
   cmd->add_flag("--profile", args.profile, "per-opcode time, bytes and bandwidth; the megakernel's wait and run time");
+  cmd->add_flag("--bytes-only", args.bytes_only, "print the bytes each point must read (the roofline's numerator) and stop; needs no GPU");
   cmd->add_flag("--diagnose", args.diagnose, "time the first batch's decode ops one launch at a time (10 s timeout each), then stop");
   cmd->add_option("-o,--output", args.output, "JSON array the records are appended to");
   cmd->add_option("--hf-peer", args.hf_peer, "command printing the HF transformers peer's records (run after the engine frees the GPU)");
@@ -150,6 +151,12 @@ int run_bench_decode(const BenchDecodeArgs& args) {
   }
   const std::unique_ptr<LoadedModel> model = args.model_dir.empty() ? LoadedModel::describe(args.config_path) : LoadedModel::load(args.model_dir);
   const DType dtype = args.model_dir.empty() ? config_dtype(model->config) : model->weights->storage_dtype();
+  if (args.bytes_only) {  // the byte model alone (no GPU needed): one line per point
+    for (int64_t b : args.batches) {
+      for (int64_t c : args.contexts) std::cout << json{{"batch", b}, {"context", c}, {"bytes_per_step", decode_bytes(*model, b, c, dtype)}}.dump() << "\n";
+    }
+    return 0;
+  }
   const int sms = cuda::CudaBackend::sm_count();
   const int workers = args.workers > 0 ? args.workers : sms;
   const std::string device = cuda::CudaBackend::device_name();

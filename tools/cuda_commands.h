@@ -27,7 +27,8 @@ struct BenchDecodeArgs {
   int steps = 30;
   int workers = 0;
   bool profile = false;
-  bool diagnose = false;  // run the first batch's decode ops one by one with a timeout, then stop
+  bool diagnose = false;
+  bool bytes_only = false;  // run the first batch's decode ops one by one with a timeout, then stop
   std::string output = "bench/results/decode.json";
   std::string hf_peer;  // a command printing the HF transformers peer's JSON records (bench/peers/hf_decode.py)
   std::string command_line;
