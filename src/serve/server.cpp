@@ -3,6 +3,8 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/socket.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <filesystem>
@@ -300,15 +302,25 @@ Server::~Server() {
   impl_->http.stop();
 }
 
+// Debian's cpp-httplib listens with a backlog of 5: a burst of concurrent clients overflows the accept
+// queue and some connections are reset before they are served. The listening socket is remembered
+// when it is made (httplib's own options kept) and put back into listen() with a deep queue.
 int Server::bind() {
   const ServeOptions& o = impl_->options;
+  auto listening = std::make_shared<int>(-1);
+  impl_->http.set_socket_options([listening](socket_t sock) {
+    httplib::default_socket_options(sock);
+    *listening = static_cast<int>(sock);
+  });
+  int port = o.port;
   if (o.port == 0) {
-    const int port = impl_->http.bind_to_any_port(o.host);
+    port = impl_->http.bind_to_any_port(o.host);
     if (port < 0) fail("cannot bind {} (any port)", o.host);
-    return port;
+  } else if (!impl_->http.bind_to_port(o.host, o.port)) {
+    fail("cannot bind {}:{} (in use, or not a local address)", o.host, o.port);
   }
-  if (!impl_->http.bind_to_port(o.host, o.port)) fail("cannot bind {}:{} (in use, or not a local address)", o.host, o.port);
-  return o.port;
+  if (*listening >= 0 && ::listen(*listening, SOMAXCONN) != 0) fail("cannot deepen the accept queue of {}:{}", o.host, port);
+  return port;
 }
 
 void Server::run() { impl_->http.listen_after_bind(); }
