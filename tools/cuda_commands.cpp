@@ -123,6 +123,23 @@ std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, DType act, 
   return std::make_unique<cuda::CudaBackend>(model.graph, cuda::upload_weights(model.graph, *model.weights), std::move(plans), options);
 }
 
+std::unique_ptr<Backend> make_cuda_serving_backend(const LoadedModel& model, int num_slots, int64_t max_context, int64_t max_step_tokens, bool eager,
+                                                   int workers) {
+  if (workers <= 0) workers = cuda::CudaBackend::sm_count();
+  std::vector<Plan> plans;
+  for (int64_t b = 1;; b *= 2) {
+    plans.push_back(compile_plan(model, PlanPhase::kDecode, std::min<int64_t>(b, num_slots), workers, max_context));
+    if (b >= num_slots) break;
+  }
+  plans.push_back(compile_plan(model, PlanPhase::kPrefill, max_step_tokens, workers, max_context));
+  cuda::CudaOptions options;
+  options.act_dtype = model.weights->storage_dtype();
+  options.num_slots = num_slots;
+  options.max_context_tokens = max_context;
+  options.eager = eager;
+  return std::make_unique<cuda::CudaBackend>(model.graph, cuda::upload_weights(model.graph, *model.weights), std::move(plans), options);
+}
+
 void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
   auto* dir = cmd->add_option("--model", args.model_dir, "model directory (config.json + safetensors)");
   auto* config = cmd->add_option("--config", args.config_path, "config.json of a model to draw on the device")->excludes(dir);

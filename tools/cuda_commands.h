@@ -18,6 +18,11 @@ namespace plow::tools {
 // tokens (none when ≤ 1), compiled for `workers` (0: one per SM).
 std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, DType act, int64_t max_context, int64_t prefill_chunk, bool eager, int workers);
 
+// A cuda backend for the server: decode plans for batches 1, 2, 4, … up to num_slots and a prefill plan
+// for steps of max_step_tokens (mixed prefill + decode steps run on it).
+std::unique_ptr<Backend> make_cuda_serving_backend(const LoadedModel& model, int num_slots, int64_t max_context, int64_t max_step_tokens, bool eager,
+                                                   int workers);
+
 struct BenchDecodeArgs {
   std::string model_dir, config_path;
   bool random_weights = false;

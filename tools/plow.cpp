@@ -316,6 +316,39 @@ int run_inspect_plan(const std::string& path, const std::string& dtype) {
 
 // plow serve: SIGTERM/SIGINT stop accepting, finish in-flight requests, exit 0. The signals are
 // blocked in every thread and taken by one waiter thread (no async-signal-safety concerns).
+// serve --backend: the CPU reference (default), compiled plans on worker threads, or the GPU.
+void choose_serve_backend(ServeOptions& options, const std::string& backend, int workers) {
+  if (backend == "cpu") return;
+  if (workers < 0) fail("--workers must be >= 1, found {}", workers);
+  if (backend == "cpu-plan") {
+    options.make_backend = [workers](const LoadedModel& model, int slots, int64_t max_context, int64_t step_tokens) -> std::unique_ptr<Backend> {
+      const int threads = workers > 0 ? workers : default_workers();
+      std::vector<Plan> plans;
+      for (int64_t b = 1;; b *= 2) {
+        plans.push_back(compile_plan(model, PlanPhase::kDecode, std::min<int64_t>(b, slots), threads, max_context));
+        if (b >= slots) break;
+      }
+      plans.push_back(compile_plan(model, PlanPhase::kPrefill, step_tokens, threads, max_context));
+      InterpreterOptions interp;
+      interp.workers = threads;
+      interp.act_dtype = model.weights->storage_dtype();
+      interp.num_slots = slots;
+      interp.max_context_tokens = max_context;
+      interp.model_fingerprint = fingerprint_of(model);
+      return std::make_unique<PlanInterpreter>(*model.weights, std::move(plans), interp);
+    };
+    return;
+  }
+  if (backend == "cuda" || backend == "cuda-eager") {
+    const bool eager = backend == "cuda-eager";
+    options.make_backend = [workers, eager](const LoadedModel& model, int slots, int64_t max_context, int64_t step_tokens) {
+      return tools::make_cuda_serving_backend(model, slots, max_context, step_tokens, eager, workers);
+    };
+    return;
+  }
+  fail("--backend '{}': expected cpu, cpu-plan, cuda or cuda-eager", backend);
+}
+
 int run_serve(ServeOptions options) {
   if (options.model_dir.empty()) fail("serve needs --model DIR");
   sigset_t signals;
@@ -397,6 +430,10 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--slots", serve.num_slots, "requests decoding at once");
   serve_cmd->add_option("--max-waiting", serve.max_waiting, "queued requests beyond which new ones get 429");
   serve_cmd->add_option("--served-model-name", serve.served_model_name, "the model id clients pass (default: the directory's name)");
+  std::string serve_backend = "cpu";
+  int serve_workers = 0;
+  serve_cmd->add_option("--backend", serve_backend, "cpu (the reference), cpu-plan (compiled plans on worker threads), cuda or cuda-eager");
+  serve_cmd->add_option("--workers", serve_workers, "cpu-plan: worker threads; cuda: megakernel blocks (default: one per core / SM)");
   serve_cmd->add_option("--prefix-cache-mb", serve.prefix_cache_mb, "prefix cache memory budget in MiB (0: no prefix cache; default 512)");
   serve_cmd->add_flag("--debug-endpoints", serve.debug_endpoints, "serve GET /debug/integrity (slot and page manager check)");
 
@@ -424,7 +461,10 @@ int main(int argc, char** argv) {
     }
     if (inspect_cmd->parsed()) return run_inspect(inspect_source);
     if (compile_cmd->parsed()) return run_compile(comp);
-    if (serve_cmd->parsed()) return run_serve(serve);
+    if (serve_cmd->parsed()) {
+      choose_serve_backend(serve, serve_backend, serve_workers);
+      return run_serve(serve);
+    }
     if (bench_decode_cmd->parsed()) return tools::run_bench_decode(bench_decode);
     if (chat_cmd.command->parsed()) return chat_cmd.run();
     if (bench_serve_cmd.command->parsed()) return bench_serve_cmd.run();

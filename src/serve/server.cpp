@@ -62,7 +62,7 @@ struct Server::Impl {
   std::optional<Tokenizer> tokenizer;
   std::optional<ChatTemplate> chat_template;
   ServedModel served;
-  std::unique_ptr<ReferenceBackend> backend;
+  std::unique_ptr<Backend> backend;
   Metrics metrics;
   std::unique_ptr<EngineLoop> engine;
   httplib::Server http;
@@ -123,7 +123,11 @@ Server::Impl::Impl(ServeOptions opts) : options(std::move(opts)) {
   apply_generation_config(options.model_dir, served);  // sampling defaults and extra eos ids
   served.tokenizer = tokenizer ? &*tokenizer : nullptr;
   served.chat_template = chat_template ? &*chat_template : nullptr;
-  backend = std::make_unique<ReferenceBackend>(model->graph, *model->weights, model->weights->storage_dtype(), options.num_slots);
+  if (options.make_backend) {
+    backend = options.make_backend(*model, options.num_slots, options.max_context_tokens, options.scheduler.max_step_tokens);
+  } else {
+    backend = std::make_unique<ReferenceBackend>(model->graph, *model->weights, model->weights->storage_dtype(), options.num_slots);
+  }
   engine = std::make_unique<EngineLoop>(*backend, options.scheduler, options.max_waiting, metrics);
   http.set_payload_max_length(options.max_body_bytes);
   // One connection holds one thread for as long as it streams: size the pool for many concurrent

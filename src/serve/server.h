@@ -6,14 +6,22 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
+#include "engine/model.h"
 #include "engine/scheduler.h"
 
 namespace plow {
 
+// Makes the backend the server runs (num_slots sequences, max_context_tokens each, steps of at most
+// max_step_tokens tokens). Unset: the CPU reference.
+using BackendFactory = std::function<std::unique_ptr<Backend>(const LoadedModel& model, int num_slots, int64_t max_context_tokens,
+                                                              int64_t max_step_tokens)>;
+
 struct ServeOptions {
+  BackendFactory make_backend;
   std::string model_dir;
   std::string host = "127.0.0.1";
   int port = 8000;                  // 0: any free port (bind() returns it)

@@ -18,6 +18,8 @@
 
 #include "engine/generate.h"
 #include "engine/model.h"
+#include "engine/plans.h"
+#include "runtime/cpu/interpreter.h"
 #include "serve/server.h"
 #include "serve/tokenizer.h"
 
@@ -404,3 +406,50 @@ TEST(ServerAuth, ApiKeyAndFullQueue) {
 }
 
 }  // namespace
+
+namespace plow {
+namespace {
+
+// serve on the compiled-plan backend (what `plow serve --backend cpu-plan` builds): concurrent greedy
+// requests give the tokens the reference gives alone.
+TEST(ServerBackend, PlanInterpreterServesTheReferenceTokens) {
+  const fs::path dir = make_model_dir();
+  const auto model = LoadedModel::load(dir.string());
+  ServeOptions options;
+  options.model_dir = dir.string();
+  options.num_slots = 4;
+  options.make_backend = [](const LoadedModel& m, int slots, int64_t max_context, int64_t step_tokens) -> std::unique_ptr<Backend> {
+    std::vector<Plan> plans;
+    for (int64_t b : {1, 2, 4}) plans.push_back(compile_plan(m, PlanPhase::kDecode, std::min<int64_t>(b, slots), 2, max_context));
+    plans.push_back(compile_plan(m, PlanPhase::kPrefill, step_tokens, 2, max_context));
+    InterpreterOptions interp;
+    interp.workers = 2;
+    interp.act_dtype = m.weights->storage_dtype();
+    interp.num_slots = slots;
+    interp.max_context_tokens = max_context;
+    interp.model_fingerprint = fingerprint_of(m);
+    return std::make_unique<PlanInterpreter>(*m.weights, std::move(plans), interp);
+  };
+  Running running(options);
+  std::vector<std::future<std::vector<int32_t>>> futures;
+  for (int i = 0; i < 6; ++i) {
+    futures.push_back(std::async(std::launch::async, [&running, i] {
+      auto c = running.client();
+      const std::vector<int32_t> ids = {static_cast<int32_t>(5 + i), 17, static_cast<int32_t>(42 + 3 * i), 99, 7};
+      auto res = c.Post("/v1/completions", json({{"prompt", ids}, {"max_tokens", 6}, {"temperature", 0}, {"ignore_eos", true}}).dump(), "application/json");
+      if (!res || res->status != 200) return std::vector<int32_t>{};
+      return json::parse(res->body)["choices"][0]["token_ids"].get<std::vector<int32_t>>();
+    }));
+  }
+  for (int i = 0; i < 6; ++i) {
+    ReferenceBackend reference(model->graph, *model->weights, model->weights->storage_dtype(), 1);
+    GenerateOptions g;
+    g.prompt = {static_cast<int32_t>(5 + i), 17, static_cast<int32_t>(42 + 3 * i), 99, 7};
+    g.max_new_tokens = 6;
+    EXPECT_EQ(futures[static_cast<size_t>(i)].get(), generate(reference, 0, g).generated) << "request " << i;
+  }
+  fs::remove_all(dir.parent_path());
+}
+
+}  // namespace
+}  // namespace plow
