@@ -24,8 +24,8 @@ struct DeviceWeightSet;  // weights in device memory, by graph weight id
 
 // Copies bound checkpoint weights to the device (MXFP4 stays packed).
 std::shared_ptr<DeviceWeightSet> upload_weights(const Graph& graph, const BoundWeights& weights);
-// Draws every declared weight on the device from `seed` (benchmarks of models too large for host
-// memory): matrices uniform in ±1/√in, norm weights near 1, MXFP4 codes uniform with scales near 2⁻⁴.
+// Draws every declared weight on the device from `seed` with the generator and distributions of
+// graph/random_weights.cpp (benchmarks of models too large for host memory).
 std::shared_ptr<DeviceWeightSet> random_device_weights(const Graph& graph, uint64_t seed, DType dtype);
 int64_t device_weight_bytes(const DeviceWeightSet& weights);
 // The roofline's denominator: GB/s of a streaming read of `bytes` (16-byte loads, all SMs), median of
@@ -52,8 +52,9 @@ struct OpcodeProfile {
 
 class CudaBackend : public Backend {
  public:
-  // `graph` is the model's graph (weight ids of the plans' declarations are resolved by name against
-  // it); every plan is validated (validate_plan with this backend's op set) and must fit the device.
+  // `graph`: the model's graph the weights were made for; the plans' weight declarations are resolved
+  // by name in `weights` (shapes checked). Every plan is validated (validate_plan with this backend's
+  // op set) and must fit the device (workers ≤ SMs).
   CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> weights, std::vector<Plan> plans, const CudaOptions& options);
   ~CudaBackend() override;
   CudaBackend(const CudaBackend&) = delete;
