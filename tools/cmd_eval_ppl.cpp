@@ -60,13 +60,7 @@ std::unique_ptr<Backend> make_backend(const EvalPplArgs& args, const LoadedModel
   std::vector<Plan> plans;
   plans.push_back(compile_plan(model, PlanPhase::kPrefill, chunk, workers, tokens));
   if (tokens % chunk == 1) plans.push_back(compile_plan(model, PlanPhase::kDecode, 1, workers, tokens));  // a 1-token tail is a decode step
-  InterpreterOptions options;
-  options.workers = workers;
-  options.act_dtype = act;
-  options.num_slots = 1;
-  options.max_context_tokens = tokens;
-  options.model_fingerprint = fingerprint_of(model);
-  return std::make_unique<PlanInterpreter>(*model.weights, std::move(plans), options);
+  return make_plan_interpreter(model, std::move(plans), workers, act, 1, tokens);
 }
 
 // Σ over rows of −log softmax(row)[next id], in double; rows [begin, begin + rows) of the sequence.

@@ -126,12 +126,7 @@ std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, DType act, 
 std::unique_ptr<Backend> make_cuda_serving_backend(const LoadedModel& model, int num_slots, int64_t max_context, int64_t max_step_tokens, bool eager,
                                                    int workers) {
   if (workers <= 0) workers = cuda::CudaBackend::sm_count();
-  std::vector<Plan> plans;
-  for (int64_t b = 1;; b *= 2) {
-    plans.push_back(compile_plan(model, PlanPhase::kDecode, std::min<int64_t>(b, num_slots), workers, max_context));
-    if (b >= num_slots) break;
-  }
-  plans.push_back(compile_plan(model, PlanPhase::kPrefill, max_step_tokens, workers, max_context));
+  std::vector<Plan> plans = compile_serving_plans(model, num_slots, max_context, max_step_tokens, workers);
   cuda::CudaOptions options;
   options.act_dtype = model.weights->storage_dtype();
   options.num_slots = num_slots;

@@ -119,13 +119,7 @@ std::unique_ptr<Backend> make_plan_backend(const GenerateArgs& args, const Loade
     plans.push_back(compile_plan(model, PlanPhase::kDecode, 1, workers, max_context, !args.no_fusion));
     if (chunk > 1) plans.push_back(compile_plan(model, PlanPhase::kPrefill, chunk, workers, max_context, !args.no_fusion));
   }
-  InterpreterOptions interp;
-  interp.workers = workers;
-  interp.act_dtype = act;
-  interp.num_slots = 1;
-  interp.max_context_tokens = max_context;
-  interp.model_fingerprint = fingerprint_of(model);
-  return std::make_unique<PlanInterpreter>(*model.weights, std::move(plans), interp);
+  return make_plan_interpreter(model, std::move(plans), workers, act, 1, max_context);
 }
 
 bool has_tokenizer(const std::string& model_dir) {
@@ -323,19 +317,8 @@ void choose_serve_backend(ServeOptions& options, const std::string& backend, int
   if (backend == "cpu-plan") {
     options.make_backend = [workers](const LoadedModel& model, int slots, int64_t max_context, int64_t step_tokens) -> std::unique_ptr<Backend> {
       const int threads = workers > 0 ? workers : default_workers();
-      std::vector<Plan> plans;
-      for (int64_t b = 1;; b *= 2) {
-        plans.push_back(compile_plan(model, PlanPhase::kDecode, std::min<int64_t>(b, slots), threads, max_context));
-        if (b >= slots) break;
-      }
-      plans.push_back(compile_plan(model, PlanPhase::kPrefill, step_tokens, threads, max_context));
-      InterpreterOptions interp;
-      interp.workers = threads;
-      interp.act_dtype = model.weights->storage_dtype();
-      interp.num_slots = slots;
-      interp.max_context_tokens = max_context;
-      interp.model_fingerprint = fingerprint_of(model);
-      return std::make_unique<PlanInterpreter>(*model.weights, std::move(plans), interp);
+      return make_plan_interpreter(model, compile_serving_plans(model, slots, max_context, step_tokens, threads), threads, model.weights->storage_dtype(),
+                                   slots, max_context);
     };
     return;
   }

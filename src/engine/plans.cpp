@@ -1,5 +1,6 @@
 #include "engine/plans.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -24,6 +25,27 @@ Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens,
   plan.compile.ops_before_fusion = static_cast<int64_t>(compiled.report.ops_before);
   plan.compile.rules_fired = compiled.report.rules_fired();
   return plan;
+}
+
+std::vector<Plan> compile_serving_plans(const LoadedModel& model, int num_slots, int64_t max_context, int64_t step_tokens, int workers) {
+  std::vector<Plan> plans;
+  for (int64_t batch = 1;; batch *= 2) {
+    plans.push_back(compile_plan(model, PlanPhase::kDecode, std::min<int64_t>(batch, num_slots), workers, max_context));
+    if (batch >= num_slots) break;
+  }
+  plans.push_back(compile_plan(model, PlanPhase::kPrefill, step_tokens, workers, max_context));
+  return plans;
+}
+
+std::unique_ptr<PlanInterpreter> make_plan_interpreter(const LoadedModel& model, std::vector<Plan> plans, int workers, DType act, int num_slots,
+                                                       int64_t max_context) {
+  InterpreterOptions options;
+  options.workers = workers;
+  options.act_dtype = act;
+  options.num_slots = num_slots;
+  options.max_context_tokens = max_context;
+  options.model_fingerprint = fingerprint_of(model);
+  return std::make_unique<PlanInterpreter>(*model.weights, std::move(plans), options);
 }
 
 }  // namespace plow

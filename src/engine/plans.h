@@ -7,6 +7,7 @@
 #include "compiler/compile.h"
 #include "engine/model.h"
 #include "plan/lower.h"
+#include "runtime/cpu/interpreter.h"
 
 namespace plow {
 
@@ -17,5 +18,14 @@ uint64_t fingerprint_of(const LoadedModel& model);
 // Compiles (e-graph fusion with the certified rules unless `fuse` is false) and lowers to one bucket.
 // The plan records the graph's op count before fusion and the rules that fired.
 Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens, int workers, int64_t max_context, bool fuse = true);
+
+// The plans a server needs: decode buckets 1, 2, 4, … up to num_slots, and one prefill plan for steps
+// of step_tokens (mixed prefill + decode steps run on it).
+std::vector<Plan> compile_serving_plans(const LoadedModel& model, int num_slots, int64_t max_context, int64_t step_tokens, int workers);
+
+// The plan interpreter for `model` over `plans`: `workers` threads, activations in `act`, the model's
+// fingerprint required of every plan.
+std::unique_ptr<PlanInterpreter> make_plan_interpreter(const LoadedModel& model, std::vector<Plan> plans, int workers, DType act, int num_slots,
+                                                       int64_t max_context);
 
 }  // namespace plow

@@ -419,16 +419,7 @@ TEST(ServerBackend, PlanInterpreterServesTheReferenceTokens) {
   options.model_dir = dir.string();
   options.num_slots = 4;
   options.make_backend = [](const LoadedModel& m, int slots, int64_t max_context, int64_t step_tokens) -> std::unique_ptr<Backend> {
-    std::vector<Plan> plans;
-    for (int64_t b : {1, 2, 4}) plans.push_back(compile_plan(m, PlanPhase::kDecode, std::min<int64_t>(b, slots), 2, max_context));
-    plans.push_back(compile_plan(m, PlanPhase::kPrefill, step_tokens, 2, max_context));
-    InterpreterOptions interp;
-    interp.workers = 2;
-    interp.act_dtype = m.weights->storage_dtype();
-    interp.num_slots = slots;
-    interp.max_context_tokens = max_context;
-    interp.model_fingerprint = fingerprint_of(m);
-    return std::make_unique<PlanInterpreter>(*m.weights, std::move(plans), interp);
+    return make_plan_interpreter(m, compile_serving_plans(m, slots, max_context, step_tokens, 2), 2, m.weights->storage_dtype(), slots, max_context);
   };
   Running running(options);
   std::vector<std::future<std::vector<int32_t>>> futures;

@@ -15,209 +15,12 @@
 
 #include "core/error.h"
 #include "plan/validate.h"
+#include "runtime/cuda/device_memory.h"
 #include "runtime/cuda/kernels.h"
 #include "runtime/cuda/ops/limits.h"
 #include "runtime/cuda/ops_attrs.h"
 
 namespace plow::cuda {
-
-void cuda_failure(const char* what, cudaError_t error) { fail("cuda: {}: {}", what, cudaGetErrorString(error)); }
-
-namespace {
-
-void check(cudaError_t error, const char* what) {
-  if (error != cudaSuccess) cuda_failure(what, error);
-}
-
-// A device allocation freed with its owner.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t n, const char* what) : bytes(n) {
-    if (n == 0) return;
-    const cudaError_t error = cudaMalloc(&ptr, n);
-    if (error != cudaSuccess) {
-      size_t free_bytes = 0, total = 0;
-      cudaMemGetInfo(&free_bytes, &total);
-      fail("cuda: cannot allocate {:.2f} GiB for {} ({:.2f} GiB free of {:.2f}): {}", static_cast<double>(n) / (1 << 30), what,
-           static_cast<double>(free_bytes) / (1 << 30), static_cast<double>(total) / (1 << 30), cudaGetErrorString(error));
-    }
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr(std::exchange(o.ptr, nullptr)), bytes(std::exchange(o.bytes, 0)) {}
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
-    std::swap(ptr, o.ptr);
-    std::swap(bytes, o.bytes);
-    return *this;
-  }
-  ~DeviceBuffer() {
-    if (ptr != nullptr) cudaFree(ptr);
-  }
-  template <typename T>
-  T* as() const { return static_cast<T*>(ptr); }
-};
-
-template <typename T>
-DeviceBuffer upload(const std::vector<T>& host, const char* what) {
-  DeviceBuffer buffer(std::max<size_t>(host.size() * sizeof(T), 16), what);
-  if (!host.empty()) check(cudaMemcpy(buffer.ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice), what);
-  return buffer;
-}
-
-int32_t weight_type(DType dtype, const std::string& name) {
-  switch (dtype) {
-    case DType::F32: return kWF32;
-    case DType::BF16: return kWBF16;
-    case DType::F16: return kWF16;
-    default: fail("cuda: weight '{}' has dtype {}, expected F32, BF16 or F16 (or MXFP4)", name, dtype_name(dtype));
-  }
-}
-
-int32_t act_type(DType dtype) {
-  switch (dtype) {
-    case DType::F32: return kAF32;
-    case DType::BF16: return kABF16;
-    case DType::F16: return kAF16;
-    default: fail("cuda: activation dtype {} is not supported (expected F32, BF16 or F16)", dtype_name(dtype));
-  }
-}
-
-// [rows, cols] of one part: 2-D as is; higher rank folds the trailing dimensions; 1-D is one row.
-std::pair<int64_t, int64_t> matrix_shape(const std::vector<int64_t>& shape) {
-  if (shape.size() <= 1) return {1, shape.empty() ? 1 : shape[0]};
-  int64_t cols = 1;
-  for (size_t i = 1; i < shape.size(); ++i) cols *= shape[i];
-  return {shape[0], cols};
-}
-
-size_t type_size(int32_t type) { return type == kWF32 ? 4 : 2; }
-
-int sm_count_of(int device) {
-  int count = 0;
-  check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "device query");
-  return count;
-}
-
-}  // namespace
-
-struct DeviceWeightSet {
-  std::vector<DeviceWeight> by_id;  // graph weight id → device weight
-  std::map<std::string, int> by_name;
-  std::vector<DeviceBuffer> buffers;
-  int64_t bytes = 0;
-};
-
-int64_t device_weight_bytes(const DeviceWeightSet& weights) { return weights.bytes; }
-
-std::shared_ptr<DeviceWeightSet> upload_weights(const Graph& graph, const BoundWeights& weights) {
-  auto set = std::make_shared<DeviceWeightSet>();
-  std::map<const TensorView*, DeviceWeight> done;  // tied weights share one copy
-  for (size_t id = 0; id < graph.weights().size(); ++id) {
-    const WeightDecl& decl = graph.weights()[id];
-    const BoundWeight& bound = weights[static_cast<int>(id)];
-    set->by_name.emplace(decl.name, static_cast<int>(id));
-    if (auto it = done.find(bound.parts.front()); it != done.end()) {
-      set->by_id.push_back(it->second);
-      continue;
-    }
-    const auto [rows, cols] = matrix_shape(decl.shape);
-    DeviceWeight w;
-    w.rows = rows;
-    w.cols = cols;
-    w.parts = static_cast<int32_t>(bound.parts.size());
-    const TensorView& first = *bound.parts.front();
-    if (first.is_mxfp4()) {
-      w.type = kWMXFP4;
-      w.part_bytes = rows * cols / 2;
-      w.scale_part_bytes = rows * cols / 32;
-    } else {
-      w.type = weight_type(first.dtype, first.name);
-      w.part_bytes = rows * cols * static_cast<int64_t>(type_size(w.type));
-    }
-    DeviceBuffer data(static_cast<size_t>(w.part_bytes * w.parts), decl.name.c_str());
-    DeviceBuffer scales(static_cast<size_t>(w.scale_part_bytes * w.parts), decl.name.c_str());
-    for (int p = 0; p < w.parts; ++p) {
-      const TensorView& part = *bound.parts[static_cast<size_t>(p)];
-      if ((w.type == kWMXFP4) != part.is_mxfp4() || (w.type != kWMXFP4 && weight_type(part.dtype, part.name) != w.type)) {
-        fail("cuda: the parts of stacked weight '{}' differ in dtype ('{}')", decl.name, part.name);
-      }
-      check(cudaMemcpy(data.as<uint8_t>() + p * w.part_bytes, part.data, static_cast<size_t>(w.part_bytes), cudaMemcpyHostToDevice), "weight upload");
-      if (w.type == kWMXFP4) {
-        check(cudaMemcpy(scales.as<uint8_t>() + p * w.scale_part_bytes, part.mx_scales, static_cast<size_t>(w.scale_part_bytes), cudaMemcpyHostToDevice),
-              "weight upload");
-      }
-    }
-    w.data = data.as<uint8_t>();
-    w.scales = scales.as<uint8_t>();
-    set->bytes += static_cast<int64_t>(data.bytes + scales.bytes);
-    set->buffers.push_back(std::move(data));
-    set->buffers.push_back(std::move(scales));
-    done.emplace(&first, w);
-    set->by_id.push_back(w);
-  }
-  return set;
-}
-
-std::shared_ptr<DeviceWeightSet> random_device_weights(const Graph& graph, uint64_t seed, DType dtype) {
-  auto set = std::make_shared<DeviceWeightSet>();
-  std::map<std::string, DeviceWeight> made;  // tied embeddings are declared twice
-  uint64_t tensor = 0;
-  const int32_t type = weight_type(dtype, "random weights");
-  for (size_t id = 0; id < graph.weights().size(); ++id) {
-    const WeightDecl& decl = graph.weights()[id];
-    set->by_name.emplace(decl.name, static_cast<int>(id));
-    const uint64_t first_tensor = tensor + 1;
-    tensor += decl.parts.size();
-    if (auto it = made.find(decl.parts.front()); it != made.end()) {
-      set->by_id.push_back(it->second);
-      continue;
-    }
-    const auto [rows, cols] = matrix_shape(decl.shape);
-    const std::string& name = decl.parts.front();
-    DeviceWeight w;
-    w.rows = rows;
-    w.cols = cols;
-    w.parts = static_cast<int32_t>(decl.parts.size());
-    const bool f32 = name.ends_with("A_log") || name.ends_with("dt_bias") || name.ends_with("e_score_correction_bias");
-    if (decl.mxfp4) {
-      w.type = kWMXFP4;
-      w.part_bytes = rows * cols / 2;
-      w.scale_part_bytes = rows * cols / 32;
-    } else {
-      w.type = f32 ? kWF32 : type;
-      w.part_bytes = rows * cols * static_cast<int64_t>(type_size(w.type));
-    }
-    DeviceBuffer data(static_cast<size_t>(w.part_bytes * w.parts), name.c_str());
-    DeviceBuffer scales(static_cast<size_t>(w.scale_part_bytes * w.parts), name.c_str());
-    FillKind kind = FillKind::kLinear;
-    if (name.ends_with("A_log")) kind = FillKind::kALog;
-    else if (name.ends_with("norm.weight")) kind = FillKind::kNorm;
-    else if (name.ends_with("embed_tokens.weight")) kind = FillKind::kEmbedding;
-    else if (name.ends_with("res_proj.weight")) kind = FillKind::kResProj;
-    else if (name.ends_with("gate.weight") && name.find("block_sparse_moe.gate") != std::string::npos) kind = FillKind::kRouter;
-    const int scale_base = 127 + static_cast<int>(std::lround(std::log2(0.5 / std::sqrt(static_cast<double>(cols)) / 3.0)));
-    for (int p = 0; p < w.parts; ++p) {
-      const uint64_t t = first_tensor + static_cast<uint64_t>(p);
-      if (decl.mxfp4) {
-        launch_fill(data.as<uint8_t>() + p * w.part_bytes, w.part_bytes, 0, FillKind::kMxfp4Codes, seed, t * 2, 0, 0, nullptr);
-        launch_fill(scales.as<uint8_t>() + p * w.scale_part_bytes, w.scale_part_bytes, 0, FillKind::kMxfp4Scales, seed, t * 2, 0, scale_base, nullptr);
-      } else {
-        launch_fill(data.as<uint8_t>() + p * w.part_bytes, rows * cols, w.type, kind, seed, t, static_cast<float>(decl.shape.back()), 0, nullptr);
-      }
-    }
-    w.data = data.as<uint8_t>();
-    w.scales = scales.as<uint8_t>();
-    set->bytes += static_cast<int64_t>(data.bytes + scales.bytes);
-    set->buffers.push_back(std::move(data));
-    set->buffers.push_back(std::move(scales));
-    made.emplace(name, w);
-    set->by_id.push_back(w);
-  }
-  check(cudaDeviceSynchronize(), "random weights");
-  return set;
-}
 
 namespace {
 
@@ -385,6 +188,13 @@ struct CudaBackend::Impl {
     }
     check(cudaStreamSynchronize(stream), "step upload");  // the host vectors die with this call
     return view;
+  }
+
+  // Benchmarks: one token (id 1) for each of slots 0..batch−1 at their current context.
+  StepView upload_decode_step(PreparedPlan& prepared, int batch) {
+    std::vector<SequenceStep> seqs;
+    for (int s = 0; s < batch; ++s) seqs.push_back({s, 1});
+    return upload_step(prepared, std::vector<int32_t>(static_cast<size_t>(batch), 1), seqs);
   }
 
   // Parameters of one launch. Only the megakernel advances the epoch: eager launches never bump the
@@ -679,10 +489,7 @@ void CudaBackend::set_eager(bool eager) { impl_->options.eager = eager; }
 int CudaBackend::diagnose_decode_step(int batch, double timeout_ms) {
   Impl& m = *impl_;
   Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(m.choose(true, batch))];
-  std::vector<int32_t> tokens(static_cast<size_t>(batch), 1);
-  std::vector<SequenceStep> seqs;
-  for (int s = 0; s < batch; ++s) seqs.push_back({s, 1});
-  const StepView view = m.upload_step(prepared, tokens, seqs);
+  const StepView view = m.upload_decode_step(prepared, batch);
   const KernelParams p = m.params(prepared, view, true);
   for (size_t i = 0; i < prepared.plan.ops.size(); ++i) {
     const auto [first, end] = prepared.op_tasks[i];
@@ -709,30 +516,6 @@ int CudaBackend::diagnose_decode_step(int batch, double timeout_ms) {
   return -1;
 }
 
-double measure_read_bandwidth_gbps(int64_t bytes, int device) {
-  check(cudaSetDevice(device), "selecting the device");
-  DeviceBuffer buffer(static_cast<size_t>(bytes), "the bandwidth probe");
-  check(cudaMemset(buffer.ptr, 0x5a, buffer.bytes), "bandwidth probe");
-  DeviceBuffer sink(sizeof(uint32_t) * 1024, "the bandwidth probe");
-  cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "event");
-  check(cudaEventCreate(&stop), "event");
-  std::vector<float> times;
-  for (int i = 0; i < 12; ++i) {
-    check(cudaEventRecord(start, nullptr), "event");
-    launch_read_probe(buffer.as<uint8_t>(), bytes, sink.as<uint32_t>(), sm_count_of(device), nullptr);
-    check(cudaEventRecord(stop, nullptr), "event");
-    check(cudaEventSynchronize(stop), "bandwidth probe");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, start, stop), "event");
-    if (i >= 2) times.push_back(ms);  // two warm-up passes
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(times.begin(), times.end());
-  return static_cast<double>(bytes) / (static_cast<double>(times[times.size() / 2]) * 1e-3) / 1e9;
-}
-
 void CudaBackend::fake_context(int64_t tokens) {
   Impl& m = *impl_;
   if (tokens < 0 || tokens >= m.options.max_context_tokens) fail("cuda: a context of {} tokens does not fit the cache of {}", tokens, m.options.max_context_tokens);
@@ -743,10 +526,7 @@ double CudaBackend::timed_decode_steps(int batch, int steps) {
   Impl& m = *impl_;
   if (batch < 1 || batch > num_slots()) fail("cuda: a decode batch of {} needs {} slots, the backend has {}", batch, batch, num_slots());
   Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(m.choose(true, batch))];
-  std::vector<int32_t> tokens(static_cast<size_t>(batch), 1);
-  std::vector<SequenceStep> seqs;
-  for (int s = 0; s < batch; ++s) seqs.push_back({s, 1});
-  const StepView view = m.upload_step(prepared, tokens, seqs);
+  const StepView view = m.upload_decode_step(prepared, batch);
   const PlanOp& head = prepared.plan.op(prepared.plan.output_op);
   float* token_out = prepared.token_offsets.empty() ? nullptr : m.arena.as<float>() + prepared.token_offsets.front();
   cudaEvent_t start, stop;
@@ -772,10 +552,7 @@ double CudaBackend::timed_decode_steps(int batch, int steps) {
 std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
   Impl& m = *impl_;
   Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(m.choose(true, batch))];
-  std::vector<int32_t> tokens(static_cast<size_t>(batch), 1);
-  std::vector<SequenceStep> seqs;
-  for (int s = 0; s < batch; ++s) seqs.push_back({s, 1});
-  const StepView view = m.upload_step(prepared, tokens, seqs);
+  const StepView view = m.upload_decode_step(prepared, batch);
   const Plan& plan = prepared.plan;
   std::map<std::string, OpcodeProfile> by_op;
   const int repeats = 5;
@@ -784,7 +561,7 @@ std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
   std::vector<double> ms(plan.ops.size(), 0.0);
   for (int r = 0; r < repeats + 1; ++r) {
     // A step's later ops may reuse the token buffer's floats (arena reuse): write the ids again.
-    m.upload_step(prepared, tokens, seqs);
+    m.upload_decode_step(prepared, batch);
     const KernelParams p = m.params(prepared, view, true);
     for (size_t i = 0; i < plan.ops.size(); ++i) {
       check(cudaEventRecord(events[i], m.stream), "event");
@@ -819,7 +596,7 @@ std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
   }
   // The megakernel's own view: wait vs run cycles summed over its blocks.
   check(cudaMemsetAsync(m.profile.ptr, 0, m.profile.bytes, m.stream), "profile");
-  m.upload_step(prepared, tokens, seqs);
+  m.upload_decode_step(prepared, batch);
   KernelParams p = m.params(prepared, view, false);
   p.profile = m.profile.as<unsigned long long>();
   launch_megakernel(p, plan.workers, m.stream);
