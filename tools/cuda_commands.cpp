@@ -1,7 +1,9 @@
 // generate --backend cuda|cuda-eager, and `plow bench decode`: decode steps of the megakernel and of
 // cuda-eager on the same weights and state, the read roofline measured in the same run, an optional
 // HF transformers peer run after the engine has given its memory back, and an optional per-opcode
-// profile. Records are appended to a JSON array in bench/results.
+// profile. Records are appended to a JSON array in bench/results. With --tp N the command starts
+// itself once per GPU (rank r on device r); the ranks join one NCCL group through a unique id written
+// to a file, run the same points in lockstep, and rank 0 writes the records.
 #include "tools/cuda_commands.h"
 
 #include <fmt/format.h>
@@ -16,9 +18,16 @@
 #include <iostream>
 #include <set>
 
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "core/error.h"
 #include "engine/plans.h"
+#include "engine/tensor_parallel.h"
 #include "runtime/cuda/backend.h"
+#include "runtime/cuda/nccl_comm.h"
 
 namespace plow::tools {
 
@@ -135,6 +144,34 @@ std::unique_ptr<Backend> make_cuda_serving_backend(const LoadedModel& model, int
   return std::make_unique<cuda::CudaBackend>(model.graph, cuda::upload_weights(model.graph, *model.weights), std::move(plans), options);
 }
 
+std::unique_ptr<Backend> make_cuda_tp_serving_backend(const std::string& model_dir, int tp, int num_slots, int64_t max_context, int64_t max_step_tokens,
+                                                      bool eager, int workers) {
+  std::shared_ptr<std::vector<std::unique_ptr<cuda::NcclComm>>> comms = std::make_shared<std::vector<std::unique_ptr<cuda::NcclComm>>>(cuda::NcclComm::init_all(tp));
+  std::vector<TpRank> ranks;
+  for (int r = 0; r < tp; ++r) {
+    if (cudaSetDevice(r) != cudaSuccess) fail("serve --tp {}: cannot select GPU {}", tp, r);
+    TpRank rank;
+    rank.model = LoadedModel::load(model_dir, {r, tp});
+    const int blocks = workers > 0 ? workers : cuda::CudaBackend::sm_count(r);
+    cuda::CudaOptions options;
+    options.act_dtype = rank.model->weights->storage_dtype();
+    options.num_slots = num_slots;
+    options.max_context_tokens = max_context;
+    options.eager = eager;
+    options.device = r;
+    options.comm = (*comms)[static_cast<size_t>(r)].get();
+    rank.backend = std::make_unique<cuda::CudaBackend>(rank.model->graph, cuda::upload_weights(rank.model->graph, *rank.model->weights),
+                                                       compile_serving_plans(*rank.model, num_slots, max_context, max_step_tokens, blocks), options);
+    ranks.push_back(std::move(rank));
+  }
+  TpGroupControl control;
+  control.abort = [c = comms.get()] {
+    for (auto& comm : *c) comm->abort();
+  };
+  control.keep_alive = comms;
+  return std::make_unique<TensorParallelBackend>(std::move(ranks), std::move(control));
+}
+
 void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
   auto* dir = cmd->add_option("--model", args.model_dir, "model directory (config.json + safetensors)");
   auto* config = cmd->add_option("--config", args.config_path, "config.json of a model to draw on the device")->excludes(dir);
@@ -149,7 +186,67 @@ void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
   cmd->add_flag("--diagnose", args.diagnose, "time the first batch's decode ops one launch at a time (10 s timeout each), then stop");
   cmd->add_option("-o,--output", args.output, "JSON array the records are appended to");
   cmd->add_option("--hf-peer", args.hf_peer, "command printing the HF transformers peer's records (run after the engine frees the GPU)");
+  cmd->add_option("--tp", args.tp, "tensor-parallel ranks: one process per GPU, all-reduce over NCCL")->check(CLI::Range(1, 8));
+  // Set by a --tp run for the processes it starts (not for users).
+  cmd->add_option("--tp-rank", args.tp_rank)->group("");
+  cmd->add_option("--tp-id", args.tp_id_file)->group("");
 }
+
+namespace {
+
+// --tp N: the NCCL group's id into a file, then this command once per rank with --tp-rank r --tp-id
+// FILE; waits for all of them. When one rank fails the others are stopped (they would wait for it in
+// a collective forever).
+int launch_ranks(const BenchDecodeArgs& args) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < args.tp) fail("bench decode --tp {}: needs {} GPUs, this machine has {}", args.tp, args.tp, devices);
+  if (!args.hf_peer.empty()) fail("bench decode --tp: --hf-peer measures one GPU; run it without --tp");
+  char path[] = "/tmp/plow-nccl-id-XXXXXX";
+  const int fd = mkstemp(path);
+  if (fd < 0) fail("bench decode --tp: cannot create the NCCL id file in /tmp");
+  const std::string id = cuda::NcclComm::new_unique_id();
+  const bool written = write(fd, id.data(), id.size()) == static_cast<ssize_t>(id.size());
+  close(fd);
+  if (!written) fail("bench decode --tp: cannot write the NCCL id file {}", path);
+  std::vector<pid_t> children;
+  for (int r = 0; r < args.tp; ++r) {
+    std::vector<std::string> argv = args.argv;
+    argv[0] = "/proc/self/exe";
+    for (const std::string& extra : {std::string("--tp-rank"), std::to_string(r), std::string("--tp-id"), std::string(path)}) argv.push_back(extra);
+    std::vector<char*> c_argv;
+    for (std::string& a : argv) c_argv.push_back(a.data());
+    c_argv.push_back(nullptr);
+    pid_t pid = 0;
+    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, c_argv.data(), environ) != 0) {
+      for (pid_t child : children) kill(child, SIGKILL);
+      fail("bench decode --tp: cannot start rank {}", r);
+    }
+    children.push_back(pid);
+  }
+  int failed = 0;
+  for (size_t done = 0; done < children.size(); ++done) {
+    int status = 0;
+    const pid_t pid = wait(&status);
+    if (pid < 0) break;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      failed += 1;
+      for (pid_t child : children) {
+        if (child != pid) kill(child, SIGKILL);
+      }
+    }
+  }
+  unlink(path);
+  if (failed) fail("bench decode --tp {}: a rank failed (its error is above); the other ranks were stopped", args.tp);
+  return 0;
+}
+
+std::string read_id_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("bench decode: cannot read the NCCL id file {}", path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
 
 int run_bench_decode(const BenchDecodeArgs& args) {
   if (args.model_dir.empty() && args.config_path.empty()) fail("bench decode: one of --model DIR or --config FILE is required");
@@ -161,7 +258,12 @@ int run_bench_decode(const BenchDecodeArgs& args) {
   for (int64_t c : args.contexts) {
     if (c < 0 || c > (int64_t{1} << 20)) fail("--context {}: expected 0..1048576", c);
   }
-  const std::unique_ptr<LoadedModel> model = args.model_dir.empty() ? LoadedModel::describe(args.config_path) : LoadedModel::load(args.model_dir);
+  if (args.tp > 1 && args.tp_rank < 0 && !args.bytes_only) return launch_ranks(args);
+  const bool ranked = args.tp > 1 && args.tp_rank >= 0;
+  if (ranked && (args.tp_rank >= args.tp || args.tp_id_file.empty())) fail("bench decode: --tp-rank {} of --tp {} needs --tp-id", args.tp_rank, args.tp);
+  const TpShard shard{ranked ? args.tp_rank : 0, args.tp};
+  const bool quiet = ranked && args.tp_rank != 0;  // rank 0 reports
+  const std::unique_ptr<LoadedModel> model = args.model_dir.empty() ? LoadedModel::describe(args.config_path, shard) : LoadedModel::load(args.model_dir, shard);
   const DType dtype = args.model_dir.empty() ? config_dtype(model->config) : model->weights->storage_dtype();
   if (args.bytes_only) {  // the byte model alone (no GPU needed): one line per point
     for (int64_t b : args.batches) {
@@ -169,12 +271,19 @@ int run_bench_decode(const BenchDecodeArgs& args) {
     }
     return 0;
   }
-  const int sms = cuda::CudaBackend::sm_count();
+  const int gpu = shard.rank;
+  if (cudaSetDevice(gpu) != cudaSuccess) fail("bench decode: cannot select GPU {}", gpu);
+  std::unique_ptr<cuda::NcclComm> comm;
+  if (ranked) comm = std::make_unique<cuda::NcclComm>(read_id_file(args.tp_id_file), shard.rank, shard.size, gpu);
+  const int sms = cuda::CudaBackend::sm_count(gpu);
   const int workers = args.workers > 0 ? args.workers : sms;
-  const std::string device = cuda::CudaBackend::device_name();
+  const std::string device = cuda::CudaBackend::device_name(gpu);
   const std::string rev = git_revision();
-  const double roofline_gbps = cuda::measure_read_bandwidth_gbps(int64_t{4} << 30);
-  std::cerr << fmt::format("bench decode: {} ({} SMs), read roofline {:.0f} GB/s\n", device, sms, roofline_gbps);
+  const double roofline_gbps = cuda::measure_read_bandwidth_gbps(int64_t{4} << 30, gpu);
+  if (!quiet) {
+    std::cerr << fmt::format("bench decode: {} ({} SMs), read roofline {:.0f} GB/s{}\n", device, sms, roofline_gbps,
+                             ranked ? fmt::format(", rank 0 of {}", args.tp) : "");
+  }
 
   const int64_t max_batch = *std::max_element(args.batches.begin(), args.batches.end());
   const int64_t max_context = *std::max_element(args.contexts.begin(), args.contexts.end()) + 8;
@@ -189,8 +298,10 @@ int run_bench_decode(const BenchDecodeArgs& args) {
     options.act_dtype = dtype;
     options.num_slots = static_cast<int>(max_batch);
     options.max_context_tokens = max_context;
+    options.device = gpu;
+    options.comm = comm.get();
     cuda::CudaBackend backend(model->graph, weights, std::move(plans), options);
-    std::cerr << fmt::format("weights on the device: {:.2f} GB\n", static_cast<double>(cuda::device_weight_bytes(*weights)) / 1e9);
+    if (!quiet) std::cerr << fmt::format("weights on the device: {:.2f} GB\n", static_cast<double>(cuda::device_weight_bytes(*weights)) / 1e9);
     if (args.diagnose) {
       backend.fake_context(args.contexts.front());
       const int stuck = backend.diagnose_decode_step(static_cast<int>(args.batches.front()), 10000.0);
@@ -227,6 +338,12 @@ int run_bench_decode(const BenchDecodeArgs& args) {
                        {"git_rev", rev},
                        {"command", args.command_line},
                        {"peers", {{"cuda-eager", {{"ms_per_step", eager}}}}}};
+        if (args.tp > 1) {
+          // Bytes and the roofline are one rank's (every rank reads its own block at the same time).
+          record["tp"] = args.tp;
+          record["gpus"] = args.tp;
+          record["collectives"] = "NCCL all-reduce between megakernel segments (eager: before the op's launch); argmax fold by NCCL all-gather";
+        }
         if (args.profile) {
           backend.set_eager(false);
           const auto profile = backend.profile_decode_step(static_cast<int>(batch));
@@ -239,13 +356,14 @@ int run_bench_decode(const BenchDecodeArgs& args) {
           }
           record["profile"] = {{"eager_ops_ms", total}, {"rows", rows}};
         }
-        std::cerr << fmt::format("batch {:3d} context {:6d}: {:8.3f} ms/step (eager {:8.3f}), {:7.1f} GB/s = {:5.1f}% of {:.0f}\n", batch, context, mega,
+        if (!quiet) std::cerr << fmt::format("batch {:3d} context {:6d}: {:8.3f} ms/step (eager {:8.3f}), {:7.1f} GB/s = {:5.1f}% of {:.0f}\n", batch, context, mega,
                                  eager, gbps, 100.0 * gbps / roofline_gbps, roofline_gbps);
         records.push_back(std::move(record));
       }
     }
   }  // the engine's device memory is free before the peer runs
 
+  if (quiet) return 0;
   // The engine's records land first, so a peer that runs out of time loses nothing; with a peer they
   // are rewritten with its figures merged in.
   append_records(args.output, records);

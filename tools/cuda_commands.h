@@ -23,6 +23,11 @@ std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, DType act, 
 std::unique_ptr<Backend> make_cuda_serving_backend(const LoadedModel& model, int num_slots, int64_t max_context, int64_t max_step_tokens, bool eager,
                                                    int workers);
 
+// The server's backend on `tp` GPUs: one rank per GPU, as threads of this process with NCCL
+// communicators, each with the plans of make_cuda_serving_backend over its block of the model.
+std::unique_ptr<Backend> make_cuda_tp_serving_backend(const std::string& model_dir, int tp, int num_slots, int64_t max_context, int64_t max_step_tokens,
+                                                      bool eager, int workers);
+
 struct BenchDecodeArgs {
   std::string model_dir, config_path;
   bool random_weights = false;
@@ -37,6 +42,10 @@ struct BenchDecodeArgs {
   std::string output = "bench/results/decode.json";
   std::string hf_peer;  // a command printing the HF transformers peer's JSON records (bench/peers/hf_decode.py)
   std::string command_line;
+  std::vector<std::string> argv;  // as given: a tensor-parallel run starts itself once per rank
+  int tp = 1;                     // tensor-parallel ranks, one process and one GPU each
+  int tp_rank = -1;               // set in a rank's process (with tp_id_file)
+  std::string tp_id_file;         // the NCCL unique id, written by the launching process
 };
 
 void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args);

@@ -18,6 +18,7 @@
 #include "engine/generate.h"
 #include "engine/model.h"
 #include "engine/plans.h"
+#include "engine/tensor_parallel.h"
 #include "graph/footprint.h"
 #include "serve/server.h"
 #include "serve/tokenizer.h"
@@ -311,9 +312,35 @@ int run_inspect_plan(const std::string& path, const std::string& dtype) {
 // plow serve: SIGTERM/SIGINT stop accepting, finish in-flight requests, exit 0. The signals are
 // blocked in every thread and taken by one waiter thread (no async-signal-safety concerns).
 // serve --backend: the CPU reference (default), compiled plans on worker threads, or the GPU.
-void choose_serve_backend(ServeOptions& options, const std::string& backend, int workers) {
-  if (backend == "cpu") return;
+// serve --tp N: N tensor-parallel ranks (cuda: one GPU each, NCCL; cpu, cpu-plan: simulated ranks).
+void choose_serve_backend(ServeOptions& options, const std::string& backend, int workers, int tp) {
   if (workers < 0) fail("--workers must be >= 1, found {}", workers);
+  if (tp < 1 || tp > 8) fail("--tp {}: expected 1..8", tp);
+  if (tp > 1) {
+    if (backend == "cuda" || backend == "cuda-eager") {
+      const bool eager = backend == "cuda-eager";
+      options.make_backend = [workers, eager, tp](const LoadedModel& model, int slots, int64_t max_context, int64_t step_tokens) {
+        return tools::make_cuda_tp_serving_backend(model.checkpoint->dir(), tp, slots, max_context, step_tokens, eager, workers);
+      };
+      return;
+    }
+    if (backend != "cpu" && backend != "cpu-plan") fail("--backend '{}': expected cpu, cpu-plan, cuda or cuda-eager", backend);
+    const bool plans = backend == "cpu-plan";
+    options.make_backend = [workers, plans, tp](const LoadedModel& model, int slots, int64_t max_context, int64_t step_tokens) -> std::unique_ptr<Backend> {
+      const std::string dir = model.checkpoint->dir();
+      const DType act = model.weights->storage_dtype();
+      return make_local_tp_backend(
+          tp, [&](TpShard shard) { return LoadedModel::load(dir, shard); },
+          [&](const LoadedModel& rank, Collective& collective) -> std::unique_ptr<Backend> {
+            if (!plans) return std::make_unique<ReferenceBackend>(rank.graph, *rank.weights, act, slots, &collective);
+            const int threads = std::max(1, (workers > 0 ? workers : default_workers()) / tp);
+            return make_plan_interpreter(rank, compile_serving_plans(rank, slots, max_context, step_tokens, threads), threads, act, slots, max_context,
+                                         &collective);
+          });
+    };
+    return;
+  }
+  if (backend == "cpu") return;
   if (backend == "cpu-plan") {
     options.make_backend = [workers](const LoadedModel& model, int slots, int64_t max_context, int64_t step_tokens) -> std::unique_ptr<Backend> {
       const int threads = workers > 0 ? workers : default_workers();
@@ -417,6 +444,8 @@ int main(int argc, char** argv) {
   int serve_workers = 0;
   serve_cmd->add_option("--backend", serve_backend, "cpu (the reference), cpu-plan (compiled plans on worker threads), cuda or cuda-eager");
   serve_cmd->add_option("--workers", serve_workers, "cpu-plan: worker threads; cuda: megakernel blocks (default: one per core / SM)");
+  int serve_tp = 1;
+  serve_cmd->add_option("--tp", serve_tp, "tensor-parallel ranks: cuda: one GPU each, NCCL (threads of this process); cpu, cpu-plan: simulated ranks");
   serve_cmd->add_option("--prefix-cache-mb", serve.prefix_cache_mb, "prefix cache memory budget in MiB (0: no prefix cache; default 512)");
   serve_cmd->add_flag("--debug-endpoints", serve.debug_endpoints, "serve GET /debug/integrity (slot and page manager check)");
 
@@ -428,6 +457,7 @@ int main(int argc, char** argv) {
   CLI::App* bench_decode_cmd = bench_cmd->add_subcommand("decode", "decode steps on the GPU: megakernel, cuda-eager, read roofline, HF peer");
   tools::add_bench_decode_options(bench_decode_cmd, bench_decode);
   for (int i = 0; i < argc; ++i) bench_decode.command_line += (i ? " " : "") + std::string(i == 0 ? "plow" : argv[i]);
+  bench_decode.argv.assign(argv, argv + argc);
 
   const SubcommandEntry eval_ppl = add_eval_ppl_command(app);
 
@@ -445,7 +475,7 @@ int main(int argc, char** argv) {
     if (inspect_cmd->parsed()) return run_inspect(inspect_source);
     if (compile_cmd->parsed()) return run_compile(comp);
     if (serve_cmd->parsed()) {
-      choose_serve_backend(serve, serve_backend, serve_workers);
+      choose_serve_backend(serve, serve_backend, serve_workers, serve_tp);
       return run_serve(serve);
     }
     if (bench_decode_cmd->parsed()) return tools::run_bench_decode(bench_decode);

@@ -4,6 +4,26 @@
 
 namespace plow {
 
+namespace {
+
+// A tensor-parallel rank's partial sums (attr "partial": fp32 outputs that an all_reduce adds up) stay
+// as built: the fused ops round their outputs, and a partial sum must reach its all_reduce unrounded.
+bool touches_partial_sum(const EGraph& graph, const Match& match) {
+  auto partial = [&](ClassId cls) {
+    for (const ENode& node : graph.nodes(cls)) {
+      if (graph.symbol(node.symbol).attrs.has("partial")) return true;
+    }
+    return false;
+  };
+  if (partial(match.root)) return true;
+  for (const auto& [name, cls] : match.vars) {
+    if (partial(cls)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 RunReport run_rules(EGraph& graph, const std::vector<const Rule*>& rules, const RunnerLimits& limits) {
   RunReport report;
   const auto start = std::chrono::steady_clock::now();
@@ -27,6 +47,7 @@ RunReport run_rules(EGraph& graph, const std::vector<const Rule*>& rules, const 
     for (auto& [rule, matches] : found) {
       for (const Match& match : matches) {
         if (rule->guard && !rule->guard(graph, match)) continue;
+        if (touches_partial_sum(graph, match)) continue;
         const uint64_t version = graph.version();
         if (auto rhs = rule->apply(graph, match)) graph.merge(match.root, *rhs);
         if (graph.version() != version) report.applied[rule->name] += 1;

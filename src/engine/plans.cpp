@@ -38,13 +38,14 @@ std::vector<Plan> compile_serving_plans(const LoadedModel& model, int num_slots,
 }
 
 std::unique_ptr<PlanInterpreter> make_plan_interpreter(const LoadedModel& model, std::vector<Plan> plans, int workers, DType act, int num_slots,
-                                                       int64_t max_context) {
+                                                       int64_t max_context, Collective* collective) {
   InterpreterOptions options;
   options.workers = workers;
   options.act_dtype = act;
   options.num_slots = num_slots;
   options.max_context_tokens = max_context;
   options.model_fingerprint = fingerprint_of(model);
+  options.collective = collective;
   return std::make_unique<PlanInterpreter>(*model.weights, std::move(plans), options);
 }
 

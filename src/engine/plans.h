@@ -24,8 +24,8 @@ Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens,
 std::vector<Plan> compile_serving_plans(const LoadedModel& model, int num_slots, int64_t max_context, int64_t step_tokens, int workers);
 
 // The plan interpreter for `model` over `plans`: `workers` threads, activations in `act`, the model's
-// fingerprint required of every plan.
+// fingerprint required of every plan; `collective` joins a tensor-parallel rank to its group.
 std::unique_ptr<PlanInterpreter> make_plan_interpreter(const LoadedModel& model, std::vector<Plan> plans, int workers, DType act, int num_slots,
-                                                       int64_t max_context);
+                                                       int64_t max_context, Collective* collective = nullptr);
 
 }  // namespace plow

@@ -28,7 +28,7 @@ int Graph::add(Op op, std::vector<int> inputs, std::vector<int> weights, Attrs a
   node.weights = std::move(weights);
   node.attrs = std::move(attrs);
   node.state = state;
-  node.dtype = info.out_dtype;
+  node.dtype = out_dtype_of(op, node.attrs);
   node.label = std::move(label);
   std::vector<int64_t> widths;
   for (int input : node.inputs) {

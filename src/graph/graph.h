@@ -20,6 +20,18 @@ struct WeightDecl {
   std::vector<int64_t> shape;       // shape of one part
   bool reshape_ok = false;          // accept any shape with the same element count (A_log, dt_bias)
   bool mxfp4 = false;               // stored as "<part>_packed" + "<part>_scale" (compressed-tensors MXFP4)
+  // Tensor parallelism (DESIGN.md §5): this rank reads block `shard_rank` of `shard_count` equal blocks
+  // of each part along `shard_axis` (0: rows, 1: columns; a `reshape_ok` weight is cut as a flat
+  // vector); `shape` is the block's shape. −1: the whole tensor (replicated).
+  int shard_axis = -1;
+  int shard_rank = 0;
+  int shard_count = 1;
+};
+
+// Which rank of a tensor-parallel group a graph is built for (size 1: the whole model on one device).
+struct TpShard {
+  int rank = 0;
+  int size = 1;
 };
 
 enum class StateKind : uint8_t { kConvWindow, kKdaRecurrent, kMlaLatent };
@@ -54,6 +66,7 @@ class Graph {
 
   const std::vector<Node>& nodes() const { return nodes_; }
   const std::vector<WeightDecl>& weights() const { return weights_; }
+  WeightDecl& weight_decl(int id) { return weights_.at(static_cast<size_t>(id)); }
   const std::vector<StateDecl>& states() const { return states_; }
   int output() const { return output_; }
   const Node& node(int id) const { return nodes_.at(static_cast<size_t>(id)); }

@@ -249,6 +249,7 @@ constexpr std::array<OpInfo, static_cast<size_t>(Op::kCount)> kOps = {{
     {Op::kGatedNormLinear, "gated_norm_linear", 2, 2, OutDType::kAct, false, gated_norm_linear_rule, Slicing::kColumns, ""},
     {Op::kAddNorm, "add_norm", 2, 1, OutDType::kAct, false, add_norm_rule, Slicing::kColumns, ""},
     {Op::kAttnResNorm, "attn_res_norm", -1, 3, OutDType::kAct, false, attn_res_norm_rule, Slicing::kColumns, ""},
+    {Op::kAllReduce, "all_reduce", 1, 0, OutDType::kAct, false, same_width_rule, Slicing::kWhole, ""},
 }};
 
 constexpr bool table_in_enum_order() {
@@ -267,6 +268,10 @@ const OpInfo& op_info(Op op) {
 }
 
 std::string_view op_name(Op op) { return op_info(op).name; }
+
+OutDType out_dtype_of(Op op, const Attrs& attrs) {
+  return attrs.has("partial") && attrs.get("partial") != 0 ? OutDType::kF32 : op_info(op).out_dtype;
+}
 
 bool reads_routed_experts(Op op) { return op == Op::kMoeGateUp || op == Op::kMoeDown || op == Op::kMoeDownAdd; }
 

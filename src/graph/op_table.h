@@ -47,6 +47,10 @@ enum class Op : uint8_t {
   kGatedNormLinear,  // linear(gated_rms_norm(o, z; w); W)                 weights: w, W
   kAddNorm,          // [T,2F] concat(a + b, rms_norm(a + b; w))
   kAttnResNorm,      // rms_norm(attn_res_mix(values; w_n, w_q); w)        weights: w_n, w_q, w
+  // Tensor parallelism (DESIGN.md §5), in graphs built for a rank of a group of more than one.
+  kAllReduce,        // [T,F] the sum over the group's ranks of x (fp32, rank order), rounded once. Its input is a
+                     //       partial sum: a linear, moe_down or add with attr partial = 1, whose output stays fp32
+                     //       (moe_down then also leaves each expert's dot unrounded)
   kCount,
 };
 
@@ -93,6 +97,8 @@ struct OpInfo {
 };
 
 const OpInfo& op_info(Op op);
+// A node's output dtype: the op table's, except fp32 for a tensor-parallel partial sum (attr partial).
+OutDType out_dtype_of(Op op, const Attrs& attrs);
 // Ops whose weights are expert stacks of which a token reads only the top_k experts its router
 // (input 1) chose: weight traffic counts top_k parts, not all of them.
 bool reads_routed_experts(Op op);

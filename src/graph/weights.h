@@ -30,11 +30,16 @@ class BoundWeights {
   DType storage_dtype() const;
 
  private:
-  const TensorView* bind_mxfp4(const WeightDecl& decl, const std::string& part, const Checkpoint& checkpoint,
-                               std::set<const TensorView*>& claimed);
+  const TensorView* bind_mxfp4(const WeightDecl& decl, const std::vector<int64_t>& shape, const std::string& part,
+                               const Checkpoint& checkpoint, std::set<const TensorView*>& claimed);
+  // This rank's block of `whole` (decl.shard_*): a view into it for a block of rows (or of a flat
+  // vector), a copy for a block of columns.
+  const TensorView* shard_of(const TensorView& whole, const WeightDecl& decl);
 
   std::vector<BoundWeight> bound_;
   std::deque<TensorView> mxfp4_views_;  // logical views over packed + scale tensor pairs
+  std::deque<TensorView> shard_views_;  // tensor-parallel blocks
+  std::deque<std::vector<uint8_t>> shard_bytes_;  // column blocks, copied
 };
 
 }  // namespace plow

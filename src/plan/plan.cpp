@@ -22,6 +22,7 @@ uint64_t model_fingerprint(std::string_view config_text, const Graph& model_grap
     // '\n' and ',' never occur in tensor names, so the encoding is unambiguous.
     std::string line = fmt::format("\n{}|{}|{}", decl.name, decl.mxfp4 ? "mxfp4" : "float", fmt::join(decl.shape, ","));
     for (const std::string& part : decl.parts) line += "|" + part;
+    if (decl.shard_count > 1) line += fmt::format("|shard {} {}/{}", decl.shard_axis, decl.shard_rank, decl.shard_count);
     hash = fnv1a64(line, hash);
   }
   return hash;

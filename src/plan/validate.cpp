@@ -126,7 +126,7 @@ class Checker {
       if (op.state != -1 && (op.state < 0 || op.state >= static_cast<int32_t>(plan_.states.size()))) reject("{}: state {} outside the state table", describe(i), op.state);
       if (op.state >= 0 && !state_users_.insert(op.state).second) reject("{}: state {} is already updated by another op", describe(i), op.state);
       if (op.width < 1 || op.width > PlanLimits::kMaxWidth) reject("{}: width {} outside 1..{}", describe(i), op.width, PlanLimits::kMaxWidth);
-      if (op.dtype != op_info(op.op()).out_dtype) reject("{}: output dtype differs from the op table's", describe(i));
+      if (op.dtype != out_dtype_of(op.op(), op.attrs)) reject("{}: output dtype differs from the op table's", describe(i));
       check_attrs(i, op);
       try {
         graph_.add(op.op(), {op.inputs.begin(), op.inputs.end()}, {op.weights.begin(), op.weights.end()}, op.attrs, op.label, op.state);

@@ -19,6 +19,7 @@
 #include "engine/generate.h"
 #include "engine/model.h"
 #include "engine/plans.h"
+#include "engine/tensor_parallel.h"
 #include "runtime/cpu/interpreter.h"
 #include "serve/server.h"
 #include "serve/tokenizer.h"
@@ -412,15 +413,13 @@ namespace {
 
 // serve on the compiled-plan backend (what `plow serve --backend cpu-plan` builds): concurrent greedy
 // requests give the tokens the reference gives alone.
-TEST(ServerBackend, PlanInterpreterServesTheReferenceTokens) {
+void serves_the_reference_tokens(const BackendFactory& make_backend) {
   const fs::path dir = make_model_dir();
   const auto model = LoadedModel::load(dir.string());
   ServeOptions options;
   options.model_dir = dir.string();
   options.num_slots = 4;
-  options.make_backend = [](const LoadedModel& m, int slots, int64_t max_context, int64_t step_tokens) -> std::unique_ptr<Backend> {
-    return make_plan_interpreter(m, compile_serving_plans(m, slots, max_context, step_tokens, 2), 2, m.weights->storage_dtype(), slots, max_context);
-  };
+  options.make_backend = make_backend;
   Running running(options);
   std::vector<std::future<std::vector<int32_t>>> futures;
   for (int i = 0; i < 6; ++i) {
@@ -440,6 +439,26 @@ TEST(ServerBackend, PlanInterpreterServesTheReferenceTokens) {
     EXPECT_EQ(futures[static_cast<size_t>(i)].get(), generate(reference, 0, g).generated) << "request " << i;
   }
   fs::remove_all(dir.parent_path());
+}
+
+TEST(ServerBackend, PlanInterpreterServesTheReferenceTokens) {
+  serves_the_reference_tokens([](const LoadedModel& m, int slots, int64_t max_context, int64_t step_tokens) -> std::unique_ptr<Backend> {
+    return make_plan_interpreter(m, compile_serving_plans(m, slots, max_context, step_tokens, 2), 2, m.weights->storage_dtype(), slots, max_context);
+  });
+}
+
+// `plow serve --tp 2 --backend cpu-plan`: two simulated tensor-parallel ranks behind the server (the
+// prefix cache's snapshots go through the group).
+TEST(ServerBackend, TwoTensorParallelRanksServeTheReferenceTokens) {
+  serves_the_reference_tokens([](const LoadedModel& m, int slots, int64_t max_context, int64_t step_tokens) -> std::unique_ptr<Backend> {
+    const std::string dir = m.checkpoint->dir();
+    const DType act = m.weights->storage_dtype();
+    return make_local_tp_backend(
+        2, [&](TpShard shard) { return LoadedModel::load(dir, shard); },
+        [&](const LoadedModel& rank, Collective& collective) -> std::unique_ptr<Backend> {
+          return make_plan_interpreter(rank, compile_serving_plans(rank, slots, max_context, step_tokens, 1), 1, act, slots, max_context, &collective);
+        });
+  });
 }
 
 }  // namespace

@@ -4,8 +4,8 @@
 
 namespace plow {
 
-Graph build_model_graph(const ModelConfig& config) {
-  if (config.model_type == "kimi_linear") return build_kimi_linear(config);
+Graph build_model_graph(const ModelConfig& config, TpShard shard) {
+  if (config.model_type == "kimi_linear") return build_kimi_linear(config, shard);
   fail("{}: no graph builder for model_type \"{}\"", config.source, config.model_type);
 }
 

@@ -341,7 +341,7 @@ void PlanInterpreter::run_queue(int worker) {
     }
     const PreparedPlan::Op& op = prepared.ops[static_cast<size_t>(task.op)];
     try {
-      OpContext ctx{op.node, op.inputs, op.weights, op.out, rows_, options_.act_dtype, *inputs_, slots_, task.col_begin, task.col_end};
+      OpContext ctx{op.node, op.inputs, op.weights, op.out, rows_, options_.act_dtype, *inputs_, slots_, task.col_begin, task.col_end, options_.collective};
       op.kernel(ctx);
     } catch (...) {
       record_error(std::current_exception());

@@ -28,6 +28,7 @@ struct InterpreterOptions {
   int num_slots = 1;
   int64_t max_context_tokens = 0;  // per slot; MLA caches are reserved to it at reset; beyond it: plow::Error
   std::optional<uint64_t> model_fingerprint;  // when set, every plan must carry exactly this one
+  Collective* collective = nullptr;  // the tensor-parallel group of a rank's plans (all_reduce)
   int64_t inject_delay_max_us = 0; // test hook: sleep a random 0..N µs before each task
   uint64_t inject_delay_seed = 1;
 };

@@ -10,6 +10,7 @@
 #include "core/dtype.h"
 #include "graph/graph.h"
 #include "graph/weights.h"
+#include "runtime/collective.h"
 #include "runtime/step.h"
 
 namespace plow {
@@ -44,6 +45,7 @@ struct OpContext {
   // split ops over workers this way (heads-aligned for per-head ops); the reference computes it all.
   int64_t col_begin = 0;
   int64_t col_end = -1;
+  Collective* collective = nullptr;  // the tensor-parallel group (all_reduce), null on one rank
 
   int64_t begin() const { return col_begin; }
   int64_t end() const { return col_end < 0 ? node.width : col_end; }
@@ -91,6 +93,7 @@ void cpu_moe_down_add(OpContext&);
 void cpu_gated_norm_linear(OpContext&);
 void cpu_add_norm(OpContext&);
 void cpu_attn_res_norm(OpContext&);
+void cpu_all_reduce(OpContext&);
 
 // Shared helpers (ops/math.h would be one more file for two functions).
 float dot_weight_row(const TensorView& weight, int64_t row, const float* x, int64_t n);

@@ -17,8 +17,8 @@ size_t initial_state_size(const StateDecl& decl) {
 
 }  // namespace
 
-ReferenceBackend::ReferenceBackend(const Graph& graph, const BoundWeights& weights, DType act_dtype, int num_slots)
-    : graph_(graph), weights_(weights), act_dtype_(act_dtype), slots_(static_cast<size_t>(num_slots)) {
+ReferenceBackend::ReferenceBackend(const Graph& graph, const BoundWeights& weights, DType act_dtype, int num_slots, Collective* collective)
+    : graph_(graph), weights_(weights), act_dtype_(act_dtype), collective_(collective), slots_(static_cast<size_t>(num_slots)) {
   if (act_dtype != DType::F32 && act_dtype != DType::BF16 && act_dtype != DType::F16) {
     fail("cpu reference: activation dtype {} is not supported (expected F32, BF16 or F16)", dtype_name(act_dtype));
   }
@@ -71,7 +71,7 @@ StepOutput ReferenceBackend::step(const StepInputs& inputs) {
     for (int input : node.inputs) args.push_back({values[static_cast<size_t>(input)].data(), nodes[static_cast<size_t>(input)].width});
     std::vector<const BoundWeight*> bound;
     for (int w : node.weights) bound.push_back(&weights_[w]);
-    OpContext ctx{node, args, bound, out.data(), rows, act_dtype_, inputs, slots_};
+    OpContext ctx{node, args, bound, out.data(), rows, act_dtype_, inputs, slots_, 0, -1, collective_};
     kernels_[static_cast<size_t>(node.op)](ctx);
   }
   for (const SequenceStep& seq : inputs.sequences) slots_[static_cast<size_t>(seq.slot)].context_tokens += seq.query_tokens;

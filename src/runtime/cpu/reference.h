@@ -20,8 +20,8 @@ namespace plow {
 class ReferenceBackend : public Backend {
  public:
   // act_dtype: F32, BF16 or F16 (the precision activations are rounded to). num_slots: sequences
-  // that can hold state at once.
-  ReferenceBackend(const Graph& graph, const BoundWeights& weights, DType act_dtype, int num_slots);
+  // that can hold state at once. collective: the tensor-parallel group of a rank's graph (all_reduce).
+  ReferenceBackend(const Graph& graph, const BoundWeights& weights, DType act_dtype, int num_slots, Collective* collective = nullptr);
 
   StepOutput step(const StepInputs& inputs) override;
   void reset_slot(int slot) override;        // a new sequence: zero conv windows and KDA state, empty MLA cache
@@ -36,6 +36,7 @@ class ReferenceBackend : public Backend {
   const Graph& graph_;
   const BoundWeights& weights_;
   DType act_dtype_;
+  Collective* collective_;
   std::vector<SlotState> slots_;
   std::array<CpuOpFn, static_cast<size_t>(Op::kCount)> kernels_{};
 };

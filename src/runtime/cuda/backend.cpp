@@ -17,6 +17,7 @@
 #include "plan/validate.h"
 #include "runtime/cuda/device_memory.h"
 #include "runtime/cuda/kernels.h"
+#include "runtime/cuda/nccl_comm.h"
 #include "runtime/cuda/ops/limits.h"
 #include "runtime/cuda/ops_attrs.h"
 
@@ -118,13 +119,21 @@ struct CudaBackend::Impl {
     std::vector<int64_t> token_offsets;                 // arena offsets of the kTokens ops
     uint32_t max_threshold = 1;
     uint32_t epoch = 0;
+    // Tensor parallelism: the megakernel runs in segments split at the all_reduce ops; before segment
+    // k > 0 the host enqueues the NCCL all-reduce of the op that opens it. One segment without.
+    struct Segment {
+      int32_t first_op = 0;
+      DeviceBuffer instrs, queue_begin;
+    };
+    std::vector<Segment> segments;
   };
 
   std::shared_ptr<DeviceWeightSet> weights;
   CudaOptions options;
   cudaStream_t stream = nullptr;
   std::vector<std::unique_ptr<PreparedPlan>> plans;
-  DeviceBuffer arena, scratch, state_table, step_ints, error_flag, argmax_ids, profile;
+  DeviceBuffer arena, scratch, state_table, step_ints, error_flag, argmax_ids, profile, fold_cands;
+  std::vector<int32_t> last_folded;  // tensor parallelism: the last step's folded argmax per sequence
   std::vector<DeviceBuffer> state_buffers;
   std::vector<DeviceState> states;
   std::vector<int64_t> contexts;  // per slot
@@ -218,15 +227,55 @@ struct CudaBackend::Impl {
     return p;
   }
 
+  // Tensor parallelism: the ranks' fp32 partial sums (the all_reduce's input) summed by NCCL into its
+  // output buffer, over the step's rows; the op's own task then rounds them.
+  void all_reduce(const PreparedPlan& prepared, int32_t op_index, const KernelParams& p) {
+    const PlanOp& op = prepared.plan.op(op_index);
+    const PlanOp& input = prepared.plan.op(op.inputs.at(0));
+    options.comm->all_reduce_sum(arena.as<float>() + input.offset, arena.as<float>() + op.offset, static_cast<int64_t>(p.step.tokens) * op.width, stream);
+  }
+
+  // One op's tasks in one launch (after its all-reduce when it is one).
+  void launch_op(const PreparedPlan& prepared, size_t op_index, const KernelParams& p) {
+    if (prepared.plan.ops[op_index].op() == Op::kAllReduce) all_reduce(prepared, static_cast<int32_t>(op_index), p);
+    const auto [first, end] = prepared.op_tasks[op_index];
+    if (end > first) launch_eager(p, first, end - first, stream);
+  }
+
   void launch(PreparedPlan& prepared, const KernelParams& p, bool eager) {
-    if (!eager) {
+    if (eager) {
+      for (size_t i = 0; i < prepared.plan.ops.size(); ++i) launch_op(prepared, i, p);
+      return;
+    }
+    if (prepared.segments.empty()) {
       launch_megakernel(p, prepared.plan.workers, stream);
       return;
     }
-    for (const auto& [first, end] : prepared.op_tasks) {
-      if (end > first) launch_eager(p, first, end - first, stream);
+    for (size_t k = 0; k < prepared.segments.size(); ++k) {
+      const PreparedPlan::Segment& segment = prepared.segments[k];
+      if (k > 0) all_reduce(prepared, segment.first_op, p);
+      KernelParams part = p;
+      part.instrs = segment.instrs.as<Instr>();
+      part.queue_begin = segment.queue_begin.as<int32_t>();
+      launch_megakernel(part, prepared.plan.workers, stream);
     }
   }
+
+  // Tensor parallelism: per sequence, the best logit of this rank's vocabulary block gathered from
+  // every rank and folded; ids into argmax_ids and, when set, the next step's token buffer.
+  void fold_argmax(const PreparedPlan& prepared, const StepView& view, int num_seqs, float* token_out) {
+    const PlanOp& head = prepared.plan.op(prepared.plan.output_op);
+    const int ranks = options.comm->size();
+    float* mine = fold_cands.as<float>();
+    float* all = mine + 2 * max_tokens;
+    launch_argmax_candidates(arena.as<float>() + head.offset, head.width, head.width * options.comm->rank(), view.seq_first_row, view.seq_tokens,
+                             num_seqs, mine, stream);
+    options.comm->all_gather(mine, all, static_cast<int64_t>(2 * num_seqs) * static_cast<int64_t>(sizeof(float)), stream);
+    launch_fold_argmax(all, ranks, num_seqs, argmax_ids.as<int32_t>(), token_out, stream);
+  }
+
+  // The calling thread's current device is this backend's (tensor-parallel ranks step from threads).
+  void use_device() const { check(cudaSetDevice(options.device), "selecting the device"); }
 
   void check_device_error() {
     int32_t code = 0;
@@ -282,6 +331,10 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
   m.error_flag = DeviceBuffer(sizeof(int32_t), "the error flag");
   check(cudaMemset(m.error_flag.ptr, 0, sizeof(int32_t)), "error flag");
   m.argmax_ids = DeviceBuffer(static_cast<size_t>(m.max_tokens) * sizeof(int32_t), "argmax ids");
+  if (options.comm) {
+    if (options.comm->device() != options.device) fail("cuda: the communicator of rank {} is on device {}, the backend on {}", options.comm->rank(), options.comm->device(), options.device);
+    m.fold_cands = DeviceBuffer(static_cast<size_t>(2 * m.max_tokens * (1 + options.comm->size())) * sizeof(float), "argmax fold");
+  }
   m.profile = DeviceBuffer(static_cast<size_t>(std::max(m.max_workers, 1)) * 4 * sizeof(unsigned long long), "profile counters");
 
   // Per-slot state, one buffer per state declaration for all slots.
@@ -388,6 +441,31 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
     prepared.task_instrs = upload(by_task, "instructions");
     prepared.queue_instrs = upload(by_queue, "instructions");
     prepared.queue_begin = upload(queue_begin, "queues");
+    std::vector<int32_t> cuts;  // ops that open a segment
+    for (size_t i = 0; i < plan.ops.size(); ++i) {
+      if (plan.ops[i].op() == Op::kAllReduce) cuts.push_back(static_cast<int32_t>(i));
+    }
+    if (!cuts.empty() && options.comm == nullptr) fail("plan '{}' has {} all_reduce ops (a tensor-parallel rank's) but the backend has no communicator", plan.source, cuts.size());
+    if (!cuts.empty()) {
+      cuts.insert(cuts.begin(), 0);
+      for (size_t k = 0; k < cuts.size(); ++k) {
+        const int32_t first = cuts[k], end = k + 1 < cuts.size() ? cuts[k + 1] : static_cast<int32_t>(plan.ops.size());
+        std::vector<Instr> instrs;
+        std::vector<int32_t> begins{0};
+        for (const std::vector<int32_t>& queue : plan.queues) {
+          for (int32_t t : queue) {
+            const int32_t op = plan.tasks[static_cast<size_t>(t)].op;
+            if (op >= first && op < end) instrs.push_back(by_task[static_cast<size_t>(t)]);
+          }
+          begins.push_back(static_cast<int32_t>(instrs.size()));
+        }
+        Impl::PreparedPlan::Segment segment;
+        segment.first_op = first;
+        segment.instrs = upload(instrs, "instructions");
+        segment.queue_begin = upload(begins, "queues");
+        prepared.segments.push_back(std::move(segment));
+      }
+    }
     prepared.signals = upload(signals, "signals");
     prepared.counters = DeviceBuffer(static_cast<size_t>(std::max(plan.counters, 1)) * sizeof(unsigned), "counters");
     check(cudaMemset(prepared.counters.ptr, 0, prepared.counters.bytes), "counters");
@@ -396,6 +474,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
 
 CudaBackend::~CudaBackend() {
   if (impl_ && impl_->stream != nullptr) {
+    cudaSetDevice(impl_->options.device);
     cudaStreamSynchronize(impl_->stream);
     cudaStreamDestroy(impl_->stream);
   }
@@ -423,6 +502,7 @@ int64_t CudaBackend::context_tokens(int slot) const {
 
 void CudaBackend::reset_slot(int slot) {
   Impl& m = *impl_;
+  m.use_device();
   if (slot < 0 || slot >= num_slots()) fail("cuda: slot {} outside 0..{}", slot, num_slots() - 1);
   for (size_t i = 0; i < m.states.size(); ++i) {
     const DeviceState& s = m.states[i];
@@ -435,6 +515,7 @@ void CudaBackend::reset_slot(int slot) {
 
 StepOutput CudaBackend::step(const StepInputs& inputs) {
   Impl& m = *impl_;
+  m.use_device();
   const auto rows = static_cast<int64_t>(inputs.token_ids.size());
   if (inputs.sequences.empty() || rows == 0) fail("cuda: a step needs at least one sequence and one token");
   std::vector<bool> seen(static_cast<size_t>(num_slots()), false);
@@ -458,6 +539,7 @@ StepOutput CudaBackend::step(const StepInputs& inputs) {
   if (m.options.poison_arena) check(cudaMemsetAsync(m.arena.ptr, 0xFF, m.arena.bytes, m.stream), "arena poison");  // 0xFFFFFFFF is a NaN
   const StepView view = m.upload_step(prepared, inputs.token_ids, inputs.sequences);
   m.launch(prepared, m.params(prepared, view, m.options.eager), m.options.eager);
+  if (m.options.comm) m.fold_argmax(prepared, view, static_cast<int>(inputs.sequences.size()), nullptr);
 
   const PlanOp& head = prepared.plan.op(prepared.plan.output_op);
   StepOutput result;
@@ -478,16 +560,23 @@ StepOutput CudaBackend::step(const StepInputs& inputs) {
             "logits download");
     }
   }
+  if (m.options.comm) {
+    m.last_folded.resize(inputs.sequences.size());
+    check(cudaMemcpyAsync(m.last_folded.data(), m.argmax_ids.ptr, m.last_folded.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, m.stream), "argmax fold");
+  }
   m.check_device_error();
   for (const SequenceStep& seq : inputs.sequences) m.contexts[static_cast<size_t>(seq.slot)] += seq.query_tokens;
   m.last_plan = chosen;
   return result;
 }
 
+const std::vector<int32_t>& CudaBackend::last_folded_argmax() const { return impl_->last_folded; }
+
 void CudaBackend::set_eager(bool eager) { impl_->options.eager = eager; }
 
 int CudaBackend::diagnose_decode_step(int batch, double timeout_ms) {
   Impl& m = *impl_;
+  m.use_device();
   Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(m.choose(true, batch))];
   const StepView view = m.upload_decode_step(prepared, batch);
   const KernelParams p = m.params(prepared, view, true);
@@ -495,6 +584,7 @@ int CudaBackend::diagnose_decode_step(int batch, double timeout_ms) {
     const auto [first, end] = prepared.op_tasks[i];
     if (end <= first) continue;
     const auto start = std::chrono::steady_clock::now();
+    if (prepared.plan.ops[i].op() == Op::kAllReduce) m.all_reduce(prepared, static_cast<int32_t>(i), p);
     launch_eager(p, first, end - first, m.stream);
     cudaError_t state = cudaErrorNotReady;
     double ms = 0;
@@ -524,6 +614,7 @@ void CudaBackend::fake_context(int64_t tokens) {
 
 double CudaBackend::timed_decode_steps(int batch, int steps) {
   Impl& m = *impl_;
+  m.use_device();
   if (batch < 1 || batch > num_slots()) fail("cuda: a decode batch of {} needs {} slots, the backend has {}", batch, batch, num_slots());
   Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(m.choose(true, batch))];
   const StepView view = m.upload_decode_step(prepared, batch);
@@ -534,7 +625,11 @@ double CudaBackend::timed_decode_steps(int batch, int steps) {
   check(cudaEventCreate(&stop), "event");
   auto one = [&] {
     m.launch(prepared, m.params(prepared, view, m.options.eager), m.options.eager);
-    launch_argmax(m.arena.as<float>() + head.offset, head.width, view.seq_first_row, view.seq_tokens, batch, m.argmax_ids.as<int32_t>(), token_out, m.stream);
+    if (m.options.comm) {
+      m.fold_argmax(prepared, view, batch, token_out);
+    } else {
+      launch_argmax(m.arena.as<float>() + head.offset, head.width, view.seq_first_row, view.seq_tokens, batch, m.argmax_ids.as<int32_t>(), token_out, m.stream);
+    }
   };
   for (int i = 0; i < 3; ++i) one();  // warm-up
   check(cudaEventRecord(start, m.stream), "event");
@@ -551,6 +646,7 @@ double CudaBackend::timed_decode_steps(int batch, int steps) {
 
 std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
   Impl& m = *impl_;
+  m.use_device();
   Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(m.choose(true, batch))];
   const StepView view = m.upload_decode_step(prepared, batch);
   const Plan& plan = prepared.plan;
@@ -565,8 +661,7 @@ std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
     const KernelParams p = m.params(prepared, view, true);
     for (size_t i = 0; i < plan.ops.size(); ++i) {
       check(cudaEventRecord(events[i], m.stream), "event");
-      const auto [first, end] = prepared.op_tasks[i];
-      if (end > first) launch_eager(p, first, end - first, m.stream);
+      m.launch_op(prepared, i, p);
     }
     check(cudaEventRecord(events.back(), m.stream), "event");
     check(cudaEventSynchronize(events.back()), "profile");
@@ -599,7 +694,7 @@ std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
   m.upload_decode_step(prepared, batch);
   KernelParams p = m.params(prepared, view, false);
   p.profile = m.profile.as<unsigned long long>();
-  launch_megakernel(p, plan.workers, m.stream);
+  m.launch(prepared, p, false);
   std::vector<unsigned long long> counts(static_cast<size_t>(plan.workers) * 4);
   check(cudaMemcpyAsync(counts.data(), m.profile.ptr, counts.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost, m.stream), "profile");
   check(cudaStreamSynchronize(m.stream), "profile");

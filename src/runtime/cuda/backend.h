@@ -20,6 +20,7 @@
 
 namespace plow::cuda {
 
+class NcclComm;
 struct DeviceWeightSet;  // weights in device memory, by graph weight id
 
 // Copies bound checkpoint weights to the device (MXFP4 stays packed).
@@ -39,6 +40,9 @@ struct CudaOptions {
   bool eager = false;                 // one launch per op instead of the megakernel
   bool poison_arena = false;          // tests: fill the activation arena with NaN before every step
   int device = 0;
+  // Tensor parallelism: this rank's communicator (not owned; on `device`). Plans with all_reduce ops
+  // need one: each all_reduce is an NCCL call between megakernel segments (eager: before its launch).
+  NcclComm* comm = nullptr;
 };
 
 // Per-opcode time of one step (profile mode): measured by running the step's ops one launch each
@@ -60,6 +64,7 @@ class CudaBackend : public Backend {
   CudaBackend(const CudaBackend&) = delete;
   CudaBackend& operator=(const CudaBackend&) = delete;
 
+  // With a communicator, also folds the ranks' argmaxes on the device (last_folded_argmax).
   StepOutput step(const StepInputs& inputs) override;
   void reset_slot(int slot) override;
   int64_t context_tokens(int slot) const override;
@@ -85,6 +90,10 @@ class CudaBackend : public Backend {
   int diagnose_decode_step(int batch, double timeout_ms);  // switch between the megakernel and one launch per op (same weights and state)
   const Plan& plan(int index) const;
   int last_plan() const;
+  // Tensor parallelism: after a step, per sequence the argmax of the whole vocabulary (lowest id on
+  // ties) folded on the device from every rank's block through an all-gather: the token this rank
+  // would emit (the cross-rank gate compares it between ranks). Empty without a communicator.
+  const std::vector<int32_t>& last_folded_argmax() const;
 
  private:
   struct Impl;

@@ -121,7 +121,9 @@ __global__ void __launch_bounds__(kThreads, 1) eager_kernel(const __grid_constan
   run_task(ctx, ins.opcode);
 }
 
-__global__ void argmax_kernel(const float* logits, int64_t vocab, const int32_t* first_row, const int32_t* tokens, int32_t* ids, float* token_out) {
+// cand set: write (value, vocab_offset + id) pairs instead of ids / token_out (tensor parallelism).
+__global__ void argmax_kernel(const float* logits, int64_t vocab, const int32_t* first_row, const int32_t* tokens, int32_t* ids, float* token_out,
+                              float* cand, int64_t vocab_offset) {
   __shared__ float best_v[kWarps];
   __shared__ int64_t best_i[kWarps];
   const int s = blockIdx.x;
@@ -158,9 +160,31 @@ __global__ void argmax_kernel(const float* logits, int64_t vocab, const int32_t*
       }
     }
     if (idx >= vocab) idx = 0;
+    if (cand != nullptr) {
+      cand[2 * s] = v;
+      cand[2 * s + 1] = __int_as_float(static_cast<int32_t>(vocab_offset + idx));
+      return;
+    }
     ids[s] = static_cast<int32_t>(idx);
     if (token_out != nullptr) token_out[s] = static_cast<float>(idx);
   }
+}
+
+__global__ void fold_argmax_kernel(const float* cands, int ranks, int num_seqs, int32_t* ids, float* token_out) {
+  const int s = blockIdx.x * blockDim.x + threadIdx.x;
+  if (s >= num_seqs) return;
+  float v = cands[2 * s];
+  int32_t idx = __float_as_int(cands[2 * s + 1]);
+  for (int r = 1; r < ranks; ++r) {
+    const float* c = cands + 2 * (static_cast<int64_t>(r) * num_seqs + s);
+    const int32_t i = __float_as_int(c[1]);
+    if (c[0] > v || (c[0] == v && i < idx) || (!(v == v) && c[0] == c[0])) {  // NaN never wins over numbers
+      v = c[0];
+      idx = i;
+    }
+  }
+  ids[s] = idx;
+  if (token_out != nullptr) token_out[s] = static_cast<float>(idx);
 }
 
 // graph/random_weights.cpp's generator, on the device.
@@ -256,8 +280,19 @@ void launch_eager(const KernelParams& params, int first_instr, int count, cudaSt
 
 void launch_argmax(const float* logits, int64_t vocab, const int32_t* first_row, const int32_t* tokens, int num_seqs, int32_t* ids,
                    float* token_out, cudaStream_t stream) {
-  argmax_kernel<<<num_seqs, 256, 0, stream>>>(logits, vocab, first_row, tokens, ids, token_out);
+  argmax_kernel<<<num_seqs, 256, 0, stream>>>(logits, vocab, first_row, tokens, ids, token_out, nullptr, 0);
   check_launch("argmax");
+}
+
+void launch_argmax_candidates(const float* logits, int64_t vocab, int64_t vocab_offset, const int32_t* first_row, const int32_t* tokens,
+                              int num_seqs, float* cand, cudaStream_t stream) {
+  argmax_kernel<<<num_seqs, 256, 0, stream>>>(logits, vocab, first_row, tokens, nullptr, nullptr, cand, vocab_offset);
+  check_launch("argmax candidates");
+}
+
+void launch_fold_argmax(const float* cands, int ranks, int num_seqs, int32_t* ids, float* token_out, cudaStream_t stream) {
+  fold_argmax_kernel<<<(num_seqs + 127) / 128, 128, 0, stream>>>(cands, ranks, num_seqs, ids, token_out);
+  check_launch("argmax fold");
 }
 
 void launch_read_probe(const uint8_t* data, int64_t bytes, uint32_t* sink, int sms, cudaStream_t stream) {

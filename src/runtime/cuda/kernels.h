@@ -49,6 +49,14 @@ void launch_eager(const KernelParams& params, int first_instr, int count, cudaSt
 void launch_argmax(const float* logits, int64_t vocab, const int32_t* first_row, const int32_t* tokens, int num_seqs, int32_t* ids,
                    float* token_out, cudaStream_t stream);
 
+// Tensor parallelism, the argmax fold of a column-parallel lm_head. Candidates: per sequence s the
+// best (value, vocab_offset + id) of this rank's block, as cand[2s] = value, cand[2s+1] = id (an int's
+// bits). Fold: over `ranks` candidate arrays back to back, the best value (lowest id on ties) into
+// ids[s] and, when set, token_out[s] as a float.
+void launch_argmax_candidates(const float* logits, int64_t vocab, int64_t vocab_offset, const int32_t* first_row, const int32_t* tokens,
+                              int num_seqs, float* cand, cudaStream_t stream);
+void launch_fold_argmax(const float* cands, int ranks, int num_seqs, int32_t* ids, float* token_out, cudaStream_t stream);
+
 // Reads `bytes` at `data` once with 16-byte loads over blocks_per_sm × SMs blocks (the bandwidth probe).
 void launch_read_probe(const uint8_t* data, int64_t bytes, uint32_t* sink, int sms, cudaStream_t stream);
 

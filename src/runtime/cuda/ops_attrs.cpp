@@ -102,6 +102,7 @@ bool pack_misc_attrs(const PlanOp& op, float* attr) {
     case Op::kSiluMul:
     case Op::kAdd:
     case Op::kSigmoidMul:
+    case Op::kAllReduce:
       return true;
     default:
       return false;

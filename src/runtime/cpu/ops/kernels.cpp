@@ -36,6 +36,7 @@ CpuOpFn cpu_kernel(Op op) {
     case Op::kGatedNormLinear: return cpu_gated_norm_linear;
     case Op::kAddNorm: return cpu_add_norm;
     case Op::kAttnResNorm: return cpu_attn_res_norm;
+    case Op::kAllReduce: return cpu_all_reduce;
     case Op::kCount: break;
   }
   return nullptr;

@@ -93,7 +93,8 @@ void cpu_moe_gate_up(OpContext& ctx) {
 }
 
 // Columns [begin, end) of [T, W]: Σ_k w_k·round(w2_{e_k}[o]·h_k), fp32 in k order, one rounding at
-// the end; h_k = h[k·I, (k+1)·I) is moe_gate_up's output for the k-th routed expert.
+// the end; h_k = h[k·I, (k+1)·I) is moe_gate_up's output for the k-th routed expert. A tensor-parallel
+// partial sum (fp32 output) rounds neither: its all_reduce rounds the whole sum.
 void cpu_moe_down(OpContext& ctx) {
   const int64_t top_k = ctx.node.attrs.i("top_k");
   const BoundWeight& w2 = *ctx.weights[0];  // down [W,I] per expert
@@ -105,7 +106,7 @@ void cpu_moe_down(OpContext& ctx) {
       float acc = 0.0f;
       for (int64_t k = 0; k < top_k; ++k) {
         const auto e = static_cast<size_t>(route[top_k + k]);
-        acc += route[k] * ctx.round_act(dot_weight_row(*w2.parts[e], o, h + k * inter, inter));
+        acc += route[k] * ctx.round_out(dot_weight_row(*w2.parts[e], o, h + k * inter, inter));
       }
       ctx.out_row(t)[o] = ctx.round_out(acc);
     }

@@ -12,6 +12,12 @@ __device__ inline void op_add(const TaskCtx& ctx) {
   for_each_slice_element(ctx, [&](int64_t t, int64_t c) { ctx.out(t)[c] = round_out(ctx, ctx.in(0, t)[c] + ctx.in(1, t)[c]); });
 }
 
+// kAllReduce: NCCL has written the ranks' fp32 sum into the output buffer before this task runs (the
+// host calls it between megakernel segments); the task rounds it in place. attrs: none.
+__device__ inline void op_all_reduce_round(const TaskCtx& ctx) {
+  for_each_slice_element(ctx, [&](int64_t t, int64_t c) { ctx.out(t)[c] = round_out(ctx, ctx.out(t)[c]); });
+}
+
 // kSiluMul: act(SiLU(a)) · b. attrs: none.
 __device__ inline void op_silu_mul(const TaskCtx& ctx) {
   const int32_t act = ctx.op->act;

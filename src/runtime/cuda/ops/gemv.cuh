@@ -398,7 +398,8 @@ __device__ void op_moe_gate_up(const TaskCtx& ctx) {
 }
 
 // kMoeDown (and kMoeDownAdd with a third input `shared`): out[t, o] = round(Σ_k route_k ·
-// round(h_k · w2_{e_k}[o])) (+ shared, rounded again), k in order. attr0 = top_k.
+// round(h_k · w2_{e_k}[o])) (+ shared, rounded again), k in order; a tensor-parallel partial sum
+// (round_out 0) rounds neither. attr0 = top_k.
 template <bool ADD>
 __device__ void op_moe_down_impl(const TaskCtx& ctx) {
   const int top_k = static_cast<int>(ctx.attr(0));
@@ -408,7 +409,6 @@ __device__ void op_moe_down_impl(const TaskCtx& ctx) {
   int ld = 0, group = 0;
   float* xs = staging(ctx, n, ld, group);
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int32_t act = ctx.op->act;
   for (int t0 = 0; t0 < ctx.rows(); t0 += group) {
     const int count = ctx.rows() - t0 < group ? ctx.rows() - t0 : group;
     __syncthreads();
@@ -421,7 +421,7 @@ __device__ void op_moe_down_impl(const TaskCtx& ctx) {
         for (int k = 0; k < top_k; ++k) {
           float one[1] = {0.0f};
           lane_dot<1>(w2, static_cast<int64_t>(route[top_k + k]), o, xs + g * ld + k * inter, ld, inter, one);
-          total += route[k] * round_act(act, warp_sum(one[0]));
+          total += route[k] * round_out(ctx, warp_sum(one[0]));
         }
         if (lane == 0) {
           float v = round_out(ctx, total);

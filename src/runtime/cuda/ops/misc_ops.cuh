@@ -34,6 +34,7 @@ __device__ inline bool run_misc_op(const TaskCtx& ctx) {
     case Op::kMoeRouter: op_moe_router(ctx); return true;
     case Op::kAttnResMix: op_attn_res_mix(ctx); return true;
     case Op::kAttnResNorm: op_attn_res_norm(ctx); return true;
+    case Op::kAllReduce: op_all_reduce_round(ctx); return true;
     default: return false;
   }
 }
@@ -44,7 +45,7 @@ __host__ __device__ constexpr bool is_misc_op(uint8_t opcode) {
     case Op::kRmsNorm: case Op::kGatedRmsNorm: case Op::kAddNorm: case Op::kShortConvSilu: case Op::kKdaGate:
     case Op::kKdaDeltaRule: case Op::kMlaAttention: case Op::kSigmoid: case Op::kSiluMul: case Op::kAdd:
     case Op::kSituMul: case Op::kSigmoidMul: case Op::kSlice: case Op::kMoeRouter: case Op::kAttnResMix:
-    case Op::kAttnResNorm:
+    case Op::kAttnResNorm: case Op::kAllReduce:
       return true;
     default:
       return false;

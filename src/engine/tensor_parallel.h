@@ -1,0 +1,75 @@
+// Tensor parallelism inside one process (DESIGN.md §5): one backend per rank, each over its rank's
+// graph (graph/models: Megatron splits, all_reduce per sublayer), stepped in lockstep from one thread
+// per rank; the ranks' vocabulary blocks of the logits are gathered into whole rows (the lm_head is
+// column-parallel). The ranks' collectives are a LocalGroup (CPU backends: simulated ranks, the CI
+// path of the sharding math) or NCCL communicators (one GPU per rank, built in runtime/cuda).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "engine/model.h"
+#include "runtime/backend.h"
+#include "runtime/cpu/local_group.h"
+
+namespace plow {
+
+struct TpRank {
+  std::unique_ptr<LoadedModel> model;  // the rank's graph and weight blocks (the backend points into it)
+  std::unique_ptr<Backend> backend;
+};
+
+// What joins the ranks: `abort` is called as soon as one rank's step fails (ranks blocked in a
+// collective must give up instead of hanging), `reset` before the next step after a failure.
+struct TpGroupControl {
+  std::function<void()> abort;
+  std::function<void()> reset;
+  std::shared_ptr<void> keep_alive;  // the group object the ranks' backends use
+};
+
+class TensorParallelBackend : public Backend {
+ public:
+  TensorParallelBackend(std::vector<TpRank> ranks, TpGroupControl control);
+  ~TensorParallelBackend() override;
+
+  // Every rank runs the step; logits rows are the ranks' blocks side by side (rank order). A failing
+  // rank aborts the group; the first error is rethrown and the step's slots are undefined.
+  StepOutput step(const StepInputs& inputs) override;
+  void reset_slot(int slot) override;
+  int64_t context_tokens(int slot) const override;
+  int num_slots() const override;
+  DType act_dtype() const override;
+  // A snapshot holds rank 0's states and the fixed-size states (conv windows, KDA state: each rank
+  // has its heads) of ranks 1..N−1 after them; the MLA latent cache is the same on every rank and is
+  // kept once.
+  bool has_snapshots() const override;
+  SlotSnapshot save_slot(int slot, int64_t rows_begin) const override;
+  void restore_slot(int slot, const SlotSnapshot& snapshot) override;
+
+  int size() const { return static_cast<int>(ranks_.size()); }
+  Backend& rank(int r) { return *ranks_.at(static_cast<size_t>(r)).backend; }
+
+ private:
+  // Runs fn(rank) on every rank at once (rank 0 on the calling thread); rethrows the first failure.
+  void on_every_rank(const std::function<void(int)>& fn);
+
+  TpGroupControl control_;  // declared first: the ranks' backends go before the group they use
+  std::vector<TpRank> ranks_;
+  size_t states_per_rank_ = 0;
+};
+
+// `size` simulated ranks of `load(shard)` on the CPU, joined by a LocalGroup; `make` builds a rank's
+// backend (ReferenceBackend or a PlanInterpreter) over its model and the group's collective.
+std::unique_ptr<TensorParallelBackend> make_local_tp_backend(int size, const std::function<std::unique_ptr<LoadedModel>(TpShard)>& load,
+                                                             const std::function<std::unique_ptr<Backend>(const LoadedModel&, Collective&)>& make);
+
+// The argmax fold of a column-parallel lm_head: given each rank's best (value, vocabulary id) of its
+// block, the global argmax with the lowest id on ties (what argmax over the whole row gives).
+struct ArgmaxCandidate {
+  float value = 0;
+  int64_t id = 0;
+};
+ArgmaxCandidate fold_argmax(const std::vector<ArgmaxCandidate>& per_rank);
+
+}  // namespace plow
