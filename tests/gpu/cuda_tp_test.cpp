@@ -1,8 +1,8 @@
 // Tensor parallelism on two GPUs (issue F; CTest labels gpu and multigpu: needs a machine with two or
-// more GPUs, and fails on one with fewer). Two ranks, one GPU and one NCCL communicator each, stepped
-// in lockstep by TensorParallelBackend:
+// more GPUs, and fails on one with fewer). Two ranks, each a process of this binary with one GPU and
+// one NCCL communicator (the way `plow bench decode --tp` runs them), decoding in lockstep:
 //  - the cross-rank gate: at every step every rank's device-folded argmax (its lm_head block, the
-//    candidates all-gathered over NCCL) is the same token, and it is the argmax of the gathered row;
+//    candidates all-gathered over NCCL) is the same token, and each rank feeds it back as its next input;
 //  - TP2 against the CPU reference (one rank): greedy tokens identical over 64 steps on every fp32
 //    fixture that splits in two and on the bundled model, batch 1 and batch 3, megakernel and eager.
 // PLOW_TEST_DATA in the environment overrides the compiled-in path (the GPU machine runs a copy).
@@ -12,14 +12,18 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <vector>
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "core/error.h"
 #include "engine/generate.h"
 #include "engine/plans.h"
-#include "engine/sampler.h"
-#include "engine/tensor_parallel.h"
 #include "runtime/cuda/backend.h"
 #include "runtime/cuda/nccl_comm.h"
 
@@ -55,71 +59,83 @@ std::vector<int32_t> prompt(int seed, int64_t vocab, int64_t length) {
   return ids;
 }
 
-struct Group {
-  std::vector<std::unique_ptr<cuda::NcclComm>> comms;
-  std::unique_ptr<TensorParallelBackend> backend;
-  std::vector<cuda::CudaBackend*> ranks;
-};
-
-Group make_group(const std::string& dir, int batch, bool eager) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < kRanks) fail("this test needs {} GPUs, the machine has {}", kRanks, devices);
-  Group g;
-  g.comms = cuda::NcclComm::init_all(kRanks);
-  std::vector<TpRank> ranks;
-  for (int r = 0; r < kRanks; ++r) {
-    TpRank rank;
-    rank.model = LoadedModel::load(dir, {r, kRanks});
-    const int workers = cuda::CudaBackend::sm_count(r);
-    std::vector<Plan> plans = {compile_plan(*rank.model, PlanPhase::kDecode, batch, workers, kMaxContext),
-                               compile_plan(*rank.model, PlanPhase::kPrefill, 16, workers, kMaxContext)};
-    cuda::CudaOptions options;
-    options.act_dtype = DType::F32;
-    options.num_slots = batch;
-    options.max_context_tokens = kMaxContext;
-    options.eager = eager;
-    options.device = r;
-    options.comm = g.comms[static_cast<size_t>(r)].get();
-    if (cudaSetDevice(r) != cudaSuccess) fail("cannot select device {}", r);
-    auto backend = std::make_unique<cuda::CudaBackend>(rank.model->graph, cuda::upload_weights(rank.model->graph, *rank.model->weights),
-                                                       std::move(plans), options);
-    g.ranks.push_back(backend.get());
-    rank.backend = std::move(backend);
-    ranks.push_back(std::move(rank));
-  }
-  TpGroupControl control;
-  control.abort = [comms = &g.comms] {
-    for (auto& c : *comms) c->abort();
-  };
-  g.backend = std::make_unique<TensorParallelBackend>(std::move(ranks), std::move(control));
-  return g;
-}
-
-// `batch` sequences of different prompts decoded together for kSteps: per sequence the greedy ids,
-// checking the cross-rank gate at every step.
-std::vector<std::vector<int32_t>> run_group(Group& g, const std::vector<std::vector<int32_t>>& prompts) {
-  const auto n = static_cast<int>(prompts.size());
-  std::vector<std::vector<int32_t>> out(static_cast<size_t>(n));
+// One rank, run in its own process (as `plow bench decode --tp` runs them): joins the NCCL group
+// through the id file, decodes `batch` prompts for kSteps greedy steps taking each next token from its
+// device-folded argmax, and writes its tokens (one line per step) to `out`.
+int run_rank(int rank, const std::string& id_file, const std::string& dir, int batch, bool eager, const std::string& out) {
+  std::ifstream id_in(id_file, std::ios::binary);
+  const std::string id((std::istreambuf_iterator<char>(id_in)), std::istreambuf_iterator<char>());
+  cuda::NcclComm comm(id, rank, kRanks, rank);
+  auto model = LoadedModel::load(dir, {rank, kRanks});
+  const int workers = cuda::CudaBackend::sm_count(rank);
+  std::vector<Plan> plans = {compile_plan(*model, PlanPhase::kDecode, batch, workers, kMaxContext),
+                             compile_plan(*model, PlanPhase::kPrefill, 64, workers, kMaxContext)};
+  cuda::CudaOptions options;
+  options.act_dtype = DType::F32;
+  options.num_slots = batch;
+  options.max_context_tokens = kMaxContext;
+  options.eager = eager;
+  options.device = rank;
+  options.comm = &comm;
+  cuda::CudaBackend backend(model->graph, cuda::upload_weights(model->graph, *model->weights), std::move(plans), options);
   StepInputs step;
-  for (int s = 0; s < n; ++s) {
-    step.token_ids.insert(step.token_ids.end(), prompts[static_cast<size_t>(s)].begin(), prompts[static_cast<size_t>(s)].end());
-    step.sequences.push_back({s, static_cast<int64_t>(prompts[static_cast<size_t>(s)].size())});
+  for (int s = 0; s < batch; ++s) {
+    const auto p = prompt(s, model->config.vocab_size, 7 + 5 * s);
+    step.token_ids.insert(step.token_ids.end(), p.begin(), p.end());
+    step.sequences.push_back({s, static_cast<int64_t>(p.size())});
   }
+  std::ofstream lines(out);
   for (int64_t i = 0; i < kSteps; ++i) {
-    const StepOutput logits = g.backend->step(step);
+    backend.step(step);
+    const std::vector<int32_t> next = backend.last_folded_argmax();
+    for (int32_t t : next) lines << t << " ";
+    lines << "\n";
     step = {};
-    for (int s = 0; s < n; ++s) {
-      const std::span<const float> row(logits.logits.data() + s * logits.vocab, static_cast<size_t>(logits.vocab));
-      const int32_t token = argmax(row);
-      for (cuda::CudaBackend* rank : g.ranks) {
-        EXPECT_EQ(rank->last_folded_argmax().at(static_cast<size_t>(s)), token) << "step " << i << " sequence " << s << ": a rank's fold disagrees";
-      }
-      out[static_cast<size_t>(s)].push_back(token);
-      step.token_ids.push_back(token);
+    for (int s = 0; s < batch; ++s) {
+      step.token_ids.push_back(next[static_cast<size_t>(s)]);
       step.sequences.push_back({s, 1});
     }
   }
-  return out;
+  return lines ? 0 : 1;
+}
+
+// Per rank, per step, the tokens of the batch: the ranks run as processes of this binary.
+std::vector<std::vector<std::vector<int32_t>>> run_ranks(const std::string& dir, int batch, bool eager) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < kRanks) fail("this test needs {} GPUs, the machine has {}", kRanks, devices);
+  const fs::path tmp = fs::temp_directory_path() / ("plow-tp-test-" + std::to_string(::getpid()));
+  fs::create_directories(tmp);
+  const std::string id_file = (tmp / "id").string();
+  std::ofstream(id_file, std::ios::binary) << cuda::NcclComm::new_unique_id();
+  std::vector<pid_t> children;
+  for (int r = 0; r < kRanks; ++r) {
+    std::vector<std::string> args = {"/proc/self/exe", "--rank", std::to_string(r), id_file, dir, std::to_string(batch), eager ? "1" : "0",
+                                     (tmp / ("rank" + std::to_string(r))).string()};
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid = 0;
+    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), environ) != 0) fail("cannot start rank {}", r);
+    children.push_back(pid);
+  }
+  for (pid_t pid : children) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "a rank failed";
+  }
+  std::vector<std::vector<std::vector<int32_t>>> tokens(kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    std::ifstream in(tmp / ("rank" + std::to_string(r)));
+    std::string line;
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::vector<int32_t> step;
+      for (int32_t t; fields >> t;) step.push_back(t);
+      tokens[static_cast<size_t>(r)].push_back(step);
+    }
+  }
+  fs::remove_all(tmp);
+  return tokens;
 }
 
 std::vector<int32_t> reference_run(const std::string& dir, const std::vector<int32_t>& ids) {
@@ -137,16 +153,14 @@ TEST_P(TensorParallelCuda, TwoRanksEmitTheReferenceTokensAndAgreeEveryStep) {
   const auto [batch, eager] = GetParam();
   for (const std::string& dir : model_dirs()) {
     SCOPED_TRACE(dir);
-    Group g = make_group(dir, batch, eager);
-    const int64_t vocab = LoadedModel::describe((fs::path(dir) / "config.json").string()).get()->config.vocab_size;
-    std::vector<std::vector<int32_t>> prompts;
-    for (int s = 0; s < batch; ++s) prompts.push_back(prompt(s, vocab, 7 + 5 * s));
-    const auto tokens = run_group(g, prompts);
+    const auto tokens = run_ranks(dir, batch, eager);
+    ASSERT_EQ(tokens[0].size(), static_cast<size_t>(kSteps));
+    EXPECT_EQ(tokens[0], tokens[1]) << "the ranks' folded argmaxes differ: the cross-rank token gate";
+    const int64_t vocab = LoadedModel::describe((fs::path(dir) / "config.json").string())->config.vocab_size;
     for (int s = 0; s < batch; ++s) {
-      // The first id of a run is the prompt's last logits' argmax: kSteps ids in all, as generate makes.
-      const std::vector<int32_t> expected = reference_run(dir, prompts[static_cast<size_t>(s)]);
-      const std::vector<int32_t>& got = tokens[static_cast<size_t>(s)];
-      EXPECT_EQ(got, expected) << "sequence " << s;
+      std::vector<int32_t> got;
+      for (const auto& step : tokens[0]) got.push_back(step.at(static_cast<size_t>(s)));
+      EXPECT_EQ(got, reference_run(dir, prompt(s, vocab, 7 + 5 * s))) << "sequence " << s;
     }
   }
 }
@@ -165,3 +179,17 @@ TEST(TensorParallelCudaPlans, ARanksPlanWithoutACommunicatorIsRefused) {
 
 }  // namespace
 }  // namespace plow
+
+// `cuda_tp_tests --rank R ID_FILE DIR BATCH EAGER OUT` is one rank's process; otherwise the tests.
+int main(int argc, char** argv) {
+  if (argc == 8 && std::string(argv[1]) == "--rank") {
+    try {
+      return plow::run_rank(std::stoi(argv[2]), argv[3], argv[4], std::stoi(argv[5]), std::string(argv[6]) == "1", argv[7]);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "rank %s: %s\n", argv[2], e.what());
+      return 1;
+    }
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
