@@ -184,10 +184,10 @@ int64_t attn_res_norm_rule(const Node& node, Widths in, Weights w) {
   return width;
 }
 
-int64_t router_rule(const Node& node, Widths in, Weights w) {
+int64_t moe_topk_rule(const Node& node, Widths in, Weights w) {
   const int64_t experts = node.attrs.i("experts");
-  expect_shape(node, w[0], {experts, in[0]});
-  expect_shape(node, w[1], {experts});
+  PLOW_CHECK(in[0] == experts, "{}: {} logits for {} experts", node.label, in[0], experts);
+  expect_shape(node, w[0], {experts});
   return 2 * node.attrs.i("top_k");
 }
 
@@ -231,7 +231,8 @@ constexpr std::array<OpInfo, static_cast<size_t>(Op::kCount)> kOps = {{
     {Op::kMlaAttention, "mla_attention", 2, 2, OutDType::kAct, true, mla_rule, Slicing::kHeads, "v"},
     {Op::kSiluMul, "silu_mul", 2, 0, OutDType::kAct, false, same_width_rule, Slicing::kColumns, ""},
     {Op::kAdd, "add", 2, 0, OutDType::kAct, false, same_width_rule, Slicing::kColumns, ""},
-    {Op::kMoeRouter, "moe_router", 1, 2, OutDType::kF32, false, router_rule, Slicing::kWhole, ""},
+    {Op::kRouterLogits, "router_logits", 1, 1, OutDType::kF32, false, linear_rule, Slicing::kColumns, ""},
+    {Op::kMoeTopK, "moe_topk", 1, 1, OutDType::kF32, false, moe_topk_rule, Slicing::kWhole, ""},
     {Op::kMoeGateUp, "moe_gate_up", 2, 2, OutDType::kAct, false, moe_gate_up_rule, Slicing::kColumns, ""},
     {Op::kMoeDown, "moe_down", 2, 1, OutDType::kAct, false, moe_down_rule, Slicing::kColumns, ""},
     {Op::kSituMul, "situ_mul", 2, 0, OutDType::kAct, false, same_width_rule, Slicing::kColumns, ""},

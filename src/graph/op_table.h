@@ -25,7 +25,8 @@ enum class Op : uint8_t {
   kMlaAttention,  // [T,n_h·d_v] NoPE MLA over the latent cache (stateful)  weights: kv_a norm [r], kv_b [n_h(d_n+d_v), r]
   kSiluMul,       // [T,F] SiLU(a) ⊙ b
   kAdd,           // [T,F] a + b
-  kMoeRouter,     // [T,2k] fp32: k routing weights, then k expert ids   weights: W [E,H], bias [E]
+  kRouterLogits,  // [T,E] fp32 router logits x·Wᵀ, fp32 accumulate, never rounded   weights: W [E,H]
+  kMoeTopK,       // [T,2k] fp32 from the logits [T,E]: k routing weights, then k expert ids   weights: bias [E]
   kMoeGateUp,     // [T,k·I] column k·I+i = act(w1_e[i]·x, w3_e[i]·x) of the k-th routed expert e; act = SiLU·mul
                   //       or SiTU (attr situ), both dots rounded      inputs: x [T,W], routes   weights: w1, w3 stacks [I,W]
   kMoeDown,       // [T,W] Σ_k w_k·(w2_e·h[kI, (k+1)I)), each dot rounded, fp32 sum in k order; W = H or the latent

@@ -14,7 +14,8 @@
 namespace plow {
 
 // 2: the routed experts became moe_gate_up + moe_down (moe_experts and moe_experts_add are gone).
-inline constexpr uint32_t kPlanFormatVersion = 2;
+// 3: the router became router_logits (column-sliced) + moe_topk (moe_router is gone).
+inline constexpr uint32_t kPlanFormatVersion = 3;
 inline constexpr int64_t kBufferAlignFloats = 16;
 
 enum class PlanPhase : uint8_t { kDecode, kPrefill };

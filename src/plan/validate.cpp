@@ -97,7 +97,7 @@ class Checker {
       const double least = kZeroOk.count(name) ? 0.0 : 1.0;
       if (value != std::floor(value) || value < least) reject("{}: attribute '{}' = {} must be an integer >= {}", describe(i), name, value, least);
     }
-    if (op.op() == Op::kMoeRouter) {
+    if (op.op() == Op::kMoeTopK) {
       for (const char* name : {"experts", "top_k", "groups", "topk_groups", "renormalize", "scale", "softmax"}) {
         if (!op.attrs.has(name)) reject("{}: attribute '{}' is missing", describe(i), name);
       }
@@ -165,8 +165,8 @@ class Checker {
     }
     if (reads_routed_experts(op.op())) {  // kernels index the expert stacks by the ids in input 1
       const PlanOp& routes = plan_.ops[static_cast<size_t>(op.inputs[1])];
-      if (routes.op() != Op::kMoeRouter || routes.attrs.get("experts") != op.attrs.get("experts") || routes.attrs.get("top_k") != op.attrs.get("top_k")) {
-        reject("{}: routes come from {}, not a router over the same experts", describe(i), describe(op.inputs[1]));
+      if (routes.op() != Op::kMoeTopK || routes.attrs.get("experts") != op.attrs.get("experts") || routes.attrs.get("top_k") != op.attrs.get("top_k")) {
+        reject("{}: routes come from {}, not a moe_topk over the same experts", describe(i), describe(op.inputs[1]));
       }
     }
   }

@@ -76,12 +76,14 @@ Graph build(const GemvCase& c) {
                 {{"heads", 2.0}, {"head_dim", static_cast<double>(d)}, {"eps", 1e-5}}, "y");
       break;
     }
+    case Op::kRouterLogits:  // out = experts; the router's name draws the router's scale (random_weights.cpp)
+      y = g.add(Op::kRouterLogits, {x}, {weight("mlp.block_sparse_moe.gate.weight", {c.out, c.hidden})}, {}, "y");
+      break;
     case Op::kMoeDown:
-    case Op::kMoeDownAdd: {  // router → gate/up → down over 8 experts, top-3; inter = c.out
+    case Op::kMoeDownAdd: {  // router logits → top-k → gate/up → down over 8 experts, top-3; inter = c.out
       const int64_t experts = 8, top_k = 3;
-      const int routes = g.add(Op::kMoeRouter, {x},
-                               {weight("mlp.block_sparse_moe.gate.weight", {experts, c.hidden}),
-                                weight("mlp.block_sparse_moe.gate.e_score_correction_bias", {experts})},
+      const int logits = g.add(Op::kRouterLogits, {x}, {weight("mlp.block_sparse_moe.gate.weight", {experts, c.hidden})}, {}, "router_logits");
+      const int routes = g.add(Op::kMoeTopK, {logits}, {weight("mlp.block_sparse_moe.gate.e_score_correction_bias", {experts})},
                                {{"experts", 8.0}, {"top_k", 3.0}, {"groups", 1.0}, {"topk_groups", 1.0}, {"renormalize", 1.0}, {"scale", 2.5}, {"softmax", 0.0}},
                                "router");
       int stacks[3];
@@ -149,9 +151,11 @@ TEST_P(CudaGemvTest, MatchesTheReference) {
         ASSERT_EQ(have.logits.size(), want.logits.size());
         float scale = 0;
         for (float v : want.logits) scale = std::max(scale, std::fabs(v));
-        // fp32: reassociation of dots of ≤ 130 terms; bf16: one bf16 ulp of the output where a sum
-        // lands next to a rounding boundary (2⁻⁷ relative), plus that through a second rounding.
-        const float bound_abs = c.dtype == DType::F32 ? 1e-5f * std::max(1.0f, scale) : 2.0f * 0.0079f * std::max(1.0f, scale);
+        // fp32 (and the router logits, fp32 whatever the dtype: bf16 products are exact in fp32):
+        // reassociation of dots of ≤ 2304 terms; bf16: one bf16 ulp of the output where a sum lands next
+        // to a rounding boundary (2⁻⁷ relative), plus that through a second rounding.
+        const bool f32_out = c.dtype == DType::F32 || c.op == Op::kRouterLogits;
+        const float bound_abs = f32_out ? 1e-5f * std::max(1.0f, scale) : 2.0f * 0.0079f * std::max(1.0f, scale);
         for (size_t i = 0; i < want.logits.size(); ++i) {
           ASSERT_FALSE(std::isnan(have.logits[i])) << c.name << " batch " << batch << " element " << i;
           ASSERT_LE(std::fabs(have.logits[i] - want.logits[i]), bound_abs)
@@ -176,6 +180,14 @@ std::vector<GemvCase> cases() {
         all.push_back({std::string(op_name(op)) + "_" + std::to_string(hidden) + "x" + std::to_string(out) + "_" + std::string(dtype_name(dtype)), op, hidden,
                        out, dtype});
       }
+    }
+  }
+  // Router logits (out = experts): odd expert counts and widths (unaligned rows take the scalar path),
+  // the 48B shape (256 × 2304) and more experts than a block has warps.
+  for (auto [hidden, out] : {std::pair<int64_t, int64_t>{97, 61}, {130, 257}, {256, 8}, {2304, 256}}) {
+    for (DType dtype : {DType::F32, DType::BF16}) {
+      all.push_back({"router_logits_" + std::to_string(hidden) + "x" + std::to_string(out) + "_" + std::string(dtype_name(dtype)), Op::kRouterLogits,
+                     hidden, out, dtype});
     }
   }
   // Routed experts (inter = out): bf16/f32 experts at odd sizes, MXFP4 experts (sizes multiples of 32).

@@ -170,8 +170,12 @@ TEST(ValidatePlan, ShapesAndStatesAreRederived) {
   plan.ops[static_cast<size_t>(first_op(plan, Op::kMlaAttention))].attrs.set("heads", 3);
   expect_rejected(plan, "does not fit the op table");
   plan = tiny_plan();
-  plan.ops[static_cast<size_t>(first_op(plan, Op::kMoeRouter))].attrs.set("groups", 3);
+  plan.ops[static_cast<size_t>(first_op(plan, Op::kMoeTopK))].attrs.set("groups", 3);
   expect_rejected(plan, "impossible");
+  plan = tiny_plan();  // moe_topk reading the layer input [T, H] as if it were the logits [T, E]
+  PlanOp& topk = plan.ops[static_cast<size_t>(first_op(plan, Op::kMoeTopK))];
+  topk.inputs[0] = plan.ops[static_cast<size_t>(topk.inputs[0])].inputs[0];
+  expect_rejected(plan, "logits for");
   plan = tiny_plan();  // moe_down reading the routes [T, 2k] as if they were the k experts' activations
   PlanOp& down = plan.ops[static_cast<size_t>(first_op(plan, Op::kMoeDown))];
   down.inputs[0] = down.inputs[1];

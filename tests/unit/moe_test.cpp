@@ -1,11 +1,14 @@
 // Routed experts as two ops (moe_gate_up, moe_down) against an independent formulation: per token and
 // per routed expert, the dense FFN kernels (linear, silu_mul / situ_mul, linear) on that expert's
 // weights, summed over k in fp32 in order. Bit-equal in f32 and bf16; column slices that cut across
-// experts equal the whole op; moe_down_add equals moe_down then add.
+// experts equal the whole op; moe_down_add equals moe_down then add. The router's two ops
+// (router_logits, moe_topk) against plain loops and a sort.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -150,6 +153,74 @@ TEST_P(MoeSplit, DownAddSlicesEqualDownThenAdd) {
     copy_columns(part, fused, kWidth, begin, std::min(begin + 4, kWidth));
   }
   EXPECT_EQ(fused, want);
+}
+
+// The router as two ops (R1, then R2–R7). router_logits: in a bf16 run the logits are the fp32 dots of
+// the upcast operands, never rounded to bf16, and column slices equal the whole op. moe_topk on them:
+// select by σ(ℓ) + bias (stable order: ties to the lower id), weight by the unbiased σ(ℓ), renormalize,
+// then scale — checked against a plain sort of the same formulas.
+TEST(MoeRouter, LogitsStayFp32AndTopKSelectsWithTheBias) {
+  constexpr int64_t kHidden = 13, kNumExperts = 7, kTopK = 3;
+  Graph graph;
+  const int x = graph.add(Op::kInput, {}, {}, {{"width", kHidden}, {"input", 0}}, "x");
+  const int gate = graph.add_weight({"moe.gate.weight", {"moe.gate.weight"}, {kNumExperts, kHidden}, false});
+  const int bias = graph.add_weight({"moe.gate.e_score_correction_bias", {"moe.gate.e_score_correction_bias"}, {kNumExperts}, false});
+  const int logits = graph.add(Op::kRouterLogits, {x}, {gate}, {}, "logits");
+  const int routes = graph.add(Op::kMoeTopK, {logits}, {bias},
+                               {{"experts", kNumExperts}, {"top_k", kTopK}, {"groups", 1}, {"topk_groups", 1}, {"renormalize", 1}, {"scale", 2.5}, {"softmax", 0}},
+                               "routes");
+  graph.set_output(routes);
+  const Checkpoint checkpoint = random_checkpoint(graph, 3, DType::BF16, "router test");
+  const BoundWeights weights(graph, checkpoint);
+  std::mt19937 rng(8);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> xs;
+  for (int64_t i = 0; i < kRows * kHidden; ++i) xs.push_back(round_to(DType::BF16, normal(rng)));
+  const StepInputs step;
+  auto run = [&](int id, const float* in, int64_t in_width, std::vector<float>& out, int64_t begin, int64_t end) {
+    const Node& node = graph.node(id);
+    out.resize(static_cast<size_t>(kRows * node.width), -1.0f);
+    const Activation input{in, in_width};
+    const BoundWeight* weight = &weights[node.weights[0]];
+    OpContext ctx{node, {&input, 1}, {&weight, 1}, out.data(), kRows, DType::BF16, step, {}, begin, end};
+    cpu_kernel(node.op)(ctx);
+  };
+  std::vector<float> whole, sliced, chosen;
+  run(logits, xs.data(), kHidden, whole, 0, -1);
+  for (int64_t begin = 0; begin < kNumExperts; begin += 3) run(logits, xs.data(), kHidden, sliced, begin, std::min(begin + 3, kNumExperts));
+  EXPECT_EQ(sliced, whole);
+  const TensorView& w = *weights[gate].parts[0];
+  int unrounded = 0;
+  for (int64_t t = 0; t < kRows; ++t) {
+    for (int64_t e = 0; e < kNumExperts; ++e) {
+      float dot = 0.0f;
+      for (int64_t i = 0; i < kHidden; ++i) dot += w.at(static_cast<size_t>(e * kHidden + i)) * xs[static_cast<size_t>(t * kHidden + i)];
+      const float have = whole[static_cast<size_t>(t * kNumExperts + e)];
+      EXPECT_EQ(std::memcmp(&have, &dot, sizeof dot), 0) << "row " << t << " expert " << e;
+      unrounded += round_to(DType::BF16, have) != have;
+    }
+  }
+  EXPECT_GT(unrounded, 0) << "every logit is a bf16 value: the case cannot tell rounded from unrounded";
+  run(routes, whole.data(), kNumExperts, chosen, 0, -1);
+  const TensorView& b = *weights[bias].parts[0];
+  for (int64_t t = 0; t < kRows; ++t) {
+    std::vector<float> score(kNumExperts);
+    std::vector<int64_t> order(kNumExperts);
+    for (int64_t e = 0; e < kNumExperts; ++e) {
+      score[static_cast<size_t>(e)] = 1.0f / (1.0f + std::exp(-whole[static_cast<size_t>(t * kNumExperts + e)]));
+      order[static_cast<size_t>(e)] = e;
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int64_t p, int64_t q) {
+      return score[static_cast<size_t>(p)] + b.at(static_cast<size_t>(p)) > score[static_cast<size_t>(q)] + b.at(static_cast<size_t>(q));
+    });
+    float total = 0.0f;
+    for (int64_t k = 0; k < kTopK; ++k) total += score[static_cast<size_t>(order[static_cast<size_t>(k)])];
+    const float* row = chosen.data() + t * 2 * kTopK;
+    for (int64_t k = 0; k < kTopK; ++k) {
+      EXPECT_EQ(row[kTopK + k], static_cast<float>(order[static_cast<size_t>(k)])) << "row " << t << " rank " << k;
+      EXPECT_EQ(row[k], score[static_cast<size_t>(order[static_cast<size_t>(k)])] / (total + 1e-20f) * 2.5f) << "row " << t << " rank " << k;
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoeSplit,

@@ -73,8 +73,8 @@ Rule routed_shared_combine() {
     constexpr int64_t kExperts = 5, kTopK = 2;
     Graph g;
     const int x = rules::input(g, n, "x"), shared = rules::input(g, n, "shared");
-    const int routes = g.add(Op::kMoeRouter, {x},
-                             {rules::weight(g, "moe.gate.weight", {kExperts, n}), rules::weight(g, "moe.gate.e_score_correction_bias", {kExperts})},
+    const int logits = g.add(Op::kRouterLogits, {x}, {rules::weight(g, "moe.gate.weight", {kExperts, n})}, {}, "router_logits");
+    const int routes = g.add(Op::kMoeTopK, {logits}, {rules::weight(g, "moe.gate.e_score_correction_bias", {kExperts})},
                              {{"experts", kExperts}, {"top_k", kTopK}, {"groups", 1}, {"topk_groups", 1}, {"renormalize", 1}, {"scale", 2.5}, {"softmax", 0}},
                              "router");
     int stacks[3];

@@ -221,9 +221,9 @@ class KimiLinearBuilder {
                                 {"renormalize", c_.moe_renormalize ? 1.0 : 0.0},
                                 {"scale", c_.routed_scaling_factor},
                                 {"softmax", c_.router_activation == RouterActivation::kSoftmax ? 1.0 : 0.0}};
-    const int routes = g_.add(Op::kMoeRouter, {x},
-                              {weight(p + "gate.weight", {experts, hidden}), weight(p + "gate.e_score_correction_bias", {experts})},
-                              router_attrs, label + ".router");
+    // Logits sliced over all workers, then top-k over whole rows (R1, then R2–R7).
+    const int logits = g_.add(Op::kRouterLogits, {x}, {weight(p + "gate.weight", {experts, hidden})}, {}, label + ".router_logits");
+    const int routes = g_.add(Op::kMoeTopK, {logits}, {weight(p + "gate.e_score_correction_bias", {experts})}, router_attrs, label + ".router");
     // LatentMoE (§7.3): experts read and write the latent width; the router and shared experts see x.
     const int64_t io = c_.moe_io_width();
     const int expert_input = c_.latent_moe_size ? linear(x, p + "routed_expert_down_proj.weight", io, label + ".latent_down") : x;

@@ -18,7 +18,6 @@
 #include "runtime/cuda/device_memory.h"
 #include "runtime/cuda/kernels.h"
 #include "runtime/cuda/nccl_comm.h"
-#include "runtime/cuda/ops/limits.h"
 #include "runtime/cuda/ops_attrs.h"
 
 namespace plow::cuda {
@@ -34,6 +33,7 @@ void pack_attrs(const PlanOp& op, float* attr) {
     case Op::kTokens:
     case Op::kEmbedding:
     case Op::kLinear:
+    case Op::kRouterLogits:
     case Op::kMultiLinear:
     case Op::kLinearAdd:
       return;
@@ -72,6 +72,7 @@ std::pair<const uint8_t*, uint32_t> prefetch_range(const PlanOp& op, const std::
   int index = -1;
   switch (op.op()) {
     case Op::kLinear:
+    case Op::kRouterLogits:
     case Op::kMultiLinear:
     case Op::kLinearAdd:
     case Op::kGateUpAct:
@@ -83,9 +84,6 @@ std::pair<const uint8_t*, uint32_t> prefetch_range(const PlanOp& op, const std::
     case Op::kGatedNormLinear:
       index = 1;
       break;
-    case Op::kMoeRouter:  // one block reads the whole router matrix: have as much of it in L2 as possible
-      index = 0;
-      break;
     default:
       return {nullptr, 0};
   }
@@ -93,11 +91,11 @@ std::pair<const uint8_t*, uint32_t> prefetch_range(const PlanOp& op, const std::
   const DeviceWeight& w = weights[static_cast<size_t>(index)];
   if (w.type == kWMXFP4 || w.parts != 1) return {nullptr, 0};
   const int64_t row_bytes = w.cols * static_cast<int64_t>(type_size(w.type));
-  const int64_t first = op.op() == Op::kMoeRouter ? 0 : std::min(task.col_begin, w.rows);
-  const int64_t last = op.op() == Op::kMoeRouter ? w.rows : std::min(task.col_end, w.rows);
+  const int64_t first = std::min(task.col_begin, w.rows);
+  const int64_t last = std::min(task.col_end, w.rows);
   if (last <= first) return {nullptr, 0};
   const uint8_t* begin = w.data + first * row_bytes;
-  int64_t bytes = std::min<int64_t>((last - first) * row_bytes, op.op() == Op::kMoeRouter ? 8 << 20 : 192 * 1024);
+  int64_t bytes = std::min<int64_t>((last - first) * row_bytes, 192 * 1024);
   const auto misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(begin) & 15);
   begin += misalign ? 16 - misalign : 0;
   bytes = (bytes - (misalign ? 16 - misalign : 0)) & ~int64_t{15};
@@ -399,9 +397,6 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
       d.in_width = d.in_offset + op.inputs.size();
       d.weights = prepared.op_weights.as<DeviceWeight>() + weight_at[i].first;
       pack_attrs(op, d.attr);
-      if (op.op() == Op::kMoeRouter && plan.op(op.inputs[0]).width > kRouterMaxHidden) {
-        fail("plan '{}': router '{}' reads {} columns; the cuda router stages at most {}", plan.source, op.label, plan.op(op.inputs[0]).width, kRouterMaxHidden);
-      }
       descs.push_back(d);
       if (op.op() == Op::kTokens) prepared.token_offsets.push_back(op.offset);
     }

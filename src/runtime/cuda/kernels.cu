@@ -17,6 +17,7 @@ __device__ void run_task(const TaskCtx& ctx, int32_t opcode) {
   switch (static_cast<Op>(opcode)) {
     case Op::kEmbedding: op_embedding(ctx); return;
     case Op::kLinear: op_linear(ctx); return;
+    case Op::kRouterLogits: op_router_logits(ctx); return;
     case Op::kNormLinear: op_norm_linear(ctx); return;
     case Op::kMultiLinear: op_multi_linear(ctx); return;
     case Op::kNormMultiLinear: op_norm_multi_linear(ctx); return;
@@ -38,6 +39,7 @@ constexpr bool host_has_op(Op op) {
     case Op::kTokens:
     case Op::kEmbedding:
     case Op::kLinear:
+    case Op::kRouterLogits:
     case Op::kNormLinear:
     case Op::kMultiLinear:
     case Op::kNormMultiLinear:

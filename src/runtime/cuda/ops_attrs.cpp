@@ -34,7 +34,7 @@ void pack_router(const PlanOp& op, float* attr) {
   const int64_t experts = integer(op, "experts"), top_k = integer(op, "top_k");
   const int64_t groups = integer(op, "groups"), keep = integer(op, "topk_groups");
   if (experts < 1 || experts > kRouterMaxExperts || top_k < 1 || top_k > std::min<int64_t>(experts, kRouterMaxTopK)) {
-    fail("{}: cuda router supports up to {} experts and top_k ≤ min(experts, {}), found {} experts and top_k {}", op.label,
+    fail("{}: cuda moe_topk supports up to {} experts and top_k ≤ min(experts, {}), found {} experts and top_k {}", op.label,
          kRouterMaxExperts, kRouterMaxTopK, experts, top_k);
   }
   if (groups < 1 || experts % groups != 0 || keep < 1 || keep > groups) {
@@ -95,7 +95,7 @@ bool pack_misc_attrs(const PlanOp& op, float* attr) {
       attr[0] = value(op, "offset");
       attr[1] = value(op, "width");
       return true;
-    case Op::kMoeRouter:
+    case Op::kMoeTopK:
       pack_router(op, attr);
       return true;
     case Op::kSigmoid:

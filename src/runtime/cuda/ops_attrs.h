@@ -9,10 +9,11 @@ namespace plow::cuda {
 
 inline constexpr int kPackedAttrs = 16;  // = kMaxAttrs of device.cuh (static_assert in ops/misc_ops.cuh)
 
-// Fills attr[0..kPackedAttrs) for the norm, elementwise, KDA, MLA, router and AttnRes ops and returns
-// true; returns false for an op it does not handle (the linear family, experts, tokens, embedding).
+// Fills attr[0..kPackedAttrs) for the norm, elementwise, KDA, MLA, moe_topk and AttnRes ops and returns
+// true; returns false for an op it does not handle (the linear family and router logits, experts,
+// tokens, embedding).
 // Throws plow::Error when a shape exceeds what the device bodies support (KDA head_dim > 128, MLA
-// rank > 512 or rank + rope > 576, router experts > 1024 or top_k > 64, inconsistent groups).
+// rank > 512 or rank + rope > 576, moe_topk experts > 1024 or top_k > 64, inconsistent groups).
 bool pack_misc_attrs(const PlanOp& op, float* attr);
 
 }  // namespace plow::cuda

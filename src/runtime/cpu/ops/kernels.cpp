@@ -18,7 +18,8 @@ CpuOpFn cpu_kernel(Op op) {
     case Op::kMlaAttention: return cpu_mla_attention;
     case Op::kSiluMul: return cpu_silu_mul;
     case Op::kAdd: return cpu_add;
-    case Op::kMoeRouter: return cpu_moe_router;
+    case Op::kRouterLogits: return cpu_router_logits;
+    case Op::kMoeTopK: return cpu_moe_topk;
     case Op::kMoeGateUp: return cpu_moe_gate_up;
     case Op::kMoeDown: return cpu_moe_down;
     case Op::kSituMul: return cpu_situ_mul;

@@ -1,6 +1,7 @@
-// MoE router (spec/MODEL.md §4.5 R1–R7: select with s + bias, weight with unbiased s, renormalize then
-// scale; ties go to the lower expert index) and routed experts in two ops, gate/up then down (X1–X2:
-// fp32 sum over k, one rounding; SiLU or SiTU; in LatentMoE the experts read and write the latent width).
+// MoE router in two ops, logits (spec/MODEL.md §4.5 R1: fp32, never rounded) then top-k (R2–R7: select
+// with s + bias, weight with unbiased s, renormalize then scale; ties go to the lower expert index), and
+// routed experts in two ops, gate/up then down (X1–X2: fp32 sum over k, one rounding; SiLU or SiTU; in
+// LatentMoE the experts read and write the latent width).
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -23,18 +24,30 @@ std::vector<int64_t> top_indices(const std::vector<float>& values, int64_t count
 
 }  // namespace
 
-void cpu_moe_router(OpContext& ctx) {
+// Columns [begin, end) of the logits [T, E]: ℓ = x·W_eᵀ with W upcast exactly and fp32 accumulation
+// (R1: HF upcasts both operands), kept in fp32 for moe_topk.
+void cpu_router_logits(OpContext& ctx) {
   const TensorView& weight = *ctx.weights[0]->parts[0];
-  const TensorView& bias = *ctx.weights[1]->parts[0];
+  const int64_t hidden = ctx.inputs[0].width;
+  for (int64_t t = 0; t < ctx.rows; ++t) {
+    const float* x = ctx.in(0, t);
+    float* out = ctx.out_row(t);
+    for (int64_t e = ctx.begin(); e < ctx.end(); ++e) out[e] = dot_weight_row(weight, e, x, hidden);
+  }
+}
+
+// Logits [T, E] → [T, 2k]: k routing weights, then k expert ids (exact in fp32). Runs whole.
+void cpu_moe_topk(OpContext& ctx) {
+  const TensorView& bias = *ctx.weights[0]->parts[0];
   const Attrs& a = ctx.node.attrs;
   const int64_t experts = a.i("experts"), top_k = a.i("top_k"), groups = a.i("groups"), keep_groups = a.i("topk_groups");
   const int64_t per_group = experts / groups;
-  const int64_t hidden = ctx.inputs[0].width;
-  PLOW_CHECK(ctx.begin() == 0 && ctx.end() == ctx.node.width, "{}: the router runs whole (top-k spans all experts)", ctx.node.label);
+  PLOW_CHECK(ctx.begin() == 0 && ctx.end() == ctx.node.width, "{}: moe_topk runs whole (top-k spans all experts)", ctx.node.label);
+  PLOW_CHECK(ctx.inputs[0].width == experts, "{}: {} logits for {} experts", ctx.node.label, ctx.inputs[0].width, experts);
   std::vector<float> scores(static_cast<size_t>(experts)), choice(static_cast<size_t>(experts));
   for (int64_t t = 0; t < ctx.rows; ++t) {
-    const float* x = ctx.in(0, t);
-    for (int64_t e = 0; e < experts; ++e) scores[static_cast<size_t>(e)] = dot_weight_row(weight, e, x, hidden);  // fp32 logits
+    const float* logits = ctx.in(0, t);
+    std::copy(logits, logits + experts, scores.begin());
     if (a.get("softmax") != 0.0) {
       const float max_logit = *std::max_element(scores.begin(), scores.end());
       float total = 0.0f;

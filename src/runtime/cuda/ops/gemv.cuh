@@ -1,5 +1,6 @@
 // Weight-streaming op bodies: embedding, x·Wᵀ and its fused forms (norm / activation / gated norm in
-// the prologue, residual add or gate·up activation in the epilogue), and the routed experts.
+// the prologue, residual add or gate·up activation in the epilogue), the router logits and the routed
+// experts.
 // Shape of the work: a task owns output columns [col_begin, col_end); one warp per column streams that
 // weight row with 16-byte non-allocating loads (four in flight per lane) against up to kMaxGroup
 // token rows staged in shared memory (fp32, already rounded as the CPU rounds them), fp32 accumulate,
@@ -266,6 +267,12 @@ __device__ __forceinline__ auto store_rounded(const TaskCtx& ctx) {
 // kLinear: out = x·Wᵀ.
 __device__ void op_linear(const TaskCtx& ctx) {
   gemv_task<1, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; }, store_rounded(ctx));
+}
+
+// kRouterLogits: logits = x·Wᵀ in fp32, never rounded (moe_topk reads them). attrs: none.
+__device__ void op_router_logits(const TaskCtx& ctx) {
+  gemv_task<1, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; },
+                      [&ctx](int t, int64_t c, const float* dots) { ctx.out(t)[c] = dots[0]; });
 }
 
 // kNormLinear: linear(rms_norm(x; w); W). attr0 = ε.

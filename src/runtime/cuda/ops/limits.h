@@ -7,9 +7,8 @@ namespace plow::cuda {
 inline constexpr int kKdaMaxHeadDim = 128;      // KDA state of one head on chip: 128×128 fp32 in registers
 inline constexpr int kMlaMaxRank = 512;         // kv_lora_rank (Kimi Linear, K3: 512)
 inline constexpr int kMlaMaxLatent = 576;       // rank + rope (512 + 64)
-inline constexpr int kRouterMaxExperts = 1024;  // router candidates: 32 per lane
+inline constexpr int kRouterMaxExperts = 1024;  // moe_topk candidates: 32 per lane
 inline constexpr int kRouterMaxTopK = 64;
-inline constexpr int kRouterMaxHidden = 24576;  // 8 staged rows in the scratch past the selection buffers
 inline constexpr int kShortConvMaxKernel = 64;
 
 }  // namespace plow::cuda

@@ -1,20 +1,19 @@
-// MoE router (spec/MODEL.md §4.5 R1–R7; cpu: ops/moe.cpp cpu_moe_router), one task for the whole op:
-// fp32 logits, sigmoid or softmax scores, selection on score + bias with group-limited top-k (group
-// score = sum of its top-2), weights from the unbiased scores, renormalized then scaled. Ties go to the
-// lower index, as the CPU's stable sort: every top-k here is an iterative argmax whose comparison
-// prefers the lower index on equal values (−∞ included), which yields the stable order.
+// MoE top-k (spec/MODEL.md §4.5 R2–R7; cpu: ops/moe.cpp cpu_moe_topk), one task for the whole op, one
+// warp per token row: sigmoid or softmax scores of the fp32 logits (router_logits, a GEMV in gemv.cuh),
+// selection on score + bias with group-limited top-k (group score = sum of its top-2), weights from the
+// unbiased scores, renormalized then scaled. Ties go to the lower index, as the CPU's stable sort: every
+// top-k here is an iterative argmax whose comparison prefers the lower index on equal values (−∞
+// included), which yields the stable order.
 #pragma once
 
 #include <climits>
 
 #include "runtime/cuda/ops/common.cuh"
-#include "runtime/cuda/ops/gemv.cuh"
 #include "runtime/cuda/ops/limits.h"
 
 namespace plow::cuda {
 
 inline constexpr int kRouterPerLane = kRouterMaxExperts / 32;
-inline constexpr int kRouterRowGroup = 8;                     // rows sharing one pass over a router row
 
 struct RouterArgs {
   int experts, top_k, groups, keep_groups;
@@ -31,44 +30,10 @@ __device__ __forceinline__ void warp_argmax(float& value, int& index) {
   }
 }
 
-// logits[r·E + e] = x[t0 + r]·W[e] (fp32) for rows r < rows: up to 8 rows staged in the block's
-// scratch (past the selection buffers), then one warp per expert streams its weight row with the GEMV
-// family's 16-byte loads (lane_dot) against all staged rows.
-inline constexpr int64_t kRouterStageOffset = 65536;  // floats of scratch before the staged rows
-
-__device__ inline void router_logits(const TaskCtx& ctx, int experts, int t0, int rows, float* logits) {
-  const DeviceWeight& weight = ctx.weight(0);  // [E, H]
-  const int hidden = static_cast<int>(ctx.in_width(0));
-  const int ld = (hidden + 3) & ~3;
-  float* xs = ctx.scratch + kRouterStageOffset;
-  const int lane = lane_id();
-  for (int r0 = 0; r0 < rows; r0 += kRouterRowGroup) {
-    const int count = rows - r0 < kRouterRowGroup ? rows - r0 : kRouterRowGroup;
-    __syncthreads();  // the previous group's readers are done with xs
-    stage_rows(ctx, 0, xs, ld, t0 + r0, count, padded(count));
-    __syncthreads();
-    for (int e = warp_id(); e < experts; e += kWarps) {
-      float acc[kRouterRowGroup] = {};
-      if (count == 1) {
-        float one[1] = {0.0f};
-        lane_dot<1>(weight, 0, e, xs, ld, hidden, one);
-        acc[0] = one[0];
-      } else {
-        lane_dot<kRouterRowGroup>(weight, 0, e, xs, ld, hidden, acc);
-      }
-#pragma unroll
-      for (int r = 0; r < kRouterRowGroup; ++r) {
-        const float total = warp_sum(acc[r]);
-        if (lane == 0 && r < count) logits[(r0 + r) * experts + e] = total;
-      }
-    }
-  }
-}
-
-// Selects and weights the experts of one row (one warp). logits: the row's E logits (shared memory,
-// left intact); buf: this warp's scratch (E choice values, then G group scores, then top_k ids).
+// Selects and weights the experts of one row (one warp). logits: the row's E logits (the input row in
+// the arena, read only); buf: this warp's scratch (E choice values, then G group scores, then top_k ids).
 __device__ inline void router_select_row(const TaskCtx& ctx, const RouterArgs& a, const float* logits, float* buf, float* out) {
-  const DeviceWeight& bias = ctx.weight(1);
+  const DeviceWeight& bias = ctx.weight(0);
   const int lane = lane_id(), experts = a.experts;
   float max_logit = 0.0f, soft_total = 1.0f;
   if (a.softmax) {
@@ -153,10 +118,10 @@ __device__ inline void router_select_row(const TaskCtx& ctx, const RouterArgs& a
   __syncwarp();
 }
 
-// kMoeRouter (whole): x [T, H] → [T, 2k] fp32: k weights, then k expert ids (exact in fp32).
+// kMoeTopK (whole): logits [T, E] fp32 → [T, 2k] fp32: k weights, then k expert ids (exact in fp32).
 // attrs: [0] experts, [1] top_k, [2] groups, [3] topk_groups, [4] renormalize, [5] scale, [6] softmax.
-// Weights W [E, H], bias [E]. Requires E ≤ 1024, top_k ≤ 64, groups | E (pack_misc_attrs checks).
-__device__ inline void op_moe_router(const TaskCtx& ctx) {
+// Weight: bias [E]. Requires E ≤ 1024, top_k ≤ 64, groups | E (pack_misc_attrs checks).
+__device__ inline void op_moe_topk(const TaskCtx& ctx) {
   RouterArgs a;
   a.experts = static_cast<int>(ctx.attr(0));
   a.top_k = static_cast<int>(ctx.attr(1));
@@ -165,16 +130,8 @@ __device__ inline void op_moe_router(const TaskCtx& ctx) {
   a.renormalize = ctx.attr(4) != 0.0f;
   a.scale = ctx.attr(5);
   a.softmax = ctx.attr(6) != 0.0f;
-  float* logits = smem_floats(ctx);
-  const int tile = (kSharedBytes / 4) / a.experts;  // rows of logits per tile
   float* buf = ctx.scratch + warp_id() * (a.experts + a.groups + a.top_k);
-  for (int t0 = 0; t0 < ctx.rows(); t0 += tile) {
-    const int rows = ctx.rows() - t0 < tile ? ctx.rows() - t0 : tile;
-    router_logits(ctx, a.experts, t0, rows, logits);
-    __syncthreads();
-    for (int r = warp_id(); r < rows; r += kWarps) router_select_row(ctx, a, logits + r * a.experts, buf, ctx.out(t0 + r));
-    __syncthreads();  // logits are rewritten by the next tile
-  }
+  for (int t = warp_id(); t < ctx.rows(); t += kWarps) router_select_row(ctx, a, ctx.in(0, t), buf, ctx.out(t));
 }
 
 }  // namespace plow::cuda
