@@ -15,7 +15,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 CMAKE_FLAGS ?=
 
-.PHONY: setup build run test test-asan test-tsan test-gpu clean
+.PHONY: setup build run test test-asan test-tsan test-gpu test-multigpu clean
 
 setup:
 	@bash scripts/setup.sh
@@ -51,7 +51,11 @@ test-tsan: setup
 	cd $(TSAN_BUILD) && TSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j $(JOBS) -L plan -R 'Stress|PlanBatch'
 
 test-gpu: build
-	cd $(BUILD) && ctest --output-on-failure -L gpu
+	cd $(BUILD) && ctest --output-on-failure -L gpu -LE multigpu
+
+# Tensor parallelism over NCCL: needs two or more GPUs (fails on fewer).
+test-multigpu: build
+	cd $(BUILD) && ctest --output-on-failure -L multigpu
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD)
