@@ -23,45 +23,16 @@
 #include "runtime/cpu/interpreter.h"
 #include "serve/server.h"
 #include "serve/tokenizer.h"
+#include "server_test_util.h"
 
 namespace {
 
 using nlohmann::json;
 using namespace plow;
+using server_test::Running;
 namespace fs = std::filesystem;
 
-// tiny-kimi-linear plus the byte-level tokenizer and chat template of tiny-kimi-linear-chat.
-fs::path make_model_dir() {
-  const fs::path dir = fs::temp_directory_path() / fmt::format("plow_server_test_{}", ::getpid()) / "tiny-kimi-linear-chat";
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  const fs::path data(PLOW_TEST_DATA);
-  for (const auto& entry : fs::directory_iterator(data / "tiny-kimi-linear")) fs::copy(entry.path(), dir / entry.path().filename());
-  for (const char* name : {"tokenizer.json", "tokenizer_config.json"}) fs::copy(data / "tiny-kimi-linear-chat" / name, dir / name);
-  return dir;
-}
-
-struct Running {
-  std::unique_ptr<Server> server;
-  int port = 0;
-  std::thread thread;
-
-  explicit Running(ServeOptions options) {
-    options.port = 0;
-    server = std::make_unique<Server>(std::move(options));
-    port = server->bind();
-    thread = std::thread([this] { server->run(); });
-  }
-  ~Running() {
-    server->shutdown();
-    thread.join();
-  }
-  httplib::Client client() const {
-    httplib::Client c("127.0.0.1", port);
-    c.set_read_timeout(60, 0);
-    return c;
-  }
-};
+fs::path make_model_dir() { return server_test::make_model_dir(PLOW_TEST_DATA); }
 
 class ServerTest : public ::testing::Test {
  protected:

@@ -508,6 +508,66 @@ void CudaBackend::reset_slot(int slot) {
   m.contexts[static_cast<size_t>(slot)] = 0;
 }
 
+SlotSnapshot CudaBackend::save_slot(int slot, int64_t rows_begin) const {
+  const Impl& m = *impl_;
+  m.use_device();
+  const int64_t tokens = context_tokens(slot);
+  if (rows_begin < 0 || rows_begin > tokens) fail("save_slot: rows_begin {} outside the slot's 0..{} tokens", rows_begin, tokens);
+  SlotSnapshot snap;
+  snap.tokens = tokens;
+  snap.rows_begin = rows_begin;
+  const std::vector<StateDecl>& decls = m.plans.front()->plan.states;
+  for (size_t i = 0; i < m.states.size(); ++i) {
+    const DeviceState& s = m.states[i];
+    const float* base = s.base + slot * s.slot_floats;
+    std::vector<float> host;
+    if (decls[i].kind == StateKind::kMlaLatent) {
+      host.resize(static_cast<size_t>((tokens - rows_begin) * s.width));
+      base += rows_begin * s.width;
+    } else {
+      host.resize(static_cast<size_t>(s.slot_floats));
+    }
+    if (!host.empty()) check(cudaMemcpyAsync(host.data(), base, host.size() * sizeof(float), cudaMemcpyDeviceToHost, m.stream), "slot snapshot");
+    const bool rows = decls[i].kind == StateKind::kMlaLatent;
+    snap.row_floats.push_back(rows ? s.width : 0);
+    snap.fixed.push_back(rows ? std::vector<float>{} : std::move(host));
+    snap.rows.push_back(rows ? std::move(host) : std::vector<float>{});
+  }
+  check(cudaStreamSynchronize(m.stream), "slot snapshot");
+  return snap;
+}
+
+void CudaBackend::restore_slot(int slot, const SlotSnapshot& snapshot) {
+  Impl& m = *impl_;
+  m.use_device();
+  if (slot < 0 || slot >= num_slots()) fail("restore_slot: slot {} outside 0..{}", slot, num_slots() - 1);
+  if (snapshot.rows_begin != 0) fail("restore_slot: the snapshot starts at row {}, a restore needs every row from 0", snapshot.rows_begin);
+  if (snapshot.tokens < 0 || snapshot.tokens > m.options.max_context_tokens) {
+    fail("restore_slot: the snapshot holds {} tokens, the maximum context is {}", snapshot.tokens, m.options.max_context_tokens);
+  }
+  const std::vector<StateDecl>& decls = m.plans.front()->plan.states;
+  if (snapshot.fixed.size() != decls.size() || snapshot.rows.size() != decls.size()) {
+    fail("restore_slot: the snapshot has {} states, this model {}", snapshot.fixed.size(), decls.size());
+  }
+  for (size_t i = 0; i < m.states.size(); ++i) {
+    const DeviceState& s = m.states[i];
+    const bool rows = decls[i].kind == StateKind::kMlaLatent;
+    const std::vector<float>& source = rows ? snapshot.rows[i] : snapshot.fixed[i];
+    const auto expected = static_cast<size_t>(rows ? snapshot.tokens * s.width : s.slot_floats);
+    if (source.size() != expected) fail("restore_slot: state '{}' has {} floats in the snapshot, expected {}", decls[i].label, source.size(), expected);
+  }
+  for (size_t i = 0; i < m.states.size(); ++i) {
+    const DeviceState& s = m.states[i];
+    const bool rows = decls[i].kind == StateKind::kMlaLatent;
+    const std::vector<float>& source = rows ? snapshot.rows[i] : snapshot.fixed[i];
+    if (!source.empty()) {
+      check(cudaMemcpyAsync(s.base + slot * s.slot_floats, source.data(), source.size() * sizeof(float), cudaMemcpyHostToDevice, m.stream), "slot restore");
+    }
+  }
+  check(cudaStreamSynchronize(m.stream), "slot restore");
+  m.contexts[static_cast<size_t>(slot)] = snapshot.tokens;
+}
+
 StepOutput CudaBackend::step(const StepInputs& inputs) {
   Impl& m = *impl_;
   m.use_device();

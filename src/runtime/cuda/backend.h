@@ -70,6 +70,11 @@ class CudaBackend : public Backend {
   int64_t context_tokens(int slot) const override;
   int num_slots() const override;
   DType act_dtype() const override;
+  // Prefix caching: the slot's states copied to and from the host (conv windows and KDA state whole,
+  // MLA latent rows from rows_begin), exact floats, so a restored slot continues bit-identically.
+  bool has_snapshots() const override { return true; }
+  SlotSnapshot save_slot(int slot, int64_t rows_begin) const override;
+  void restore_slot(int slot, const SlotSnapshot& snapshot) override;
 
   // Whether the device has a body for `opcode`.
   static bool has_op(uint8_t opcode);
