@@ -25,6 +25,7 @@
 
 #include "core/error.h"
 #include "engine/plans.h"
+#include "engine/tensor_parallel.h"
 #include "runtime/cuda/backend.h"
 #include "runtime/cuda/nccl_comm.h"
 
@@ -141,6 +142,35 @@ std::unique_ptr<Backend> make_cuda_serving_backend(const LoadedModel& model, int
   options.max_context_tokens = max_context;
   options.eager = eager;
   return std::make_unique<cuda::CudaBackend>(model.graph, cuda::upload_weights(model.graph, *model.weights), std::move(plans), options);
+}
+
+std::unique_ptr<Backend> make_cuda_tp_serving_backend(const std::string& model_dir, int tp, int num_slots, int64_t max_context, int64_t max_step_tokens,
+                                                      bool eager, int workers) {
+  std::shared_ptr<std::vector<std::unique_ptr<cuda::NcclComm>>> comms = std::make_shared<std::vector<std::unique_ptr<cuda::NcclComm>>>(cuda::NcclComm::init_all(tp));
+  std::vector<TpRank> ranks;
+  for (int r = 0; r < tp; ++r) {
+    if (cudaSetDevice(r) != cudaSuccess) fail("serve --tp {}: cannot select GPU {}", tp, r);
+    TpRank rank;
+    rank.model = LoadedModel::load(model_dir, {r, tp});
+    const int blocks = workers > 0 ? workers : cuda::CudaBackend::sm_count(r);
+    cuda::CudaOptions options;
+    options.act_dtype = rank.model->weights->storage_dtype();
+    options.num_slots = num_slots;
+    options.max_context_tokens = max_context;
+    options.eager = eager;
+    options.device = r;
+    options.comm = (*comms)[static_cast<size_t>(r)].get();
+    rank.backend = std::make_unique<cuda::CudaBackend>(rank.model->graph, cuda::upload_weights(rank.model->graph, *rank.model->weights),
+                                                       compile_serving_plans(*rank.model, num_slots, max_context, max_step_tokens, blocks), options);
+    ranks.push_back(std::move(rank));
+  }
+  TpGroupControl control;
+  control.abort = [c = comms.get()] {
+    for (auto& comm : *c) comm->abort();
+  };
+  control.abort_after = std::chrono::seconds(30);  // an aborted NCCL group is gone: give healthy ranks time
+  control.keep_alive = comms;
+  return std::make_unique<TensorParallelBackend>(std::move(ranks), std::move(control));
 }
 
 void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {

@@ -23,6 +23,11 @@ std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, DType act, 
 std::unique_ptr<Backend> make_cuda_serving_backend(const LoadedModel& model, int num_slots, int64_t max_context, int64_t max_step_tokens, bool eager,
                                                    int workers);
 
+// The server's backend on `tp` GPUs: one rank per GPU, as threads of this process with NCCL
+// communicators, each with the plans of make_cuda_serving_backend over its block of the model.
+std::unique_ptr<Backend> make_cuda_tp_serving_backend(const std::string& model_dir, int tp, int num_slots, int64_t max_context, int64_t max_step_tokens,
+                                                      bool eager, int workers);
+
 struct BenchDecodeArgs {
   std::string model_dir, config_path;
   bool random_weights = false;

@@ -12,6 +12,10 @@ std::unique_ptr<Backend> make_cuda_serving_backend(const LoadedModel&, int, int6
   fail("--backend cuda: this build of plow has no cuda backend (configure with a CUDA toolkit and -DPLOW_CUDA=ON)");
 }
 
+std::unique_ptr<Backend> make_cuda_tp_serving_backend(const std::string&, int, int, int64_t, int64_t, bool, int) {
+  fail("--backend cuda: this build of plow has no cuda backend (configure with a CUDA toolkit and -DPLOW_CUDA=ON)");
+}
+
 void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
   cmd->add_option("--config", args.config_path, "config.json of a model to draw on the device");
   cmd->allow_extras();

@@ -312,17 +312,17 @@ int run_inspect_plan(const std::string& path, const std::string& dtype) {
 // plow serve: SIGTERM/SIGINT stop accepting, finish in-flight requests, exit 0. The signals are
 // blocked in every thread and taken by one waiter thread (no async-signal-safety concerns).
 // serve --backend: the CPU reference (default), compiled plans on worker threads, or the GPU.
-// serve --tp N: N simulated tensor-parallel ranks on the CPU backends.
+// serve --tp N: N tensor-parallel ranks (cuda: one GPU each, NCCL; cpu, cpu-plan: simulated ranks).
 void choose_serve_backend(ServeOptions& options, const std::string& backend, int workers, int tp) {
   if (workers < 0) fail("--workers must be >= 1, found {}", workers);
   if (tp < 1 || tp > 8) fail("--tp {}: expected 1..8", tp);
   if (tp > 1) {
     if (backend == "cuda" || backend == "cuda-eager") {
-      // The ranks of one server process (threads, NCCL communicators from ncclCommInitAll) failed
-      // NCCL's connection setup on the lent 2×H200 machine; one process per GPU works there (bench
-      // decode --tp, the multigpu tests). The server's per-process ranks are not built yet.
-      fail("serve --tp {} --backend {}: not available yet (GPU ranks run one process per GPU: plow bench decode --tp); "
-           "--tp with --backend cpu or cpu-plan runs simulated ranks", tp, backend);
+      const bool eager = backend == "cuda-eager";
+      options.make_backend = [workers, eager, tp](const LoadedModel& model, int slots, int64_t max_context, int64_t step_tokens) {
+        return tools::make_cuda_tp_serving_backend(model.checkpoint->dir(), tp, slots, max_context, step_tokens, eager, workers);
+      };
+      return;
     }
     if (backend != "cpu" && backend != "cpu-plan") fail("--backend '{}': expected cpu, cpu-plan, cuda or cuda-eager", backend);
     const bool plans = backend == "cpu-plan";
@@ -445,7 +445,7 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--backend", serve_backend, "cpu (the reference), cpu-plan (compiled plans on worker threads), cuda or cuda-eager");
   serve_cmd->add_option("--workers", serve_workers, "cpu-plan: worker threads; cuda: megakernel blocks (default: one per core / SM)");
   int serve_tp = 1;
-  serve_cmd->add_option("--tp", serve_tp, "tensor-parallel ranks (cpu, cpu-plan: simulated ranks joined in this process)");
+  serve_cmd->add_option("--tp", serve_tp, "tensor-parallel ranks: cuda: one GPU each, NCCL, threads of this process; cpu, cpu-plan: simulated ranks");
   serve_cmd->add_option("--prefix-cache-mb", serve.prefix_cache_mb, "prefix cache memory budget in MiB (0: no prefix cache; default 512)");
   serve_cmd->add_flag("--debug-endpoints", serve.debug_endpoints, "serve GET /debug/integrity (slot and page manager check)");
 

@@ -1,7 +1,9 @@
 #include "engine/tensor_parallel.h"
 
 #include <exception>
+#include <condition_variable>
 #include <future>
+#include <mutex>
 
 #include "core/error.h"
 
@@ -22,32 +24,38 @@ TensorParallelBackend::TensorParallelBackend(std::vector<TpRank> ranks, TpGroupC
 TensorParallelBackend::~TensorParallelBackend() = default;
 
 void TensorParallelBackend::on_every_rank(const std::function<void(int)>& fn) {
+  // The first failure is the cause. A rank that fails gives the others control_.abort_after to finish
+  // (they fail the same way when the input was at fault); ranks still running then are waiting in a
+  // collective for it, and the group is aborted so that they fail instead of hanging.
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::exception_ptr first;
+  int finished = 0;
   auto guarded = [&](int r) {
     try {
       fn(r);
     } catch (...) {
-      if (control_.abort) control_.abort();  // ranks waiting in a collective give up
-      throw;
+      std::unique_lock lock(mutex);
+      if (!first) first = std::current_exception();
+      finished += 1;
+      cv.notify_all();
+      if (!cv.wait_for(lock, control_.abort_after, [&] { return finished == size(); }) && control_.abort) {
+        lock.unlock();
+        control_.abort();
+      }
+      return;
     }
+    const std::lock_guard lock(mutex);
+    finished += 1;
+    cv.notify_all();
   };
   std::vector<std::future<void>> others;
   for (int r = 1; r < size(); ++r) others.push_back(std::async(std::launch::async, guarded, r));
-  std::exception_ptr error;
-  try {
-    guarded(0);
-  } catch (...) {
-    error = std::current_exception();
-  }
-  for (auto& f : others) {
-    try {
-      f.get();
-    } catch (...) {
-      if (!error) error = std::current_exception();
-    }
-  }
-  if (error) {
+  guarded(0);
+  for (auto& f : others) f.get();
+  if (first) {
     if (control_.reset) control_.reset();
-    std::rethrow_exception(error);
+    std::rethrow_exception(first);
   }
 }
 

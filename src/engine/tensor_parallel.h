@@ -5,6 +5,7 @@
 // path of the sharding math) or NCCL communicators (one GPU per rank, built in runtime/cuda).
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -20,10 +21,13 @@ struct TpRank {
   std::unique_ptr<Backend> backend;
 };
 
-// What joins the ranks: `abort` is called as soon as one rank's step fails (ranks blocked in a
-// collective must give up instead of hanging), `reset` before the next step after a failure.
+// What joins the ranks: `abort` is called when one rank's step failed and other ranks are still
+// running `abort_after` later (blocked in a collective, they must give up instead of hanging); `reset`
+// before the next step after a failure. A LocalGroup aborts at once and resets; an aborted NCCL group
+// is gone, so it waits long enough for healthy ranks to finish their step.
 struct TpGroupControl {
   std::function<void()> abort;
+  std::chrono::milliseconds abort_after{0};
   std::function<void()> reset;
   std::shared_ptr<void> keep_alive;  // the group object the ranks' backends use
 };
@@ -33,8 +37,9 @@ class TensorParallelBackend : public Backend {
   TensorParallelBackend(std::vector<TpRank> ranks, TpGroupControl control);
   ~TensorParallelBackend() override;
 
-  // Every rank runs the step; logits rows are the ranks' blocks side by side (rank order). A failing
-  // rank aborts the group; the first error is rethrown and the step's slots are undefined.
+  // Every rank runs the step; logits rows are the ranks' blocks side by side (rank order). The first
+  // rank's error is rethrown (see TpGroupControl for when the group is aborted); the step's slots are
+  // then undefined.
   StepOutput step(const StepInputs& inputs) override;
   void reset_slot(int slot) override;
   int64_t context_tokens(int slot) const override;

@@ -24,6 +24,8 @@
 #include "core/error.h"
 #include "engine/generate.h"
 #include "engine/plans.h"
+#include "engine/sampler.h"
+#include "engine/tensor_parallel.h"
 #include "runtime/cuda/backend.h"
 #include "runtime/cuda/nccl_comm.h"
 
@@ -167,6 +169,61 @@ TEST_P(TensorParallelCuda, TwoRanksEmitTheReferenceTokensAndAgreeEveryStep) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, TensorParallelCuda, ::testing::Combine(::testing::Values(1, 3), ::testing::Bool()),
                          [](const auto& mode) { return fmt::format("batch{}_{}", std::get<0>(mode.param), std::get<1>(mode.param) ? "eager" : "megakernel"); });
+
+// The ranks as threads of one process (what `plow serve --tp 2 --backend cuda` builds): TensorParallelBackend
+// over two CudaBackends with communicators from ncclCommInitAll. Tokens from the gathered logits equal
+// the reference, and each rank's device fold agrees with them at every step.
+TEST(TensorParallelCudaThreads, TwoRanksInOneProcessEmitTheReferenceTokens) {
+  int devices = 0;
+  ASSERT_TRUE(cudaGetDeviceCount(&devices) == cudaSuccess && devices >= kRanks) << "this test needs " << kRanks << " GPUs";
+  for (const std::string& dir : model_dirs()) {
+    SCOPED_TRACE(dir);
+    auto comms = cuda::NcclComm::init_all(kRanks);
+    std::vector<TpRank> ranks;
+    std::vector<cuda::CudaBackend*> cudas;
+    const int batch = 2;
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      TpRank rank;
+      rank.model = LoadedModel::load(dir, {r, kRanks});
+      const int workers = cuda::CudaBackend::sm_count(r);
+      std::vector<Plan> plans = {compile_plan(*rank.model, PlanPhase::kDecode, batch, workers, kMaxContext),
+                                 compile_plan(*rank.model, PlanPhase::kPrefill, 64, workers, kMaxContext)};
+      cuda::CudaOptions options;
+      options.act_dtype = DType::F32;
+      options.num_slots = batch;
+      options.max_context_tokens = kMaxContext;
+      options.device = r;
+      options.comm = comms[static_cast<size_t>(r)].get();
+      auto backend = std::make_unique<cuda::CudaBackend>(rank.model->graph, cuda::upload_weights(rank.model->graph, *rank.model->weights),
+                                                         std::move(plans), options);
+      cudas.push_back(backend.get());
+      rank.backend = std::move(backend);
+      ranks.push_back(std::move(rank));
+    }
+    TensorParallelBackend group(std::move(ranks), {});
+    const int64_t vocab = LoadedModel::describe((fs::path(dir) / "config.json").string())->config.vocab_size;
+    std::vector<std::vector<int32_t>> prompts = {prompt(0, vocab, 7), prompt(1, vocab, 12)};
+    std::vector<std::vector<int32_t>> got(batch);
+    StepInputs step;
+    for (int s = 0; s < batch; ++s) {
+      step.token_ids.insert(step.token_ids.end(), prompts[static_cast<size_t>(s)].begin(), prompts[static_cast<size_t>(s)].end());
+      step.sequences.push_back({s, static_cast<int64_t>(prompts[static_cast<size_t>(s)].size())});
+    }
+    for (int64_t i = 0; i < kSteps; ++i) {
+      const StepOutput out = group.step(step);
+      step = {};
+      for (int s = 0; s < batch; ++s) {
+        const int32_t token = argmax(std::span<const float>(out.logits.data() + s * out.vocab, static_cast<size_t>(out.vocab)));
+        for (cuda::CudaBackend* rank : cudas) ASSERT_EQ(rank->last_folded_argmax().at(static_cast<size_t>(s)), token) << "step " << i;
+        got[static_cast<size_t>(s)].push_back(token);
+        step.token_ids.push_back(token);
+        step.sequences.push_back({s, 1});
+      }
+    }
+    for (int s = 0; s < batch; ++s) EXPECT_EQ(got[static_cast<size_t>(s)], reference_run(dir, prompts[static_cast<size_t>(s)])) << "sequence " << s;
+  }
+}
 
 // A plan of a rank needs a communicator: without one the backend refuses it at construction.
 TEST(TensorParallelCudaPlans, ARanksPlanWithoutACommunicatorIsRefused) {

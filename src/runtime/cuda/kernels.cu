@@ -3,6 +3,9 @@
 // argmax and the random weight fill.
 #include "runtime/cuda/kernels.h"
 
+#include <mutex>
+#include <set>
+
 #include "graph/op_table.h"
 #include "runtime/cuda/device.cuh"
 #include "runtime/cuda/ops/gemv.cuh"
@@ -261,13 +264,19 @@ void check_launch(const char* what) {
 bool device_has_op(int opcode) { return opcode >= 0 && opcode < static_cast<int>(Op::kCount) && host_has_op(static_cast<Op>(opcode)); }
 
 void configure_kernels() {
-  static bool done = false;
-  if (done) return;
+  // The limit is a property of the kernel on one device: once per device (tensor-parallel ranks of one
+  // process use several).
+  static std::mutex mutex;
+  static std::set<int> done;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) cuda_failure("querying the current device", cudaGetLastError());
+  const std::lock_guard lock(mutex);
+  if (done.count(device)) return;
   for (const void* kernel : {reinterpret_cast<const void*>(megakernel), reinterpret_cast<const void*>(eager_kernel)}) {
     const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
     if (error != cudaSuccess) cuda_failure("raising the kernels' shared memory limit", error);
   }
-  done = true;
+  done.insert(device);
 }
 
 void launch_megakernel(const KernelParams& params, int workers, cudaStream_t stream) {

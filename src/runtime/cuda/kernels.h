@@ -41,7 +41,7 @@ struct KernelParams {
 bool device_has_op(int opcode);
 // A failed CUDA call or launch: plow::Error naming `what` (defined in backend.cpp, outside nvcc's view of fmt).
 [[noreturn]] void cuda_failure(const char* what, cudaError_t error);
-void configure_kernels();  // raises the dynamic shared-memory limits (once per process)
+void configure_kernels();  // raises the dynamic shared-memory limits (once per device, on the current one)
 void launch_megakernel(const KernelParams& params, int workers, cudaStream_t stream);
 void launch_eager(const KernelParams& params, int first_instr, int count, cudaStream_t stream);
 // For each sequence s: the argmax (lowest index on ties) of logits row (first_row[s] + tokens[s] − 1)

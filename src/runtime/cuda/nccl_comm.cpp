@@ -31,6 +31,18 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int size, int device)
   check_nccl(ncclCommInitRank(&comm_, size, id, rank), "joining the group");
 }
 
+std::vector<std::unique_ptr<NcclComm>> NcclComm::init_all(int size) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < size) fail("nccl: {} ranks need {} GPUs, this machine has {}", size, size, devices);
+  std::vector<ncclComm_t> comms(static_cast<size_t>(size));
+  std::vector<int> ids(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) ids[static_cast<size_t>(r)] = r;
+  check_nccl(ncclCommInitAll(comms.data(), size, ids.data()), "creating the group");
+  std::vector<std::unique_ptr<NcclComm>> ranks;
+  for (int r = 0; r < size; ++r) ranks.push_back(std::unique_ptr<NcclComm>(new NcclComm(comms[static_cast<size_t>(r)], r, size, r)));
+  return ranks;
+}
+
 NcclComm::~NcclComm() {
   if (comm_ == nullptr) return;
   if (aborted_) return;  // ncclCommAbort released it

@@ -1,13 +1,15 @@
 // One rank's NCCL communicator (DESIGN.md §5): the all_reduce of a rank's partial sums between
-// megakernel segments and the all-gather of the argmax fold. Ranks are one process per GPU; the id
-// travels through a file (tools/cuda_commands.cpp, tests/gpu/cuda_tp_test.cpp). Ranks as threads of
-// one process (ncclCommInitAll) failed NCCL's proxy connection setup on the lent 2×H200 machine.
+// megakernel segments and the all-gather of the argmax fold. Ranks are one process per GPU (the id
+// travels through a file: tools/cuda_commands.cpp, tests/gpu/cuda_tp_test.cpp) or threads of one
+// process (init_all).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 struct ncclComm;  // nccl.h stays inside nccl_comm.cpp
 
@@ -19,6 +21,8 @@ class NcclComm {
   static std::string new_unique_id();
   // Joins rank `rank` of `size` on `device` (all ranks call this with the same id, at about the same time).
   NcclComm(const std::string& unique_id, int rank, int size, int device);
+  // `size` ranks as threads of this process, on devices 0..size−1 (ncclCommInitAll).
+  static std::vector<std::unique_ptr<NcclComm>> init_all(int size);
   ~NcclComm();
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
@@ -36,6 +40,8 @@ class NcclComm {
   void abort();
 
  private:
+  NcclComm(ncclComm* comm, int rank, int size, int device) : comm_(comm), rank_(rank), size_(size), device_(device) {}
+
   ncclComm* comm_ = nullptr;
   int rank_ = 0, size_ = 1, device_ = 0;
   bool aborted_ = false;
