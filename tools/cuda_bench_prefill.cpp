@@ -130,6 +130,7 @@ void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
   cmd->add_option("--reps", args.reps, "timed runs per prompt (after one warm-up run); the median is reported");
   cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
   cmd->add_flag("--gemv-peer", args.gemv_peer, "also time today's path (fused prefill plans, GEMV bodies) on the same weights");
+  cmd->add_flag("--flops-only", args.flops_only, "print the FLOPs each prompt must do (TFLOP/s's numerator) and stop; needs no GPU");
   cmd->add_option("-o,--output", args.output, "JSON array the records are appended to");
 }
 
@@ -143,6 +144,13 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
   if (args.reps < 1) fail("--reps must be >= 1, found {}", args.reps);
   const std::unique_ptr<LoadedModel> model = LoadedModel::describe(args.config_path);
   const DType dtype = config_dtype(model->config);
+  if (args.flops_only) {
+    for (int64_t p : args.prompts) {
+      const PrefillFlops f = prefill_flops(*model, p);
+      std::cout << json{{"prompt_tokens", p}, {"dense", f.dense}, {"experts_routed", f.experts}, {"attention_qk_pv", f.attention}, {"total", f.total()}}.dump() << "\n";
+    }
+    return 0;
+  }
   const int gpu = 0;
   const int sms = cuda::CudaBackend::sm_count(gpu);
   const int workers = args.workers > 0 ? args.workers : sms;

@@ -57,6 +57,7 @@ struct BenchPrefillArgs {
   int reps = 3;
   int workers = 0;
   bool gemv_peer = false;  // also time today's path: fused prefill plans on the GEMV bodies
+  bool flops_only = false;  // print the FLOP model per prompt and stop (no GPU)
   std::string output = "bench/results/prefill.json";
   std::string command_line;
 };
