@@ -80,15 +80,16 @@ std::vector<int32_t> prompt_ids(int64_t tokens, int64_t vocab) {
 }
 
 // Wall-clock ms of the whole prompt, chunk by chunk from an empty slot, up to the first token's logits
-// on the host; median of `reps` runs after one warm-up run.
+// on the host, per run; `reps` runs after a warm-up of the first chunk (kernels and cuBLAS loaded).
 std::vector<double> time_prompt(Backend& backend, const std::vector<int32_t>& ids, int64_t chunk, int reps) {
   std::vector<double> runs;
   for (int r = 0; r < reps + 1; ++r) {
     backend.reset_slot(0);
     const auto start = std::chrono::steady_clock::now();
-    for (size_t first = 0; first < ids.size(); first += static_cast<size_t>(chunk)) {
+    const size_t end = r == 0 ? std::min(ids.size(), static_cast<size_t>(chunk)) : ids.size();
+    for (size_t first = 0; first < end; first += static_cast<size_t>(chunk)) {
       StepInputs in;
-      in.token_ids.assign(ids.begin() + static_cast<std::ptrdiff_t>(first), ids.begin() + static_cast<std::ptrdiff_t>(std::min(ids.size(), first + static_cast<size_t>(chunk))));
+      in.token_ids.assign(ids.begin() + static_cast<std::ptrdiff_t>(first), ids.begin() + static_cast<std::ptrdiff_t>(std::min(end, first + static_cast<size_t>(chunk))));
       in.sequences = {{0, static_cast<int64_t>(in.token_ids.size())}};
       backend.step(in);
     }
@@ -127,7 +128,7 @@ void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
   cmd->add_option("--seed", args.seed, "weights' seed");
   cmd->add_option("--prompt", args.prompts, "prompt lengths in tokens, comma-separated")->delimiter(',');
   cmd->add_option("--chunk", args.chunk, "tokens per prefill step (default 1024, or the prompt when shorter)");
-  cmd->add_option("--reps", args.reps, "timed runs per prompt (after one warm-up run); the median is reported");
+  cmd->add_option("--reps", args.reps, "timed runs per prompt (after a one-chunk warm-up); the median is reported");
   cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
   cmd->add_flag("--gemv-peer", args.gemv_peer, "also time today's path (fused prefill plans, GEMV bodies) on the same weights");
   cmd->add_flag("--flops-only", args.flops_only, "print the FLOPs each prompt must do (TFLOP/s's numerator) and stop; needs no GPU");
@@ -163,25 +164,16 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
   std::cerr << fmt::format("bench prefill: {} ({} SMs), {} activations\n", device, sms, dtype_name(dtype));
 
   auto weights = cuda::random_device_weights(model->graph, args.seed, dtype);
-  std::map<int64_t, double> gemv_ms;  // per prompt: today's path, when asked for
-  if (args.gemv_peer) {
-    auto backend = make_backend(*model, weights, chunks, workers, max_context, dtype, false);
-    for (int64_t p : args.prompts) gemv_ms[p] = median(time_prompt(*backend, prompt_ids(p, model->config.vocab_size), chunk_of(p), 1));
-  }
-  json records = json::array();
   auto backend = make_backend(*model, weights, chunks, workers, max_context, dtype, true);
+  // Today's path on the same weights (its own plans and arena), timed after ours at each prompt.
+  auto gemv = args.gemv_peer ? make_backend(*model, weights, chunks, workers, max_context, dtype, false) : nullptr;
   for (int64_t p : args.prompts) {
     const int64_t chunk = chunk_of(p);
     const std::vector<double> runs = time_prompt(*backend, prompt_ids(p, model->config.vocab_size), chunk, args.reps);
     const double ttft = median(runs);
     const PrefillFlops flops = prefill_flops(*model, p);
-    const Plan* plan = nullptr;
-    for (int i = 0;; ++i) {
-      if (backend->plan(i).phase == PlanPhase::kPrefill && backend->plan(i).max_tokens == chunk) {
-        plan = &backend->plan(i);
-        break;
-      }
-    }
+    const Plan* plan = &backend->plan(1);  // plans: decode, then the prefill chunks in ascending order
+    for (int i = 2; plan->max_tokens != chunk; ++i) plan = &backend->plan(i);
     // Kernel level, at this chunk: every plain linear shape of the plan, ours vs cuBLAS alone.
     json shapes = json::array();
     double gemm_ms_per_chunk = 0;
@@ -212,16 +204,16 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"git_rev", rev},
                    {"command", args.command_line},
                    {"peers", {{"gemm_shapes", shapes}}}};
-    if (gemv_ms.count(p)) {
-      record["peers"]["gemv_path"] = {{"ttft_ms", gemv_ms[p]}, {"tflops", flops.total() / (gemv_ms[p] * 1e9)}, {"plans", "fused prefill plans, GEMV bodies (one run)"}};
+    std::cerr << fmt::format("prompt {:6d} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s\n", p, chunk, ttft,
+                             static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9));
+    if (gemv) {
+      const double ms = median(time_prompt(*gemv, prompt_ids(p, model->config.vocab_size), chunk, 1));
+      record["peers"]["gemv_path"] = {{"ttft_ms", ms}, {"tflops", flops.total() / (ms * 1e9)}, {"plans", "fused prefill plans, GEMV bodies (one run after a one-chunk warm-up)"}};
+      std::cerr << fmt::format("  today's path (fused plans, GEMV bodies): TTFT {:9.1f} ms\n", ms);
     }
-    std::cerr << fmt::format("prompt {:6d} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s{}\n", p, chunk, ttft,
-                             static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9),
-                             gemv_ms.count(p) ? fmt::format(" (GEMV path {:.1f} ms)", gemv_ms[p]) : "");
-    records.push_back(std::move(record));
+    append_records(args.output, json::array({record}));  // each prompt's record as soon as it is measured
+    std::cout << record.dump() << "\n";
   }
-  append_records(args.output, records);
-  for (const json& record : records) std::cout << record.dump() << "\n";
   return 0;
 }
 
