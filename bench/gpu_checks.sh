@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks on a machine with an H100/H200, from binaries built elsewhere (BIN, default build/bin):
-# the three gpu test binaries, then compute-sanitizer memcheck and racecheck on a small plan (the
+# the four gpu test binaries, then compute-sanitizer memcheck and racecheck on a small plan (the
 # megakernel and eager). Logs go to OUT (default /tmp/plow-gpu); a summary is printed last.
 set -u
 BIN=${BIN:-build/bin}
@@ -18,6 +18,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,nohead
 run gemv_tests 120 "$BIN/cuda_gemv_tests"
 run ops_tests 120 "$BIN/cuda_ops_tests"
 run model_tests 300 "$BIN/cuda_model_tests"
+run prefill_tests 300 "$BIN/cuda_prefill_tests"
 small='Fixtures/CudaModelTest.RunToRunBitIdentical/tiny_kimi_linear_w7_'
 run memcheck_mega 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_model_tests" --gtest_filter="${small}mega"
 run memcheck_eager 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_model_tests" --gtest_filter="${small}eager"

@@ -47,15 +47,6 @@ std::string run_and_capture(const std::string& command, int* status = nullptr) {
   return out;
 }
 
-std::string git_revision() {
-  if (const char* env = std::getenv("PLOW_GIT_REV"); env != nullptr && *env != '\0') return env;
-  std::string rev = run_and_capture("git rev-parse --short=12 HEAD 2>/dev/null");
-  while (!rev.empty() && (rev.back() == '\n' || rev.back() == ' ')) rev.pop_back();
-  if (rev.empty()) return "unknown";
-  const std::string dirty = run_and_capture("git status --porcelain --untracked-files=no 2>/dev/null");
-  return dirty.empty() ? rev : rev + "-dirty";
-}
-
 double weight_bytes(const WeightDecl& decl, DType dtype) {
   double n = 1;
   for (int64_t d : decl.shape) n *= static_cast<double>(d);
@@ -99,6 +90,17 @@ double decode_bytes(const LoadedModel& model, int64_t batch, int64_t context, DT
   return bytes;
 }
 
+}  // namespace
+
+std::string git_revision() {
+  if (const char* env = std::getenv("PLOW_GIT_REV"); env != nullptr && *env != '\0') return env;
+  std::string rev = run_and_capture("git rev-parse --short=12 HEAD 2>/dev/null");
+  while (!rev.empty() && (rev.back() == '\n' || rev.back() == ' ')) rev.pop_back();
+  if (rev.empty()) return "unknown";
+  const std::string dirty = run_and_capture("git status --porcelain --untracked-files=no 2>/dev/null");
+  return dirty.empty() ? rev : rev + "-dirty";
+}
+
 void append_records(const std::string& path, const json& records) {
   json all = json::array();
   if (std::filesystem::exists(path)) {
@@ -117,13 +119,12 @@ void append_records(const std::string& path, const json& records) {
   if (!out) fail("{}: cannot write the benchmark records", path);
 }
 
-}  // namespace
-
 std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, DType act, int64_t max_context, int64_t prefill_chunk, bool eager, int workers) {
   if (workers <= 0) workers = cuda::CudaBackend::sm_count();
   std::vector<Plan> plans;
   plans.push_back(compile_plan(model, PlanPhase::kDecode, 1, workers, max_context));
-  if (prefill_chunk > 1) plans.push_back(compile_plan(model, PlanPhase::kPrefill, prefill_chunk, workers, max_context));
+  // Prefill plans unfused: their plain linears run as cuBLAS GEMMs (runtime/cuda/prefill_gemm.h).
+  if (prefill_chunk > 1) plans.push_back(compile_plan(model, PlanPhase::kPrefill, prefill_chunk, workers, max_context, false));
   cuda::CudaOptions options;
   options.act_dtype = act;
   options.num_slots = 1;
@@ -135,7 +136,7 @@ std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, DType act, 
 std::unique_ptr<Backend> make_cuda_serving_backend(const LoadedModel& model, int num_slots, int64_t max_context, int64_t max_step_tokens, bool eager,
                                                    int workers) {
   if (workers <= 0) workers = cuda::CudaBackend::sm_count();
-  std::vector<Plan> plans = compile_serving_plans(model, num_slots, max_context, max_step_tokens, workers);
+  std::vector<Plan> plans = compile_serving_plans(model, num_slots, max_context, max_step_tokens, workers, /*fuse_prefill=*/false);
   cuda::CudaOptions options;
   options.act_dtype = model.weights->storage_dtype();
   options.num_slots = num_slots;
@@ -161,7 +162,7 @@ std::unique_ptr<Backend> make_cuda_tp_serving_backend(const std::string& model_d
     options.device = r;
     options.comm = (*comms)[static_cast<size_t>(r)].get();
     rank.backend = std::make_unique<cuda::CudaBackend>(rank.model->graph, cuda::upload_weights(rank.model->graph, *rank.model->weights),
-                                                       compile_serving_plans(*rank.model, num_slots, max_context, max_step_tokens, blocks), options);
+                                                       compile_serving_plans(*rank.model, num_slots, max_context, max_step_tokens, blocks, /*fuse_prefill=*/false), options);
     ranks.push_back(std::move(rank));
   }
   TpGroupControl control;

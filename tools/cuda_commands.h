@@ -1,8 +1,10 @@
-// The plow subcommands and options that need the cuda backend: `generate --backend cuda|cuda-eager`
-// and `bench decode`. Builds without CUDA link cuda_commands_none.cpp, which says so.
+// The plow subcommands and options that need the cuda backend: `generate --backend cuda|cuda-eager`,
+// `bench decode` and `bench prefill` (cuda_bench_prefill.cpp). Builds without CUDA link
+// cuda_commands_none.cpp, which says so.
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <memory>
@@ -50,5 +52,27 @@ struct BenchDecodeArgs {
 
 void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args);
 int run_bench_decode(const BenchDecodeArgs& args);
+
+struct BenchPrefillArgs {
+  std::string config_path;
+  bool random_weights = false;
+  uint64_t seed = 0;
+  std::vector<int64_t> prompts{1024};
+  int64_t chunk = 0;  // 0: 1024, or the prompt when shorter
+  int reps = 3;
+  int workers = 0;
+  bool gemv_peer = false;  // also time today's path: fused prefill plans on the GEMV bodies
+  bool flops_only = false;  // print the FLOP model per prompt and stop (no GPU)
+  std::string output = "bench/results/prefill.json";
+  std::string command_line;
+};
+
+void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args);
+int run_bench_prefill(const BenchPrefillArgs& args);
+
+// Shared by the benchmarks: the short git revision (−dirty when the tree has changes; PLOW_GIT_REV
+// overrides), and records appended to the JSON array at `path` (created when missing).
+std::string git_revision();
+void append_records(const std::string& path, const nlohmann::json& records);
 
 }  // namespace plow::tools

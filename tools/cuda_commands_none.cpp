@@ -23,4 +23,11 @@ void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
 
 int run_bench_decode(const BenchDecodeArgs&) { fail("bench decode: this build of plow has no cuda backend (configure with a CUDA toolkit and -DPLOW_CUDA=ON)"); }
 
+void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
+  cmd->add_option("--config", args.config_path, "config.json of a model to draw on the device");
+  cmd->allow_extras();
+}
+
+int run_bench_prefill(const BenchPrefillArgs&) { fail("bench prefill: this build of plow has no cuda backend (configure with a CUDA toolkit and -DPLOW_CUDA=ON)"); }
+
 }  // namespace plow::tools

@@ -458,6 +458,10 @@ int main(int argc, char** argv) {
   tools::add_bench_decode_options(bench_decode_cmd, bench_decode);
   for (int i = 0; i < argc; ++i) bench_decode.command_line += (i ? " " : "") + std::string(i == 0 ? "plow" : argv[i]);
   bench_decode.argv.assign(argv, argv + argc);
+  tools::BenchPrefillArgs bench_prefill;
+  CLI::App* bench_prefill_cmd = bench_cmd->add_subcommand("prefill", "time to first token on the GPU: prefill GEMMs on tensor cores, cuBLAS peer");
+  tools::add_bench_prefill_options(bench_prefill_cmd, bench_prefill);
+  bench_prefill.command_line = bench_decode.command_line;
 
   const SubcommandEntry eval_ppl = add_eval_ppl_command(app);
 
@@ -479,6 +483,7 @@ int main(int argc, char** argv) {
       return run_serve(serve);
     }
     if (bench_decode_cmd->parsed()) return tools::run_bench_decode(bench_decode);
+    if (bench_prefill_cmd->parsed()) return tools::run_bench_prefill(bench_prefill);
     if (chat_cmd.command->parsed()) return chat_cmd.run();
     if (bench_serve_cmd.command->parsed()) return bench_serve_cmd.run();
     if (eval_ppl.command->parsed()) return eval_ppl.run();

@@ -27,13 +27,13 @@ Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens,
   return plan;
 }
 
-std::vector<Plan> compile_serving_plans(const LoadedModel& model, int num_slots, int64_t max_context, int64_t step_tokens, int workers) {
+std::vector<Plan> compile_serving_plans(const LoadedModel& model, int num_slots, int64_t max_context, int64_t step_tokens, int workers, bool fuse_prefill) {
   std::vector<Plan> plans;
   for (int64_t batch = 1;; batch *= 2) {
     plans.push_back(compile_plan(model, PlanPhase::kDecode, std::min<int64_t>(batch, num_slots), workers, max_context));
     if (batch >= num_slots) break;
   }
-  plans.push_back(compile_plan(model, PlanPhase::kPrefill, step_tokens, workers, max_context));
+  plans.push_back(compile_plan(model, PlanPhase::kPrefill, step_tokens, workers, max_context, fuse_prefill));
   return plans;
 }
 

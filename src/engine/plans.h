@@ -20,8 +20,10 @@ uint64_t fingerprint_of(const LoadedModel& model);
 Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens, int workers, int64_t max_context, bool fuse = true);
 
 // The plans a server needs: decode buckets 1, 2, 4, … up to num_slots, and one prefill plan for steps
-// of step_tokens (mixed prefill + decode steps run on it).
-std::vector<Plan> compile_serving_plans(const LoadedModel& model, int num_slots, int64_t max_context, int64_t step_tokens, int workers);
+// of step_tokens (mixed prefill + decode steps run on it). The cuda backend asks for the prefill plan
+// unfused (fuse_prefill false): its plain linears run as cuBLAS GEMMs.
+std::vector<Plan> compile_serving_plans(const LoadedModel& model, int num_slots, int64_t max_context, int64_t step_tokens, int workers,
+                                        bool fuse_prefill = true);
 
 // The plan interpreter for `model` over `plans`: `workers` threads, activations in `act`, the model's
 // fingerprint required of every plan; `collective` joins a tensor-parallel rank to its group.

@@ -20,29 +20,15 @@
 #include "engine/model.h"
 #include "engine/plans.h"
 #include "runtime/cuda/backend.h"
+#include "gpu_test_util.h"
 
 namespace plow {
 namespace {
 
 namespace fs = std::filesystem;
 
-std::string data_dir() {
-  const char* env = std::getenv("PLOW_TEST_DATA");
-  return env != nullptr ? env : PLOW_TEST_DATA;
-}
-
-std::vector<std::string> fixtures() {
-  std::vector<std::string> names;
-  for (const auto& entry : fs::directory_iterator(data_dir())) {
-    if (fs::exists(entry.path() / "config.json") && !fs::exists(entry.path() / "tokenizer_config.json.only")) {
-      bool has_weights = false;
-      for (const auto& file : fs::directory_iterator(entry.path())) has_weights |= file.path().extension() == ".safetensors";
-      if (has_weights) names.push_back(entry.path().filename().string());
-    }
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
+using gpu_test::data_dir;
+using gpu_test::prompt;
 
 const LoadedModel& model_for(const std::string& fixture) {
   static std::map<std::string, std::unique_ptr<LoadedModel>> cache;
@@ -53,16 +39,6 @@ const LoadedModel& model_for(const std::string& fixture) {
 
 constexpr int64_t kSteps = 64;
 constexpr int64_t kMaxContext = 256;
-
-std::vector<int32_t> prompt(int seed, int64_t vocab, int64_t length) {
-  std::vector<int32_t> ids;
-  uint64_t x = 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(seed + 1);
-  for (int64_t i = 0; i < length; ++i) {
-    x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
-    ids.push_back(static_cast<int32_t>((x * 0x2545F4914F6CDD1Dull >> 33) % static_cast<uint64_t>(vocab)));
-  }
-  return ids;
-}
 
 // Greedy tokens and per-step logits of one sequence, run alone on the reference.
 GenerateResult reference_run(const LoadedModel& model, const std::vector<int32_t>& ids, DType act) {
@@ -98,11 +74,7 @@ float bound(DType act, const float* row, int64_t vocab) {
   return act == DType::F32 ? 2e-3f * std::max(1.0f, scale) : 0.05f * std::max(1.0f, scale);
 }
 
-struct Case {
-  std::string fixture;
-  int workers;
-  bool eager;
-};
+using Case = gpu_test::FixtureCase;
 
 class CudaModelTest : public ::testing::TestWithParam<Case> {};
 
@@ -265,21 +237,8 @@ TEST(CudaBackend, OutOfVocabularyTokenIsAnErrorAndTheBackendKeepsWorking) {
   for (float v : out.logits) ASSERT_FALSE(std::isnan(v));
 }
 
-std::vector<Case> cases() {
-  std::vector<Case> all;
-  for (const std::string& f : fixtures()) {
-    all.push_back({f, 7, false});
-    all.push_back({f, 132, false});
-    all.push_back({f, 7, true});
-  }
-  return all;
-}
-
-INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModelTest, ::testing::ValuesIn(cases()), [](const auto& param_info) {
-  std::string name = param_info.param.fixture + "_w" + std::to_string(param_info.param.workers) + (param_info.param.eager ? "_eager" : "_mega");
-  for (char& ch : name) ch = std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
-  return name;
-});
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModelTest, ::testing::ValuesIn(gpu_test::fixture_cases()),
+                         [](const auto& param_info) { return gpu_test::case_name(param_info.param); });
 
 }  // namespace
 }  // namespace plow

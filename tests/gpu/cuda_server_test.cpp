@@ -36,7 +36,7 @@ std::unique_ptr<Backend> cuda_serving_backend(const LoadedModel& model, int slot
   options.num_slots = slots;
   options.max_context_tokens = max_context;
   return std::make_unique<cuda::CudaBackend>(model.graph, cuda::upload_weights(model.graph, *model.weights),
-                                             compile_serving_plans(model, slots, max_context, step_tokens, workers), options);
+                                             compile_serving_plans(model, slots, max_context, step_tokens, workers, /*fuse_prefill=*/false), options);
 }
 
 json complete(const server_test::Running& running, const json& body) {

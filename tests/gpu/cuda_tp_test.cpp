@@ -28,6 +28,7 @@
 #include "engine/tensor_parallel.h"
 #include "runtime/cuda/backend.h"
 #include "runtime/cuda/nccl_comm.h"
+#include "gpu_test_util.h"
 
 namespace plow {
 namespace {
@@ -51,15 +52,7 @@ std::vector<std::string> model_dirs() {
           (data.parent_path().parent_path() / "models" / "plow-k3-code-small").string()};
 }
 
-std::vector<int32_t> prompt(int seed, int64_t vocab, int64_t length) {
-  std::vector<int32_t> ids;
-  uint64_t x = 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(seed + 1);
-  for (int64_t i = 0; i < length; ++i) {
-    x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
-    ids.push_back(static_cast<int32_t>((x * 0x2545F4914F6CDD1Dull >> 33) % static_cast<uint64_t>(vocab)));
-  }
-  return ids;
-}
+using gpu_test::prompt;
 
 // One rank, run in its own process (as `plow bench decode --tp` runs them): joins the NCCL group
 // through the id file, decodes `batch` prompts for kSteps greedy steps taking each next token from its

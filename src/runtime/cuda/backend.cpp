@@ -19,6 +19,7 @@
 #include "runtime/cuda/kernels.h"
 #include "runtime/cuda/nccl_comm.h"
 #include "runtime/cuda/ops_attrs.h"
+#include "runtime/cuda/prefill_gemm.h"
 
 namespace plow::cuda {
 
@@ -117,19 +118,17 @@ struct CudaBackend::Impl {
     std::vector<int64_t> token_offsets;                 // arena offsets of the kTokens ops
     uint32_t max_threshold = 1;
     uint32_t epoch = 0;
-    // Tensor parallelism: the megakernel runs in segments split at the all_reduce ops; before segment
-    // k > 0 the host enqueues the NCCL all-reduce of the op that opens it. One segment without.
-    struct Segment {
-      int32_t first_op = 0;
-      DeviceBuffer instrs, queue_begin;
-    };
+    // Tensor parallelism: the megakernel runs in segments split at the all_reduce ops; before a
+    // segment the host enqueues the NCCL all-reduces that open it. None without all_reduce ops.
     std::vector<Segment> segments;
+    GemmPath gemm;  // prefill steps of ≥ kGemmMinRows rows: linears as cuBLAS GEMMs (prefill_gemm.h)
   };
 
   std::shared_ptr<DeviceWeightSet> weights;
   CudaOptions options;
   cudaStream_t stream = nullptr;
   std::vector<std::unique_ptr<PreparedPlan>> plans;
+  std::unique_ptr<GemmRunner> gemm_runner;  // when a plan has a GEMM path
   DeviceBuffer arena, scratch, state_table, step_ints, error_flag, argmax_ids, profile, fold_cands;
   std::vector<int32_t> last_folded;  // tensor parallelism: the last step's folded argmax per sequence
   std::vector<DeviceBuffer> state_buffers;
@@ -233,25 +232,34 @@ struct CudaBackend::Impl {
     options.comm->all_reduce_sum(arena.as<float>() + input.offset, arena.as<float>() + op.offset, static_cast<int64_t>(p.step.tokens) * op.width, stream);
   }
 
-  // One op's tasks in one launch (after its all-reduce when it is one).
-  void launch_op(const PreparedPlan& prepared, size_t op_index, const KernelParams& p) {
-    if (prepared.plan.ops[op_index].op() == Op::kAllReduce) all_reduce(prepared, static_cast<int32_t>(op_index), p);
+  // The host's part of an op: its NCCL all-reduce, or its GEMM (`gemm`: this step takes the GEMM path).
+  void run_host_op(const PreparedPlan& prepared, int32_t op_index, const KernelParams& p, bool gemm) {
+    if (prepared.plan.op(op_index).op() == Op::kAllReduce) all_reduce(prepared, op_index, p);
+    if (gemm && prepared.gemm.ops[static_cast<size_t>(op_index)]) gemm_runner->run(*prepared.gemm.ops[static_cast<size_t>(op_index)], arena.as<float>(), p.step.tokens);
+  }
+
+  // One op's tasks in one launch, after its host part (p.instrs: the task order of the chosen path).
+  void launch_op(const PreparedPlan& prepared, size_t op_index, const KernelParams& p, bool gemm = false) {
+    run_host_op(prepared, static_cast<int32_t>(op_index), p, gemm);
     const auto [first, end] = prepared.op_tasks[op_index];
     if (end > first) launch_eager(p, first, end - first, stream);
   }
 
   void launch(PreparedPlan& prepared, const KernelParams& p, bool eager) {
+    const bool gemm = prepared.gemm.active(p.step.tokens);
     if (eager) {
-      for (size_t i = 0; i < prepared.plan.ops.size(); ++i) launch_op(prepared, i, p);
+      KernelParams tasks = p;
+      if (gemm) tasks.instrs = prepared.gemm.task_instrs.as<Instr>();
+      for (size_t i = 0; i < prepared.plan.ops.size(); ++i) launch_op(prepared, i, tasks, gemm);
       return;
     }
-    if (prepared.segments.empty()) {
+    const std::vector<Segment>& segments = gemm ? prepared.gemm.segments : prepared.segments;
+    if (segments.empty()) {
       launch_megakernel(p, prepared.plan.workers, stream);
       return;
     }
-    for (size_t k = 0; k < prepared.segments.size(); ++k) {
-      const PreparedPlan::Segment& segment = prepared.segments[k];
-      if (k > 0) all_reduce(prepared, segment.first_op, p);
+    for (const Segment& segment : segments) {
+      for (int32_t op : segment.host_ops) run_host_op(prepared, op, p, gemm);
       KernelParams part = p;
       part.instrs = segment.instrs.as<Instr>();
       part.queue_begin = segment.queue_begin.as<int32_t>();
@@ -354,6 +362,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
   m.contexts.assign(static_cast<size_t>(options.num_slots), 0);
 
   // Decode each plan: OpDescs with resolved pointers, instructions in queue order and in task order.
+  int64_t max_gemm_input = 0;
   for (auto& prepared_ptr : m.plans) {
     Impl::PreparedPlan& prepared = *prepared_ptr;
     const Plan& plan = prepared.plan;
@@ -436,41 +445,25 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
     prepared.task_instrs = upload(by_task, "instructions");
     prepared.queue_instrs = upload(by_queue, "instructions");
     prepared.queue_begin = upload(queue_begin, "queues");
-    std::vector<int32_t> cuts;  // ops that open a segment
-    for (size_t i = 0; i < plan.ops.size(); ++i) {
-      if (plan.ops[i].op() == Op::kAllReduce) cuts.push_back(static_cast<int32_t>(i));
-    }
-    if (!cuts.empty() && options.comm == nullptr) fail("plan '{}' has {} all_reduce ops (a tensor-parallel rank's) but the backend has no communicator", plan.source, cuts.size());
-    if (!cuts.empty()) {
-      cuts.insert(cuts.begin(), 0);
-      for (size_t k = 0; k < cuts.size(); ++k) {
-        const int32_t first = cuts[k], end = k + 1 < cuts.size() ? cuts[k + 1] : static_cast<int32_t>(plan.ops.size());
-        std::vector<Instr> instrs;
-        std::vector<int32_t> begins{0};
-        for (const std::vector<int32_t>& queue : plan.queues) {
-          for (int32_t t : queue) {
-            const int32_t op = plan.tasks[static_cast<size_t>(t)].op;
-            if (op >= first && op < end) instrs.push_back(by_task[static_cast<size_t>(t)]);
-          }
-          begins.push_back(static_cast<int32_t>(instrs.size()));
-        }
-        Impl::PreparedPlan::Segment segment;
-        segment.first_op = first;
-        segment.instrs = upload(instrs, "instructions");
-        segment.queue_begin = upload(begins, "queues");
-        prepared.segments.push_back(std::move(segment));
-      }
-    }
+    std::vector<bool> reduce(plan.ops.size());  // ops with a host part on every path
+    for (size_t i = 0; i < plan.ops.size(); ++i) reduce[i] = plan.ops[i].op() == Op::kAllReduce;
+    const auto all_reduces = std::count(reduce.begin(), reduce.end(), true);
+    if (all_reduces > 0 && options.comm == nullptr) fail("plan '{}' has {} all_reduce ops (a tensor-parallel rank's) but the backend has no communicator", plan.source, all_reduces);
+    if (all_reduces > 0) prepared.segments = build_segments(plan, by_task, reduce);
+    if (options.prefill_gemm) prepared.gemm = plan_gemm_path(plan, plan_weights, by_task, reduce, act);
+    max_gemm_input = std::max(max_gemm_input, prepared.gemm.max_input_elems);
     prepared.signals = upload(signals, "signals");
     prepared.counters = DeviceBuffer(static_cast<size_t>(std::max(plan.counters, 1)) * sizeof(unsigned), "counters");
     check(cudaMemset(prepared.counters.ptr, 0, prepared.counters.bytes), "counters");
   }
+  if (max_gemm_input > 0) m.gemm_runner = std::make_unique<GemmRunner>(max_gemm_input, m.stream);
 }
 
 CudaBackend::~CudaBackend() {
   if (impl_ && impl_->stream != nullptr) {
     cudaSetDevice(impl_->options.device);
     cudaStreamSynchronize(impl_->stream);
+    impl_->gemm_runner.reset();  // its cuBLAS handle works on the stream
     cudaStreamDestroy(impl_->stream);
   }
 }
@@ -626,6 +619,8 @@ StepOutput CudaBackend::step(const StepInputs& inputs) {
 }
 
 const std::vector<int32_t>& CudaBackend::last_folded_argmax() const { return impl_->last_folded; }
+
+int64_t CudaBackend::prefill_gemms() const { return impl_->gemm_runner ? impl_->gemm_runner->calls() : 0; }
 
 void CudaBackend::set_eager(bool eager) { impl_->options.eager = eager; }
 

@@ -43,6 +43,9 @@ struct CudaOptions {
   // Tensor parallelism: this rank's communicator (not owned; on `device`). Plans with all_reduce ops
   // need one: each all_reduce is an NCCL call between megakernel segments (eager: before its launch).
   NcclComm* comm = nullptr;
+  // Prefill steps of ≥ 32 rows run the plan's plain linear ops as cuBLAS GEMMs between megakernel
+  // segments (prefill_gemm.h); false: every op on its plan body (the GEMV path, for comparison).
+  bool prefill_gemm = true;
 };
 
 // Per-opcode time of one step (profile mode): measured by running the step's ops one launch each
@@ -99,6 +102,8 @@ class CudaBackend : public Backend {
   // ties) folded on the device from every rank's block through an all-gather: the token this rank
   // would emit (the cross-rank gate compares it between ranks). Empty without a communicator.
   const std::vector<int32_t>& last_folded_argmax() const;
+  // Prefill GEMMs run through cuBLAS since construction (prefill_gemm.h; tests and benchmarks).
+  int64_t prefill_gemms() const;
 
  private:
   struct Impl;

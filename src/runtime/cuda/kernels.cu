@@ -10,6 +10,7 @@
 #include "runtime/cuda/device.cuh"
 #include "runtime/cuda/ops/gemv.cuh"
 #include "runtime/cuda/ops/misc_ops.cuh"
+#include "runtime/cuda/ops/round_rows.cuh"
 
 namespace plow::cuda {
 
@@ -17,6 +18,10 @@ namespace {
 
 // The op bodies this backend has. kTokens has no tasks (the host writes the token ids).
 __device__ void run_task(const TaskCtx& ctx, int32_t opcode) {
+  if (opcode == kOpRoundRows) {
+    op_round_rows(ctx);
+    return;
+  }
   switch (static_cast<Op>(opcode)) {
     case Op::kEmbedding: op_embedding(ctx); return;
     case Op::kLinear: op_linear(ctx); return;

@@ -24,6 +24,9 @@ struct alignas(64) Instr {
   uint32_t reserved = 0;
 };
 static_assert(sizeof(Instr) == 64, "instructions are 64 bytes");
+// Instr::opcode of a task whose op the host ran as a GEMM (prefill_gemm.h): it rounds its output
+// columns in place (ops/round_rows.cuh). Outside the Op range.
+inline constexpr int32_t kOpRoundRows = 0x100;
 
 struct KernelParams {
   const Instr* instrs = nullptr;       // megakernel: queues back to back; eager: tasks in plan order

@@ -1,0 +1,181 @@
+// Prefill GEMMs through cuBLAS: which linear ops take them, the megakernel segments they cut, the
+// GEMM call (fp32 accumulate, fp32 out; the op's tasks round) and the benchmark's cuBLAS peer.
+#include "runtime/cuda/prefill_gemm.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace plow::cuda {
+
+namespace {
+
+void check_cublas(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS) fail("cuda: cuBLAS {}: {}", what, cublasGetStatusString(status));
+}
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // one fixed workspace: results do not depend on the pool
+
+cudaDataType half_type(int32_t type) { return type == kWBF16 ? CUDA_R_16BF : CUDA_R_16F; }
+
+}  // namespace
+
+std::optional<GemmOp> gemm_form(const Plan& plan, const PlanOp& op, const DeviceWeight& weight, int32_t act) {
+  if (op.op() != Op::kLinear || op.inputs.size() != 1 || weight.parts != 1 || weight.type == kWMXFP4) return std::nullopt;
+  const PlanOp& input = plan.op(op.inputs.front());
+  if (weight.cols != input.width || weight.rows != op.width) return std::nullopt;
+  const bool exact_input = input.dtype == OutDType::kAct && ((weight.type == kWBF16 && act == kABF16) || (weight.type == kWF16 && act == kAF16));
+  if (weight.type != kWF32 && !exact_input) return std::nullopt;
+  return GemmOp{weight, input.offset, op.offset, input.width, op.width};
+}
+
+std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host_op) {
+  std::vector<Segment> segments(1);
+  const auto ops = static_cast<int32_t>(plan.ops.size());
+  for (int32_t i = 0; i < ops; ++i) {
+    if (!host_op[static_cast<size_t>(i)]) continue;
+    Segment& open = segments.back();
+    // Join the open segment while it holds host ops only and op i reads none of their outputs.
+    const bool only_host = !open.host_ops.empty() && open.host_ops.front() == open.first_op && static_cast<int32_t>(open.host_ops.size()) == i - open.first_op;
+    const std::vector<int32_t>& inputs = plan.ops[static_cast<size_t>(i)].inputs;
+    if (only_host && std::all_of(inputs.begin(), inputs.end(), [&](int32_t in) { return in < open.first_op; })) {
+      open.host_ops.push_back(i);
+      continue;
+    }
+    segments.emplace_back();
+    segments.back().first_op = i;
+    segments.back().host_ops = {i};
+  }
+  for (size_t k = 0; k < segments.size(); ++k) {
+    const int32_t first = segments[k].first_op, end = k + 1 < segments.size() ? segments[k + 1].first_op : ops;
+    std::vector<Instr> instrs;
+    std::vector<int32_t> begins{0};
+    for (const std::vector<int32_t>& queue : plan.queues) {
+      for (int32_t t : queue) {
+        const int32_t op = plan.tasks[static_cast<size_t>(t)].op;
+        if (op >= first && op < end) instrs.push_back(by_task[static_cast<size_t>(t)]);
+      }
+      begins.push_back(static_cast<int32_t>(instrs.size()));
+    }
+    segments[k].instrs = upload(instrs, "instructions");
+    segments[k].queue_begin = upload(begins, "queues");
+  }
+  return segments;
+}
+
+GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weights, const std::vector<Instr>& by_task, const std::vector<bool>& reduce,
+                        int32_t act) {
+  GemmPath path;
+  if (plan.phase != PlanPhase::kPrefill || plan.max_tokens < kGemmMinRows) return path;
+  path.ops.resize(plan.ops.size());
+  std::vector<bool> host = reduce;
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const PlanOp& op = plan.ops[i];
+    if (op.weights.size() != 1) continue;
+    path.ops[i] = gemm_form(plan, op, weights[static_cast<size_t>(op.weights.front())], act);
+    if (!path.ops[i]) continue;
+    host[i] = true;
+    path.max_input_elems = std::max(path.max_input_elems, plan.max_tokens * path.ops[i]->in);
+  }
+  if (path.max_input_elems == 0) return {};
+  std::vector<Instr> tasks = by_task;
+  for (Instr& ins : tasks) {
+    if (!path.ops[static_cast<size_t>(ins.op)]) continue;
+    ins.opcode = kOpRoundRows;
+    ins.prefetch = nullptr;  // reads no weights
+    ins.prefetch_bytes = 0;
+  }
+  path.task_instrs = upload(tasks, "instructions");
+  path.segments = build_segments(plan, tasks, host);
+  return path;
+}
+
+GemmRunner::GemmRunner(int64_t max_input_elems, cudaStream_t stream)
+    : stream_(stream), staging_(static_cast<size_t>(std::max<int64_t>(max_input_elems, 1)) * 2, "GEMM inputs"), workspace_(kWorkspaceBytes, "cuBLAS workspace") {
+  check_cublas(cublasCreate(&handle_), "handle");
+  check_cublas(cublasSetStream(handle_, stream_), "stream");
+  check_cublas(cublasSetWorkspace(handle_, workspace_.ptr, workspace_.bytes), "workspace");  // after SetStream, which resets it
+}
+
+GemmRunner::~GemmRunner() {
+  if (handle_ != nullptr) cublasDestroy(handle_);
+}
+
+// Row-major y[T, out] = x[T, in]·W[out, in]ᵀ is column-major yᵀ[out, T] = W·xᵀ: op(A) = Aᵀ over W's
+// rows (lda = in), B = xᵀ (ldb = in), C = yᵀ (ldc = out).
+void GemmRunner::run(const GemmOp& op, float* arena, int64_t rows) {
+  const float alpha = 1.0f, beta = 0.0f;
+  const float* x = arena + op.x_offset;
+  float* y = arena + op.y_offset;
+  const auto m = static_cast<int>(op.out), n = static_cast<int>(rows), k = static_cast<int>(op.in);
+  calls_ += 1;
+  if (op.weight.type == kWF32) {  // pedantic: never TF32, whatever NVIDIA_TF32_OVERRIDE says
+    check_cublas(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, op.weight.data, CUDA_R_32F, k, x, CUDA_R_32F, k, &beta, y, CUDA_R_32F, m,
+                              CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
+                 "fp32 GEMM");
+    return;
+  }
+  if (rows * op.in > static_cast<int64_t>(staging_.bytes / 2)) fail("cuda: a GEMM input of {}x{} outgrows its staging buffer", rows, op.in);
+  launch_to_half(x, rows, op.in, op.in, staging_.ptr, op.weight.type, stream_);
+  const cudaDataType type = half_type(op.weight.type);
+  check_cublas(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, op.weight.data, type, k, staging_.ptr, type, k, &beta, y, CUDA_R_32F, m,
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               "half GEMM");
+}
+
+namespace {
+
+// Median ms of `reps` timed calls of `call` on `stream`, after three warm-up calls.
+template <typename Call>
+double median_ms(cudaStream_t stream, int reps, Call&& call) {
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "event");
+  check(cudaEventCreate(&stop), "event");
+  std::vector<float> times;
+  for (int r = 0; r < std::max(reps, 1) + 3; ++r) {
+    check(cudaEventRecord(start, stream), "event");
+    call();
+    check(cudaEventRecord(stop, stream), "event");
+    check(cudaEventSynchronize(stop), "GEMM timing");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start, stop), "event");
+    if (r >= 3) times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return static_cast<double>(times[times.size() / 2]);
+}
+
+}  // namespace
+
+GemmTimes time_prefill_gemm(int64_t rows, int64_t out, int64_t in, int reps, int device) {
+  check(cudaSetDevice(device), "selecting the device");
+  cudaStream_t stream = nullptr;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  GemmTimes times;
+  {
+    DeviceBuffer x(static_cast<size_t>(rows * in) * 2, "GEMM peer"), w(static_cast<size_t>(out * in) * 2, "GEMM peer");
+    DeviceBuffer arena(static_cast<size_t>(rows * (in + out)) * sizeof(float), "GEMM peer");
+    launch_fill(x.as<uint8_t>(), rows * in, kWBF16, FillKind::kEmbedding, 1, 1, static_cast<float>(in), 0, stream);
+    launch_fill(w.as<uint8_t>(), out * in, kWBF16, FillKind::kLinear, 1, 2, static_cast<float>(in), 0, stream);
+    launch_fill(arena.as<uint8_t>(), rows * (in + out), kWF32, FillKind::kEmbedding, 1, 3, static_cast<float>(in), 0, stream);
+    GemmRunner ours(rows * in, stream);
+    GemmOp op{DeviceWeight{w.as<uint8_t>(), nullptr, out, in, out * in * 2, 0, kWBF16, 1}, 0, rows * in, in, out};
+    times.ours_ms = median_ms(stream, reps, [&] { ours.run(op, arena.as<float>(), rows); });
+    // The library alone: bf16 in, bf16 out, no conversion (its best case at this shape).
+    DeviceBuffer y(static_cast<size_t>(rows * out) * 2, "GEMM peer");
+    const float alpha = 1.0f, beta = 0.0f;
+    const auto m = static_cast<int>(out), n = static_cast<int>(rows), k = static_cast<int>(in);
+    cublasHandle_t handle = ours.handle();
+    times.cublas_ms = median_ms(stream, reps, [&] {
+      check_cublas(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, w.ptr, CUDA_R_16BF, k, x.ptr, CUDA_R_16BF, k, &beta, y.ptr, CUDA_R_16BF, m,
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                   "bf16 GEMM peer");
+    });
+  }
+  cudaStreamDestroy(stream);
+  return times;
+}
+
+}  // namespace plow::cuda

@@ -1,0 +1,87 @@
+// Prefill on tensor cores (issue H, first slice): a prefill plan's plain linear ops run as one cuBLAS
+// GEMM each, between megakernel segments, when a step has ≥ kGemmMinRows rows; the op's own tasks then
+// only round the fp32 GEMM output to the activation dtype (ops/round_rows.cuh), as the GEMV body
+// rounds its dots. Internal to src/runtime/cuda (backend.cpp).
+#pragma once
+
+#include <cublas_v2.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "plan/plan.h"
+#include "runtime/cuda/device_memory.h"
+
+namespace plow::cuda {
+
+inline constexpr int64_t kGemmMinRows = 32;  // below it the GEMV bodies (one weight pass per 8 rows) win
+
+// One linear op as a GEMM: y[T, out] = x[T, in]·Wᵀ with W [out, in] row-major; x rows at arena +
+// x_offset (row stride `in`), y rows at arena + y_offset (row stride `out`), both fp32.
+struct GemmOp {
+  DeviceWeight weight;
+  int64_t x_offset = 0, y_offset = 0, in = 0, out = 0;
+};
+
+// The GEMM form of `op`, when it has one: a plain kLinear over one dense matrix whose input values are
+// exact in the GEMM's input type. fp32 weights: an fp32 GEMM (no TF32) over the arena as is; bf16 or
+// f16 weights: activations of that dtype (input op rounded to it), converted exactly; else nullopt.
+std::optional<GemmOp> gemm_form(const Plan& plan, const PlanOp& op, const DeviceWeight& weight, int32_t act);
+
+// The plan's queues cut into megakernel launches: each segment first runs its host ops (all_reduce,
+// GEMMs) on the stream, then the tasks of ops [first_op, next segment's first_op) in queue order. A
+// host op opens a segment; host ops right after it that read none of the group's outputs join it.
+struct Segment {
+  int32_t first_op = 0;
+  std::vector<int32_t> host_ops;
+  DeviceBuffer instrs, queue_begin;
+};
+std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host_op);
+
+// The GEMM path of one plan: per plan op its GEMM form (or none), the segments cut at the GEMMs and
+// the all_reduces, and the task-order instructions where the GEMM ops' tasks only round.
+struct GemmPath {
+  std::vector<std::optional<GemmOp>> ops;
+  std::vector<Segment> segments;
+  DeviceBuffer task_instrs;
+  int64_t max_input_elems = 0;  // the largest GEMM input (rows × in) the plan can bring
+  bool active(int64_t rows) const { return !segments.empty() && rows >= kGemmMinRows; }
+};
+// Empty for decode plans, plans of fewer than kGemmMinRows rows and plans without GEMM forms.
+// `weights`: the plan's weights on the device; `reduce`: its all_reduce ops (host ops on every path).
+GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weights, const std::vector<Instr>& by_task, const std::vector<bool>& reduce,
+                        int32_t act);
+
+// cuBLAS on one stream: a handle, its workspace, and the bf16/f16 copy of a GEMM's input.
+class GemmRunner {
+ public:
+  GemmRunner(int64_t max_input_elems, cudaStream_t stream);
+  ~GemmRunner();
+  GemmRunner(const GemmRunner&) = delete;
+  GemmRunner& operator=(const GemmRunner&) = delete;
+
+  // y = x·Wᵀ over `rows` rows, fp32 accumulate, fp32 out (unrounded: the op's tasks round).
+  void run(const GemmOp& op, float* arena, int64_t rows);
+  cublasHandle_t handle() const { return handle_; }
+  int64_t calls() const { return calls_; }
+
+ private:
+  cublasHandle_t handle_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  DeviceBuffer staging_, workspace_;
+  int64_t calls_ = 0;
+};
+
+// fp32 rows [rows, cols] (row stride `stride` floats) to a packed bf16 (type kWBF16) or f16 array.
+void launch_to_half(const float* x, int64_t rows, int64_t cols, int64_t stride, void* out, int32_t type, cudaStream_t stream);
+
+// The benchmark's kernel-level comparison at one projection shape [rows × in]·[in × out], bf16 weights,
+// random operands, median of `reps` timed calls each: `ours` is GemmRunner::run (fp32 arena → bf16
+// copy → GEMM, fp32 out; the rounding tasks not included), `cublas` the library alone (bf16 in and out).
+struct GemmTimes {
+  double ours_ms = 0, cublas_ms = 0;
+};
+GemmTimes time_prefill_gemm(int64_t rows, int64_t out, int64_t in, int reps, int device);
+
+}  // namespace plow::cuda

@@ -1,0 +1,220 @@
+// `plow bench prefill`: time to first token of a P-token prompt on the GPU, run in chunks through
+// prefill plans compiled without fusion (their linears run as cuBLAS GEMMs, prefill_gemm.h), on random
+// device weights; the FLOPs it must do (dense projections, the experts actually routed, attention's
+// QK/PV) over that time; and, measured in the same run, our GEMM and cuBLAS alone at each projection
+// shape of the chunk. Records are appended to a JSON array (bench/results/prefill.json).
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <map>
+#include <set>
+
+#include "core/error.h"
+#include "engine/plans.h"
+#include "runtime/cuda/backend.h"
+#include "runtime/cuda/prefill_gemm.h"
+#include "tools/cuda_commands.h"
+
+namespace plow::tools {
+
+namespace {
+
+using nlohmann::json;
+
+struct PrefillFlops {
+  double dense = 0, experts = 0, attention = 0;
+  double total() const { return dense + experts + attention; }
+};
+
+// FLOPs of a `tokens`-token prompt: 2·(elements of every ≥ 2-D weight but the embedding table)·tokens,
+// 2·(one expert's elements)·top_k·tokens per expert stack, and per MLA layer the causal QK and PV
+// products of the standard (not absorbed) form: 2·heads·(qk_dim + v_dim)·tokens·(tokens + 1)/2. KDA's
+// chunked delta rule is not counted.
+PrefillFlops prefill_flops(const LoadedModel& model, int64_t tokens) {
+  PrefillFlops flops;
+  const auto t = static_cast<double>(tokens);
+  for (const Node& node : model.graph.nodes()) {
+    if (node.op == Op::kEmbedding) continue;
+    for (int w : node.weights) {
+      const WeightDecl& decl = model.graph.weights()[static_cast<size_t>(w)];
+      if (decl.shape.size() < 2) continue;
+      double elements = 1;
+      for (int64_t d : decl.shape) elements *= static_cast<double>(d);
+      if (decl.parts.size() > 1) {
+        flops.experts += 2.0 * elements * static_cast<double>(model.config.experts_per_token) * t;
+      } else {
+        flops.dense += 2.0 * elements * t;
+      }
+    }
+  }
+  int64_t mla_layers = 0;
+  for (const StateDecl& state : model.graph.states()) mla_layers += state.kind == StateKind::kMlaLatent ? 1 : 0;
+  const ModelConfig& c = model.config;
+  flops.attention = static_cast<double>(mla_layers) * 2.0 * static_cast<double>(c.num_attention_heads * (c.mla_qk_head_dim() + c.v_head_dim)) * t * (t + 1) / 2;
+  return flops;
+}
+
+// The plain linear shapes [out, in] of a plan with how often each occurs (the GEMMs of one chunk).
+std::map<std::pair<int64_t, int64_t>, int> linear_shapes(const Plan& plan) {
+  std::map<std::pair<int64_t, int64_t>, int> shapes;
+  for (const PlanOp& op : plan.ops) {
+    if (op.op() != Op::kLinear || op.weights.size() != 1) continue;
+    const WeightDecl& decl = plan.weights[static_cast<size_t>(op.weights.front())];
+    if (decl.parts.size() != 1 || decl.mxfp4 || decl.shape.size() != 2) continue;
+    shapes[{decl.shape[0], decl.shape[1]}] += 1;
+  }
+  return shapes;
+}
+
+std::vector<int32_t> prompt_ids(int64_t tokens, int64_t vocab) {
+  std::vector<int32_t> ids;
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (int64_t i = 0; i < tokens; ++i) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    ids.push_back(static_cast<int32_t>((x >> 33) % static_cast<uint64_t>(vocab)));
+  }
+  return ids;
+}
+
+// Wall-clock ms of the whole prompt, chunk by chunk from an empty slot, up to the first token's logits
+// on the host, per run; `reps` runs after a warm-up of the first chunk (kernels and cuBLAS loaded).
+std::vector<double> time_prompt(Backend& backend, const std::vector<int32_t>& ids, int64_t chunk, int reps) {
+  std::vector<double> runs;
+  for (int r = 0; r < reps + 1; ++r) {
+    backend.reset_slot(0);
+    const auto start = std::chrono::steady_clock::now();
+    const size_t end = r == 0 ? std::min(ids.size(), static_cast<size_t>(chunk)) : ids.size();
+    for (size_t first = 0; first < end; first += static_cast<size_t>(chunk)) {
+      StepInputs in;
+      in.token_ids.assign(ids.begin() + static_cast<std::ptrdiff_t>(first), ids.begin() + static_cast<std::ptrdiff_t>(std::min(end, first + static_cast<size_t>(chunk))));
+      in.sequences = {{0, static_cast<int64_t>(in.token_ids.size())}};
+      backend.step(in);
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    if (r > 0) runs.push_back(ms);
+  }
+  return runs;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// A backend over `weights` with a decode plan (a one-token tail) and one prefill plan per chunk size.
+std::unique_ptr<cuda::CudaBackend> make_backend(const LoadedModel& model, std::shared_ptr<cuda::DeviceWeightSet> weights, const std::set<int64_t>& chunks,
+                                                int workers, int64_t max_context, DType dtype, bool gemm) {
+  std::vector<Plan> plans;
+  plans.push_back(compile_plan(model, PlanPhase::kDecode, 1, workers, max_context));
+  // The GEMM path runs plain linears: prefill plans are compiled without fusion. The GEMV path keeps
+  // the fused plans today's prefill runs.
+  for (int64_t c : chunks) plans.push_back(compile_plan(model, PlanPhase::kPrefill, c, workers, max_context, !gemm));
+  cuda::CudaOptions options;
+  options.act_dtype = dtype;
+  options.num_slots = 1;
+  options.max_context_tokens = max_context;
+  options.prefill_gemm = gemm;
+  return std::make_unique<cuda::CudaBackend>(model.graph, std::move(weights), std::move(plans), options);
+}
+
+}  // namespace
+
+void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
+  auto* config = cmd->add_option("--config", args.config_path, "config.json of a model to draw on the device")->required();
+  cmd->add_flag("--random-weights", args.random_weights, "draw every weight on the device from --seed (required)")->needs(config);
+  cmd->add_option("--seed", args.seed, "weights' seed");
+  cmd->add_option("--prompt", args.prompts, "prompt lengths in tokens, comma-separated")->delimiter(',');
+  cmd->add_option("--chunk", args.chunk, "tokens per prefill step (default 1024, or the prompt when shorter)");
+  cmd->add_option("--reps", args.reps, "timed runs per prompt (after a one-chunk warm-up); the median is reported");
+  cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
+  cmd->add_flag("--gemv-peer", args.gemv_peer, "also time today's path (fused prefill plans, GEMV bodies) on the same weights");
+  cmd->add_flag("--flops-only", args.flops_only, "print the FLOPs each prompt must do (TFLOP/s's numerator) and stop; needs no GPU");
+  cmd->add_option("-o,--output", args.output, "JSON array the records are appended to");
+}
+
+int run_bench_prefill(const BenchPrefillArgs& args) {
+  if (!args.random_weights) fail("bench prefill: --config {} needs --random-weights", args.config_path);
+  if (args.prompts.empty()) fail("bench prefill: --prompt needs at least one length");
+  for (int64_t p : args.prompts) {
+    if (p < 1 || p > (int64_t{1} << 20)) fail("--prompt {}: expected 1..1048576", p);
+  }
+  if (args.chunk < 0 || args.chunk > PlanLimits::kMaxTokens) fail("--chunk {}: expected 1..{}", args.chunk, PlanLimits::kMaxTokens);
+  if (args.reps < 1) fail("--reps must be >= 1, found {}", args.reps);
+  const std::unique_ptr<LoadedModel> model = LoadedModel::describe(args.config_path);
+  const DType dtype = config_dtype(model->config);
+  if (args.flops_only) {
+    for (int64_t p : args.prompts) {
+      const PrefillFlops f = prefill_flops(*model, p);
+      std::cout << json{{"prompt_tokens", p}, {"dense", f.dense}, {"experts_routed", f.experts}, {"attention_qk_pv", f.attention}, {"total", f.total()}}.dump() << "\n";
+    }
+    return 0;
+  }
+  const int gpu = 0;
+  const int sms = cuda::CudaBackend::sm_count(gpu);
+  const int workers = args.workers > 0 ? args.workers : sms;
+  const std::string device = cuda::CudaBackend::device_name(gpu);
+  const std::string rev = git_revision();
+  auto chunk_of = [&](int64_t prompt) { return std::min(args.chunk > 0 ? args.chunk : int64_t{1024}, prompt); };
+  std::set<int64_t> chunks;
+  for (int64_t p : args.prompts) chunks.insert(chunk_of(p));
+  const int64_t max_context = *std::max_element(args.prompts.begin(), args.prompts.end()) + 8;
+  std::cerr << fmt::format("bench prefill: {} ({} SMs), {} activations\n", device, sms, dtype_name(dtype));
+
+  auto weights = cuda::random_device_weights(model->graph, args.seed, dtype);
+  auto backend = make_backend(*model, weights, chunks, workers, max_context, dtype, true);
+  // Today's path on the same weights (its own plans and arena), timed after ours at each prompt.
+  auto gemv = args.gemv_peer ? make_backend(*model, weights, chunks, workers, max_context, dtype, false) : nullptr;
+  for (int64_t p : args.prompts) {
+    const int64_t chunk = chunk_of(p);
+    const std::vector<double> runs = time_prompt(*backend, prompt_ids(p, model->config.vocab_size), chunk, args.reps);
+    const double ttft = median(runs);
+    const PrefillFlops flops = prefill_flops(*model, p);
+    const Plan* plan = &backend->plan(1);  // plans: decode, then the prefill chunks in ascending order
+    for (int i = 2; plan->max_tokens != chunk; ++i) plan = &backend->plan(i);
+    // Kernel level, at this chunk: every plain linear shape of the plan, ours vs cuBLAS alone.
+    json shapes = json::array();
+    double gemm_ms_per_chunk = 0;
+    for (const auto& [shape, count] : linear_shapes(*plan)) {
+      const auto [out, in] = shape;
+      const cuda::GemmTimes t = cuda::time_prefill_gemm(chunk, out, in, 20, gpu);
+      const double f = 2.0 * static_cast<double>(chunk * out * in);
+      gemm_ms_per_chunk += t.ours_ms * count;
+      shapes.push_back({{"rows", chunk}, {"in", in}, {"out", out}, {"count", count}, {"ours_ms", t.ours_ms}, {"ours_tflops", f / (t.ours_ms * 1e9)},
+                        {"cublas_bf16_ms", t.cublas_ms}, {"cublas_bf16_tflops", f / (t.cublas_ms * 1e9)}});
+    }
+    json record = {{"kind", "prefill"},
+                   {"config", args.config_path},
+                   {"backend", "cuda"},
+                   {"path", "unfused prefill plans, plain linears as cuBLAS GEMMs between megakernel segments"},
+                   {"dtype", std::string(dtype_name(dtype))},
+                   {"prompt_tokens", p},
+                   {"chunk", chunk},
+                   {"ttft_ms", ttft},
+                   {"ttft_ms_runs", runs},
+                   {"prompt_tokens_per_second", static_cast<double>(p) / ttft * 1e3},
+                   {"flops", {{"dense", flops.dense}, {"experts_routed", flops.experts}, {"attention_qk_pv", flops.attention}, {"total", flops.total()}}},
+                   {"tflops", flops.total() / (ttft * 1e9)},
+                   {"gemm_ms_estimate", gemm_ms_per_chunk * static_cast<double>(p) / static_cast<double>(chunk)},
+                   {"workers", workers},
+                   {"plan", {{"max_tokens", plan->max_tokens}, {"ops", plan->ops.size()}, {"tasks", plan->tasks.size()}, {"fusion", false}}},
+                   {"device", device},
+                   {"git_rev", rev},
+                   {"command", args.command_line},
+                   {"peers", {{"gemm_shapes", shapes}}}};
+    std::cerr << fmt::format("prompt {:6d} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s\n", p, chunk, ttft,
+                             static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9));
+    if (gemv) {
+      const double ms = median(time_prompt(*gemv, prompt_ids(p, model->config.vocab_size), chunk, 1));
+      record["peers"]["gemv_path"] = {{"ttft_ms", ms}, {"tflops", flops.total() / (ms * 1e9)}, {"plans", "fused prefill plans, GEMV bodies (one run after a one-chunk warm-up)"}};
+      std::cerr << fmt::format("  today's path (fused plans, GEMV bodies): TTFT {:9.1f} ms\n", ms);
+    }
+    append_records(args.output, json::array({record}));  // each prompt's record as soon as it is measured
+    std::cout << record.dump() << "\n";
+  }
+  return 0;
+}
+
+}  // namespace plow::tools
