@@ -1,6 +1,7 @@
 // lower_to_plan: graph → Plan for one bucket. Guarantees (checked again by validate_plan): slices
 // cover each op exactly, aligned to its granularity; every task waits for all slices of its inputs and
-// for every reader of the arena space it overwrites; queues hold tasks in op order.
+// for every reader of the arena space it overwrites; queues hold tasks in op order. Slice ops become
+// views (no buffer, no tasks): their readers read, wait on and keep alive the buffer's owner.
 #include "plan/lower.h"
 
 #include <algorithm>
@@ -89,11 +90,13 @@ std::vector<PlanOp> copy_ops(const Graph& graph) {
 
 // Places every buffer (first fit, reuse after the last reader) and returns, per op, the earlier ops
 // that must finish before it writes: the readers of the space it takes over (or the previous owner
-// itself when nothing read it). The output op is never released.
+// itself when nothing read it). The output op is never released. `readers` is per buffer owner (a
+// read through a view is a read of its owner); views get their owner's offset plus their column.
 std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<std::vector<int32_t>>& readers) {
   const auto n = static_cast<int32_t>(plan.ops.size());
   std::vector<std::vector<int32_t>> release_after(plan.ops.size());
   for (int32_t i = 0; i < n; ++i) {
+    if (plan.ops[static_cast<size_t>(i)].is_view()) continue;
     const int32_t last_use = readers[static_cast<size_t>(i)].empty() ? i : readers[static_cast<size_t>(i)].back();
     if (i != plan.output_op) release_after[static_cast<size_t>(last_use)].push_back(i);
   }
@@ -102,6 +105,10 @@ std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<st
   std::vector<std::vector<int32_t>> war(plan.ops.size());
   for (int32_t i = 0; i < n; ++i) {
     PlanOp& op = plan.ops[static_cast<size_t>(i)];
+    if (op.is_view()) {  // its owner is earlier, so already placed (and still live: this view's readers read it)
+      op.offset = activation_view(plan, i).offset;
+      continue;
+    }
     const int64_t floats = plan.buffer_floats(op);
     op.offset = arena.allocate(floats);
     for (int32_t previous : occupants.claim(op.offset, op.offset + floats, i)) {
@@ -155,28 +162,38 @@ Plan lower_to_plan(const Graph& graph, const LowerOptions& options) {
   plan.states = graph.states();
   plan.output_op = graph.output();
   plan.counters = static_cast<int32_t>(plan.ops.size());
+  if (plan.ops[static_cast<size_t>(plan.output_op)].is_view()) {
+    fail("lower_to_plan: the output '{}' is a slice; backends read the logits from a buffer of their own", plan.ops[static_cast<size_t>(plan.output_op)].label);
+  }
 
+  // Per op, the ops owning the buffers it reads (a view's owner stands for the view): what it waits on
+  // (read after write) and what must stay live until it has run.
   const size_t n = plan.ops.size();
-  std::vector<std::vector<int32_t>> readers(n);  // distinct, ascending
+  std::vector<std::vector<int32_t>> sources_of(n);
+  std::vector<std::vector<int32_t>> readers(n);  // per buffer owner: distinct, ascending
   for (size_t j = 0; j < n; ++j) {
+    if (plan.ops[j].is_view()) continue;
     for (int32_t input : plan.ops[j].inputs) {
-      auto& list = readers[static_cast<size_t>(input)];
+      const int32_t owner = activation_view(plan, input).owner;
+      sources_of[j].push_back(owner);
+      auto& list = readers[static_cast<size_t>(owner)];
       if (list.empty() || list.back() != static_cast<int32_t>(j)) list.push_back(static_cast<int32_t>(j));
     }
   }
   const std::vector<std::vector<int32_t>> war = place_buffers(plan, readers);
 
-  // kTokens is written by the backend before the workers start: it has no tasks.
+  // kTokens is written by the backend before the workers start, and a view is read in place: neither
+  // has tasks.
   std::vector<std::vector<int32_t>> tasks_of(n);
   for (size_t i = 0; i < n; ++i) {
-    if (plan.ops[i].op() != Op::kTokens) add_tasks(plan, graph, static_cast<int32_t>(i), tasks_of);
+    if (plan.ops[i].op() != Op::kTokens && !plan.ops[i].is_view()) add_tasks(plan, graph, static_cast<int32_t>(i), tasks_of);
   }
 
-  // Every task of op Y waits for all tasks of Y's inputs (read after write) and of the readers of the
-  // space Y's buffer takes over (write after read); each of those tasks signals Y's counter once.
+  // Every task of op Y waits for all tasks of the owners of Y's inputs (read after write) and of the
+  // readers of the space Y's buffer takes over (write after read); each of those signals Y's counter once.
   for (size_t y = 0; y < n; ++y) {
     if (tasks_of[y].empty()) continue;
-    std::vector<int32_t> sources(plan.ops[y].inputs.begin(), plan.ops[y].inputs.end());
+    std::vector<int32_t> sources = sources_of[y];
     sources.insert(sources.end(), war[y].begin(), war[y].end());
     std::sort(sources.begin(), sources.end());
     sources.erase(std::unique(sources.begin(), sources.end()), sources.end());

@@ -1,4 +1,4 @@
-// Plan helpers: phase names, FNV-1a-64 and the model fingerprint.
+// Plan helpers: phase names, activation views, FNV-1a-64 and the model fingerprint.
 #include "plan/plan.h"
 
 #include <fmt/format.h>
@@ -7,6 +7,18 @@
 namespace plow {
 
 std::string_view phase_name(PlanPhase phase) { return phase == PlanPhase::kDecode ? "decode" : "prefill"; }
+
+ActivationView activation_view(const Plan& plan, int32_t op_index) {
+  const PlanOp& op = plan.op(op_index);
+  int64_t column = 0;
+  int32_t owner = op_index;
+  while (plan.op(owner).is_view()) {  // inputs precede their users, so this walks to a buffer owner
+    column += plan.op(owner).attrs.i("offset");
+    owner = plan.op(owner).inputs.at(0);
+  }
+  const PlanOp& source = plan.op(owner);
+  return {owner, source.offset + column, source.width, op.width};
+}
 
 uint64_t fnv1a64(std::string_view bytes, uint64_t hash) {
   for (char c : bytes) {

@@ -15,7 +15,9 @@ namespace plow {
 
 // 2: the routed experts became moe_gate_up + moe_down (moe_experts and moe_experts_add are gone).
 // 3: the router became router_logits (column-sliced) + moe_topk (moe_router is gone).
-inline constexpr uint32_t kPlanFormatVersion = 3;
+// 4: slices are views: a slice op has no tasks and no buffer; its offset is its source's plus its first
+//    column, its rows keep the source's stride, and its readers wait on the source (ActivationView).
+inline constexpr uint32_t kPlanFormatVersion = 4;
 inline constexpr int64_t kBufferAlignFloats = 16;
 
 enum class PlanPhase : uint8_t { kDecode, kPrefill };
@@ -56,9 +58,12 @@ struct PlanOp {
   int32_t state = -1;            // index into Plan::states, −1 for stateless ops
   int64_t width = 0;             // output columns
   OutDType dtype = OutDType::kAct;
-  int64_t offset = 0;            // output buffer: arena floats [offset, offset + Plan::buffer_floats), row stride = width
+  int64_t offset = 0;            // output buffer: arena floats [offset, offset + Plan::buffer_floats), row stride = width;
+                                 // a view (slice): where its row 0 starts inside its source's buffer (ActivationView)
 
   Op op() const { return static_cast<Op>(opcode); }
+  // A slice is a view of its input's columns: no buffer, no tasks; readers read the source in place.
+  bool is_view() const { return op() == Op::kSlice; }
 };
 
 // One slice of one op. Runs when counter[wait_counter] ≥ wait_threshold × step number (epochs: the
@@ -102,6 +107,19 @@ struct Plan {
   int64_t buffer_floats(const PlanOp& o) const { return (max_tokens * o.width + kBufferAlignFloats - 1) / kBufferAlignFloats * kBufferAlignFloats; }
   int64_t arena_bytes() const { return arena_floats * static_cast<int64_t>(sizeof(float)); }
 };
+
+// Where an op's output lives as its readers see it: row r at arena + offset + r × row_stride, `width`
+// columns. For an op with a buffer: itself, its offset, stride = its width. For a view (slice; slices of
+// slices compose): the op owning the buffer it looks into (the one readers wait on and keep alive),
+// that buffer's offset plus the view's first column, and the owner's width as the stride.
+struct ActivationView {
+  int32_t owner = 0;
+  int64_t offset = 0;
+  int64_t row_stride = 0;
+  int64_t width = 0;
+};
+// Requires every view's input to be an earlier op (validate_plan checks it before calling this).
+ActivationView activation_view(const Plan& plan, int32_t op_index);
 
 // What a backend reads per step besides the tokens (DESIGN.md §2 Step): lengths are runtime data, so
 // one plan serves every batch composition up to its bucket.

@@ -163,6 +163,14 @@ class Checker {
         break;
       default: break;
     }
+    if (op.is_view()) {  // the shape rule has bounded [offset, offset + width) by the input's width
+      if (i == plan_.output_op) reject("{}: the output is a slice (a view); backends need the logits in a buffer of their own", describe(i));
+      const int64_t expected = activation_view(plan_, i).offset;
+      if (op.offset != expected) reject("{}: a view at arena float {}, but its source's buffer puts its columns at {}", describe(i), op.offset, expected);
+    }
+    if (op.op() == Op::kAllReduce && plan_.ops[static_cast<size_t>(op.inputs[0])].is_view()) {
+      reject("{}: reads a slice (a strided view), but collectives need contiguous rows", describe(i));
+    }
     if (reads_routed_experts(op.op())) {  // kernels index the expert stacks by the ids in input 1
       const PlanOp& routes = plan_.ops[static_cast<size_t>(op.inputs[1])];
       if (routes.op() != Op::kMoeTopK || routes.attrs.get("experts") != op.attrs.get("experts") || routes.attrs.get("top_k") != op.attrs.get("top_k")) {
@@ -179,6 +187,7 @@ class Checker {
       if (task.op < 0 || task.op >= static_cast<int32_t>(plan_.ops.size())) reject("task {}: op {} out of range", t, task.op);
       const PlanOp& op = plan_.ops[static_cast<size_t>(task.op)];
       if (op.op() == Op::kTokens) reject("task {}: {} is filled by the backend and has no tasks", t, describe(task.op));
+      if (op.is_view()) reject("task {}: {} is a view of its input and has no tasks", t, describe(task.op));
       if (task.col_begin < 0 || task.col_begin >= task.col_end || task.col_end > op.width) {
         reject("task {} of {}: columns [{}, {}) outside [0, {})", t, describe(task.op), task.col_begin, task.col_end, op.width);
       }
@@ -196,7 +205,7 @@ class Checker {
       if (std::find(waits.begin(), waits.end(), task.wait_counter) == waits.end()) waits.push_back(task.wait_counter);
     }
     for (int32_t i = 0; i < static_cast<int32_t>(plan_.ops.size()); ++i) {
-      if (plan_.ops[static_cast<size_t>(i)].op() == Op::kTokens) continue;
+      if (plan_.ops[static_cast<size_t>(i)].op() == Op::kTokens || plan_.ops[static_cast<size_t>(i)].is_view()) continue;
       std::vector<std::pair<int64_t, int64_t>> slices;
       for (int32_t t : tasks_of_[static_cast<size_t>(i)]) slices.emplace_back(plan_.tasks[static_cast<size_t>(t)].col_begin, plan_.tasks[static_cast<size_t>(t)].col_end);
       std::sort(slices.begin(), slices.end());
@@ -251,18 +260,20 @@ class Checker {
       }
     }
     for (int32_t y = 0; y < static_cast<int32_t>(plan_.ops.size()); ++y) {
-      for (int32_t input : plan_.ops[static_cast<size_t>(y)].inputs) require_edges(input, y, "it reads that op's output");
+      for (int32_t input : plan_.ops[static_cast<size_t>(y)].inputs) require_edges(activation_view(plan_, input).owner, y, "it reads that op's output");
     }
   }
 
   // Buffers inside the arena; arena reuse only after the last reader, with a counter edge from every
-  // reader of the space (or its writer, when nothing reads it) to the new owner.
+  // reader of the space (or its writer, when nothing reads it) to the new owner. Views own no space:
+  // a read through one is a read of the buffer it looks into (check_wiring pinned its offset there).
   void check_buffers() const {
     const auto n = static_cast<int32_t>(plan_.ops.size());
     std::vector<std::vector<int32_t>> readers(plan_.ops.size());
     for (int32_t j = 0; j < n; ++j) {
+      if (plan_.ops[static_cast<size_t>(j)].is_view()) continue;
       for (int32_t input : plan_.ops[static_cast<size_t>(j)].inputs) {
-        auto& list = readers[static_cast<size_t>(input)];
+        auto& list = readers[static_cast<size_t>(activation_view(plan_, input).owner)];
         if (list.empty() || list.back() != j) list.push_back(j);
       }
     }
@@ -270,6 +281,7 @@ class Checker {
     OccupantMap occupants;
     for (int32_t y = 0; y < n; ++y) {
       const PlanOp& op = plan_.ops[static_cast<size_t>(y)];
+      if (op.is_view()) continue;
       const int64_t floats = plan_.buffer_floats(op);
       if (op.offset < 0 || op.offset > plan_.arena_floats - floats) reject("{}: buffer [{}, {}) floats outside the arena of {}", describe(y), op.offset, op.offset + floats, plan_.arena_floats);
       used_end = std::max(used_end, op.offset + floats);

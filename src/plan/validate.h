@@ -16,7 +16,9 @@ namespace plow {
 // table's shape rules; state kinds and sizes per stateful op; slices covering each op exactly on its
 // granularity; thresholds equal to the number of tasks signalling each counter; producers before
 // consumers (acyclic); every input's tasks and every write-after-read hazard of arena reuse covered
-// by a counter edge; buffers inside the arena; queues in op order with every task exactly once;
+// by a counter edge (a read through a view — a slice — counts as a read of the buffer it looks into);
+// views without tasks, at their source's offset plus their first column, never the output nor an
+// all_reduce's input; buffers inside the arena; queues in op order with every task exactly once;
 // every declared weight read by some op.
 void validate_plan(const Plan& plan, const std::function<bool(uint8_t opcode)>& backend_has_op);
 

@@ -2,13 +2,15 @@
 // style: one small graph per case (tokens → embedding → the op's inputs → the op), odd widths (rows
 // that are not 16-byte aligned take the scalar path), batches and prefill chunks, fp32 and bf16,
 // megakernel and eager, several worker counts. Outputs are poisoned by the previous case's run and the
-// arena is reused, so an unwritten column shows up as a mismatch; NaN fails.
+// arena is reused, so an unwritten column shows up as a mismatch; NaN fails. "_view" cases read the
+// embedding through a slice of a wider table (a plan reads it in place: row stride > width, odd offset).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <memory>
 #include <tuple>
+#include <utility>
 
 #include "graph/random_weights.h"
 #include "graph/weights.h"
@@ -26,6 +28,7 @@ struct GemvCase {
   int64_t out;
   DType dtype;
   bool mxfp4 = false;  // MoE cases: experts stored as MXFP4
+  bool view = false;   // x = columns [5, 5 + hidden) of an embedding [V, hidden + 13]
 };
 
 // Builds tokens → embedding [V, hidden] → (inputs) → op; returns the graph.
@@ -40,8 +43,20 @@ Graph build(const GemvCase& c) {
     return g.add_weight(std::move(decl));
   };
   const int tokens = g.add(Op::kTokens, {}, {}, {}, "tokens");
-  const int x = g.add(Op::kEmbedding, {tokens}, {weight("model.embed_tokens.weight", {vocab, c.hidden})}, {}, "embed");
+  const int64_t table_width = c.view ? c.hidden + 13 : c.hidden;
+  int x = g.add(Op::kEmbedding, {tokens}, {weight("model.embed_tokens.weight", {vocab, table_width})}, {}, "embed");
+  if (c.view) x = g.add(Op::kSlice, {x}, {}, {{"offset", 5.0}, {"width", static_cast<double>(c.hidden)}}, "embed.view");
   auto linear = [&](int in, int64_t width, const std::string& name) { return g.add(Op::kLinear, {in}, {weight(name, {width, c.hidden})}, {}, name); };
+  // Two [T, hidden] operands: linears of x, or (view cases) columns [3, 3 + hidden) and [3 + hidden, 3 +
+  // 2·hidden) of one multi_linear, as horizontal fusion makes them.
+  auto operands = [&](const std::string& a, const std::string& b) -> std::pair<int, int> {
+    if (!c.view) return {linear(x, c.hidden, a), linear(x, c.hidden, b)};
+    const int both = g.add(Op::kMultiLinear, {x}, {weight("pad", {3, c.hidden}), weight(a, {c.hidden, c.hidden}), weight(b, {c.hidden, c.hidden})}, {}, a + b);
+    const auto part = [&](int64_t offset, const std::string& name) {
+      return g.add(Op::kSlice, {both}, {}, {{"offset", static_cast<double>(offset)}, {"width", static_cast<double>(c.hidden)}}, name);
+    };
+    return {part(3, a), part(3 + c.hidden, b)};
+  };
   int y = -1;
   switch (c.op) {
     case Op::kLinear: y = linear(x, c.out, "w"); break;
@@ -65,13 +80,13 @@ Graph build(const GemvCase& c) {
                 {{"act", c.out % 3 == 0 ? 1.0 : 0.0}, {"beta", 4.0}, {"linear_beta", 25.0}}, "y");
       break;
     case Op::kActLinear: {
-      const int a = linear(x, c.hidden, "a"), b = linear(x, c.hidden, "b");
+      const auto [a, b] = operands("a", "b");
       y = g.add(Op::kActLinear, {a, b}, {weight("w", {c.out, c.hidden})}, {{"act", static_cast<double>(c.out % 3)}, {"beta", 4.0}, {"linear_beta", 0.0}}, "y");
       break;
     }
     case Op::kGatedNormLinear: {
       const int64_t d = c.hidden / 2;
-      const int o = linear(x, c.hidden, "o"), z = linear(x, c.hidden, "z");
+      const auto [o, z] = operands("o", "z");
       y = g.add(Op::kGatedNormLinear, {o, z}, {weight("o_norm.weight", {d}), weight("w", {c.out, c.hidden})},
                 {{"heads", 2.0}, {"head_dim", static_cast<double>(d)}, {"eps", 1e-5}}, "y");
       break;
@@ -198,6 +213,15 @@ std::vector<GemvCase> cases() {
                            std::string(dtype_name(dtype)),
                        op, hidden, out, dtype, mxfp4});
       }
+    }
+  }
+  // Inputs through views (x read in place at stride hidden + 13), every op of the family once per dtype;
+  // moe_down_add also reads x as its residual.
+  for (Op op : {Op::kLinear, Op::kNormLinear, Op::kMultiLinear, Op::kNormMultiLinear, Op::kLinearAdd, Op::kGateUpAct, Op::kActLinear, Op::kGatedNormLinear,
+                Op::kRouterLogits, Op::kMoeDownAdd}) {
+    for (DType dtype : {DType::F32, DType::BF16}) {
+      const int64_t out = op == Op::kMoeDownAdd ? 40 : 37;
+      all.push_back({std::string(op_name(op)) + "_96x" + std::to_string(out) + "_view_" + std::string(dtype_name(dtype)), op, 96, out, dtype, false, true});
     }
   }
   return all;

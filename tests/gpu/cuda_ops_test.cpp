@@ -4,7 +4,8 @@
 // slices are exercised) and run step by step — prefill, mixed and decode steps over three slots, so
 // state carries — through ReferenceBackend and CudaBackend (eager and megakernel), f32 and bf16.
 // The op's inputs come straight from embedding tables (exact on both backends), so a difference is the
-// op's own. Error unit per case: |gpu − ref| / (ε_out · max(|ref|, floor · scale)), ε_out = 2⁻²³ for
+// op's own. "_view" cases take every input through a slice of a wider embedding at an odd column offset:
+// a plan reads it in place (row stride > width, unaligned base), the reference copies it. Error unit per case: |gpu − ref| / (ε_out · max(|ref|, floor · scale)), ε_out = 2⁻²³ for
 // fp32 outputs and 2⁻⁷ (one bf16 ulp at the bottom of a binade) for bf16; scale = max |ref| of the step.
 // Columns a case marks exact (moe_topk's expert ids) must be bit-identical and stay out of the scale.
 #include <gtest/gtest.h>
@@ -58,10 +59,14 @@ class CaseGraph {
     specs.push_back(std::move(spec));
     return id;
   }
-  // An embedding of the tokens through a fresh random table [kVocab, width] (values ~ N(0, std²)).
+  // An embedding of the tokens through a fresh random table [kVocab, width] (values ~ N(0, std²)); with
+  // `views`, columns [7, 7 + width) of one [kVocab, width + 20] (a plan's view: stride width + 20).
   int embed(int64_t width, float std = 1.0f) {
     const std::string name = "embed" + std::to_string(embeddings++);
-    return graph.add(Op::kEmbedding, {tokens}, {weight({name + ".weight", {kVocab, width}, 0.0f, std})}, {}, name);
+    const int64_t wide = views ? width + 20 : width;
+    const int table = graph.add(Op::kEmbedding, {tokens}, {weight({name + ".weight", {kVocab, wide}, 0.0f, std})}, {}, name);
+    if (!views) return table;
+    return graph.add(Op::kSlice, {table}, {}, {{"offset", 7.0}, {"width", double(width)}}, name + ".view");
   }
   int op(Op op, std::vector<int> inputs, std::vector<int> weights, Attrs attrs, int state = -1) {
     const int id = graph.add(op, std::move(inputs), std::move(weights), std::move(attrs), "under_test", state);
@@ -97,6 +102,7 @@ class CaseGraph {
   Graph graph;
   int tokens = -1;
   int embeddings = 0;
+  bool views = false;
   std::vector<WeightSpec> specs;
 };
 
@@ -259,6 +265,16 @@ OpCase attn_res(int values, int64_t width, bool fused_norm) {
           {64, fused_norm ? 3.0 : 2.0, 1.0, 0.01}};
 }
 
+// The same case with every embedded input read through a view (CaseGraph::views).
+OpCase viewed(OpCase c) {
+  c.name += "_view";
+  c.build = [build = c.build](CaseGraph& g) {
+    g.views = true;
+    build(g);
+  };
+  return c;
+}
+
 std::vector<OpCase> cases() {
   // One rounding after CUDA's expf/tanhf (a few fp32 ulps): at most one bf16 ulp. SiLU·mul rounds twice
   // (SiLU, then the product): a flip in the first can reach two ulps of the product.
@@ -275,8 +291,6 @@ std::vector<OpCase> cases() {
   }
   all.push_back(elementwise("situ_mul_130", Op::kSituMul, 130, 2, {{"beta", 4.0}, {"linear_beta", 25.0}}, transcendental));
   all.push_back(elementwise("situ_mul_nolin_96", Op::kSituMul, 96, 2, {{"beta", 4.0}, {"linear_beta", 0.0}}, transcendental));
-  all.push_back({"slice_mid", Op::kSlice, [](CaseGraph& g) { g.op(Op::kSlice, {g.embed(257)}, {}, {{"offset", 31.0}, {"width", 130.0}}); }, exact});
-  all.push_back({"slice_head", Op::kSlice, [](CaseGraph& g) { g.op(Op::kSlice, {g.embed(130)}, {}, {{"offset", 0.0}, {"width", 96.0}}); }, exact});
   for (auto [heads, d] : {std::pair{1, 16}, {3, 32}, {2, 64}, {4, 128}}) all.push_back(gated_rms_norm(heads, d));
   all.push_back(short_conv(96, 4));
   all.push_back(short_conv(130, 4));
@@ -305,6 +319,13 @@ std::vector<OpCase> cases() {
   for (int values : {1, 3, 5}) {
     all.push_back(attn_res(values, values == 3 ? 257 : 96, false));
     all.push_back(attn_res(values, 130, true));
+  }
+  // Inputs through views (plan slices read in place): one case per body that reads activations.
+  for (OpCase c : {elementwise("add_130", Op::kAdd, 130, 2, {}, exact), elementwise("silu_mul_257", Op::kSiluMul, 257, 2, {}, two_roundings),
+                   elementwise("sigmoid_96", Op::kSigmoid, 96, 1, {}, transcendental, true), rms_norm(257), add_norm(96), gated_rms_norm(3, 32),
+                   short_conv(130, 4), kda_gate(3, 32, true, 1.0f), kda_delta_rule(2, 64, false), mla(2, 16, 8, 16, 32), attn_res(3, 257, false),
+                   attn_res(3, 130, true)}) {
+    all.push_back(viewed(std::move(c)));
   }
   return all;
 }

@@ -2,9 +2,11 @@
 // op / task / counter; a lowered plan passes. Plans come from the tiny fixture's graph (no weights).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <functional>
 
+#include "compiler/compile.h"
 #include "core/error.h"
 #include "engine/model.h"
 #include "plan/lower.h"
@@ -21,6 +23,14 @@ const Graph& tiny_graph() {
 
 Plan tiny_plan(int workers = 3, int64_t max_tokens = 2) {
   Plan plan = lower_to_plan(tiny_graph(), {PlanPhase::kDecode, max_tokens, workers, 0, 42});
+  plan.source = "tiny.plow";
+  return plan;
+}
+
+// The fused graph: horizontal fusion makes slices, which plans lower to views.
+Plan fused_plan(int workers = 3, int64_t max_tokens = 2) {
+  static const CompiledGraph compiled = compile_graph(tiny_graph(), {});
+  Plan plan = lower_to_plan(compiled.graph, {PlanPhase::kDecode, max_tokens, workers, 0, 42});
   plan.source = "tiny.plow";
   return plan;
 }
@@ -57,6 +67,63 @@ TEST(ValidatePlan, LoweredPlansPass) {
   for (int workers : {1, 2, 3, 8}) {
     for (int64_t tokens : {1, 5, 64}) EXPECT_NO_THROW(validate_plan(tiny_plan(workers, tokens), PlanInterpreter::has_op));
   }
+}
+
+TEST(ValidatePlan, SlicesAreViews) {
+  for (int workers : {1, 3, 8}) {
+    const Plan plan = fused_plan(workers, 5);
+    EXPECT_NO_THROW(validate_plan(plan, PlanInterpreter::has_op));
+    int views = 0;
+    for (int32_t i = 0; i < static_cast<int32_t>(plan.ops.size()); ++i) {
+      const PlanOp& op = plan.ops[static_cast<size_t>(i)];
+      if (!op.is_view()) continue;
+      ++views;
+      EXPECT_TRUE(tasks_of(plan, i).empty()) << op.label;
+      const ActivationView view = activation_view(plan, i);
+      const PlanOp& owner = plan.ops[static_cast<size_t>(view.owner)];
+      EXPECT_FALSE(owner.is_view());
+      EXPECT_EQ(view.row_stride, owner.width);
+      EXPECT_EQ(view.offset, owner.offset + op.attrs.i("offset")) << op.label;  // the tiny graph's slices are of buffers
+      EXPECT_EQ(op.offset, view.offset);
+    }
+    EXPECT_GT(views, 0) << "the fused tiny graph has no slices: nothing here is tested";
+  }
+}
+
+TEST(ValidatePlan, BrokenViews) {
+  const Plan good = fused_plan();
+  int32_t view = -1, reader = -1;  // a view and an op that reads it
+  for (int32_t i = 0; i < static_cast<int32_t>(good.ops.size()) && reader < 0; ++i) {
+    for (int32_t input : good.ops[static_cast<size_t>(i)].inputs) {
+      if (good.ops[static_cast<size_t>(input)].is_view() && reader < 0) view = input, reader = i;
+    }
+  }
+  ASSERT_GE(reader, 0);
+  const int32_t owner = activation_view(good, view).owner;
+  Plan plan = good;
+  plan.ops[static_cast<size_t>(view)].offset += 1;
+  expect_rejected(plan, "a view at arena float");
+  plan = good;  // a task for a view
+  PlanTask task = plan.tasks[static_cast<size_t>(tasks_of(plan, owner)[0])];
+  task.op = view;
+  task.signals.clear();
+  plan.tasks.push_back(task);
+  plan.queues[0].push_back(static_cast<int32_t>(plan.tasks.size() - 1));
+  expect_rejected(plan, "is a view of its input and has no tasks");
+  plan = good;  // the reader no longer waits for the owner of the view it reads
+  const int32_t counter = plan.tasks[static_cast<size_t>(tasks_of(plan, reader)[0])].wait_counter;
+  for (int32_t t : tasks_of(plan, owner)) {
+    auto& signals = plan.tasks[static_cast<size_t>(t)].signals;
+    signals.erase(std::remove(signals.begin(), signals.end(), counter), signals.end());
+  }
+  for (int32_t t : tasks_of(plan, reader)) plan.tasks[static_cast<size_t>(t)].wait_threshold -= static_cast<int64_t>(tasks_of(plan, owner).size());
+  expect_rejected(plan, "does not signal counter");
+  plan = good;  // a view as the output
+  plan.output_op = view;
+  expect_rejected(plan, "the output is a slice");
+  plan = good;  // the reader's own buffer placed over the owner it still reads through the view
+  plan.ops[static_cast<size_t>(reader)].offset = plan.ops[static_cast<size_t>(owner)].offset;
+  expect_rejected(plan, "still reads");
 }
 
 TEST(ValidatePlan, Cycle) {

@@ -143,7 +143,10 @@ void PlanInterpreter::prepare(PreparedPlan& prepared, const std::vector<int>& we
     ready.node.label = op.label;
     ready.kernel = cpu_kernel(op.op());
     ready.out = arena_.data() + op.offset;
-    for (int32_t input : op.inputs) ready.inputs.push_back({arena_.data() + plan.op(input).offset, plan.op(input).width});
+    for (int32_t input : op.inputs) {
+      const ActivationView view = activation_view(plan, input);  // a slice is read in place, at its source's stride
+      ready.inputs.push_back({arena_.data() + view.offset, view.width, view.row_stride});
+    }
     for (int32_t w : op.weights) ready.weights.push_back(&weights_[weight_ids[static_cast<size_t>(w)]]);
     if (op.op() == Op::kTokens) prepared.token_ops.push_back(static_cast<int32_t>(i));
   }

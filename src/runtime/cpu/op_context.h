@@ -27,9 +27,14 @@ struct SlotSnapshot;
 SlotSnapshot save_slot_state(const SlotState& state, const std::vector<StateDecl>& decls, int64_t rows_begin);
 void restore_slot_state(SlotState& state, const std::vector<StateDecl>& decls, const SlotSnapshot& snapshot, int64_t max_context_tokens);
 
+// Rows of `width` floats, row r at data + r × stride (stride 0 = width: a buffer of its own; a plan's
+// view of another op's columns has that op's width as its stride).
 struct Activation {
   const float* data = nullptr;
   int64_t width = 0;
+  int64_t stride = 0;
+
+  const float* row(int64_t r) const { return data + r * (stride > 0 ? stride : width); }
 };
 
 struct OpContext {
@@ -54,7 +59,7 @@ struct OpContext {
   float round_out(float value) const { return node.dtype == OutDType::kAct ? round_to(act_dtype, value) : value; }
   // Rounds to the activation dtype (an intermediate rounding point inside an op).
   float round_act(float value) const { return round_to(act_dtype, value); }
-  const float* in(size_t i, int64_t row) const { return inputs[i].data + row * inputs[i].width; }
+  const float* in(size_t i, int64_t row) const { return inputs[i].row(row); }
   float* out_row(int64_t row) const { return out + row * node.width; }
   std::vector<float>& state(int slot) const { return slots[static_cast<size_t>(slot)].buffers[static_cast<size_t>(node.state)]; }
 };

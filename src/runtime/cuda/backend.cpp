@@ -37,6 +37,7 @@ void pack_attrs(const PlanOp& op, float* attr) {
     case Op::kRouterLogits:
     case Op::kMultiLinear:
     case Op::kLinearAdd:
+    case Op::kSlice:  // a view: no body
       return;
     case Op::kNormLinear:
     case Op::kNormMultiLinear:
@@ -383,8 +384,9 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
     std::vector<std::pair<size_t, size_t>> input_at, weight_at;  // per op: first index into the two arrays
     for (const PlanOp& op : plan.ops) {
       input_at.emplace_back(op_inputs.size(), 0);
-      for (int32_t in : op.inputs) op_inputs.push_back(plan.op(in).offset);
+      for (int32_t in : op.inputs) op_inputs.push_back(activation_view(plan, in).offset);  // a slice: its source's buffer
       for (int32_t in : op.inputs) op_inputs.push_back(plan.op(in).width);
+      for (int32_t in : op.inputs) op_inputs.push_back(activation_view(plan, in).row_stride);
       weight_at.emplace_back(op_weights.size(), 0);
       for (int32_t w : op.weights) op_weights.push_back(plan_weights[static_cast<size_t>(w)]);
     }
@@ -404,6 +406,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
       d.out_offset = op.offset;
       d.in_offset = prepared.op_inputs.as<int64_t>() + input_at[i].first;
       d.in_width = d.in_offset + op.inputs.size();
+      d.in_stride = d.in_width + op.inputs.size();
       d.weights = prepared.op_weights.as<DeviceWeight>() + weight_at[i].first;
       pack_attrs(op, d.attr);
       descs.push_back(d);

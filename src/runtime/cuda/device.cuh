@@ -19,7 +19,8 @@ struct TaskCtx {
   unsigned char* smem;
   float* scratch;
 
-  __device__ const float* in(int i, int64_t row) const { return arena + op->in_offset[i] + row * op->in_width[i]; }
+  // Row `row` of input i: in_width(i) floats (a view's rows keep its source's stride).
+  __device__ const float* in(int i, int64_t row) const { return arena + op->in_offset[i] + row * op->in_stride[i]; }
   __device__ float* out(int64_t row) const { return arena + op->out_offset + row * op->width; }
   __device__ int64_t in_width(int i) const { return op->in_width[i]; }
   __device__ const DeviceWeight& weight(int i) const { return op->weights[i]; }

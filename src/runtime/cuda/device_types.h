@@ -42,7 +42,8 @@ struct DeviceState {
 };
 
 // One op of the plan. Activations live in one fp32 arena (values already rounded to their dtype, as on
-// the CPU); an input i is rows of in_width[i] floats at arena + in_offset[i].
+// the CPU); an input i is rows of in_width[i] floats, row r at arena + in_offset[i] + r·in_stride[i]
+// (in_stride > in_width when the input is a view of a wider buffer's columns: a plan's slice).
 struct OpDesc {
   int32_t opcode = 0;
   int32_t act = kAF32;            // the model's activation dtype (rounding points)
@@ -54,6 +55,7 @@ struct OpDesc {
   int64_t out_offset = 0;         // output rows of `width` floats at arena + out_offset
   const int64_t* in_offset = nullptr;  // [num_inputs]
   const int64_t* in_width = nullptr;   // [num_inputs]
+  const int64_t* in_stride = nullptr;  // [num_inputs] floats between rows
   const DeviceWeight* weights = nullptr;  // [num_weights]
   float attr[kMaxAttrs] = {};     // packed by pack_attrs (attrs.cpp): op-specific order
 };

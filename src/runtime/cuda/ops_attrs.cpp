@@ -91,10 +91,6 @@ bool pack_misc_attrs(const PlanOp& op, float* attr) {
       attr[0] = value(op, "beta");
       attr[1] = value(op, "linear_beta");
       return true;
-    case Op::kSlice:
-      attr[0] = value(op, "offset");
-      attr[1] = value(op, "width");
-      return true;
     case Op::kMoeTopK:
       pack_router(op, attr);
       return true;

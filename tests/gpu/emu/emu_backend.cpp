@@ -67,7 +67,7 @@ void CudaBackend::reset_slot(int slot) {
 int64_t CudaBackend::context_tokens(int s) const { return impl_->context[static_cast<size_t>(s)]; }
 int CudaBackend::num_slots() const { return impl_->opt.num_slots; }
 DType CudaBackend::act_dtype() const { return impl_->opt.act_dtype; }
-bool CudaBackend::has_op(uint8_t op) { return is_misc_op(op) || op == uint8_t(Op::kTokens) || op == uint8_t(Op::kEmbedding); }
+bool CudaBackend::has_op(uint8_t op) { return is_misc_op(op) || op == uint8_t(Op::kTokens) || op == uint8_t(Op::kEmbedding) || op == uint8_t(Op::kSlice); }
 
 static void run_block(TaskCtx ctx) {
   static EmuBlock* block = new EmuBlock;  // 128 MiB of fiber stacks, made once
@@ -110,14 +110,17 @@ StepOutput CudaBackend::step(const StepInputs& in) {
   const int32_t act = m.opt.act_dtype == DType::BF16 ? kABF16 : m.opt.act_dtype == DType::F16 ? kAF16 : kAF32;
   for (size_t oi = 0; oi < plan->ops.size(); ++oi) {
     const PlanOp& op = plan->ops[oi];
-    std::vector<int64_t> in_off, in_w;
-    for (int32_t i : op.inputs) in_off.push_back(plan->ops[size_t(i)].offset), in_w.push_back(plan->ops[size_t(i)].width);
+    std::vector<int64_t> in_off, in_w, in_stride;
+    for (int32_t i : op.inputs) {
+      const ActivationView v = activation_view(*plan, i);  // a slice: read in place, at its source's stride
+      in_off.push_back(v.offset), in_w.push_back(v.width), in_stride.push_back(v.row_stride);
+    }
     std::vector<DeviceWeight> ws;
     for (int32_t w : op.weights) ws.push_back(all_weights[size_t(w)]);
     OpDesc d;
     d.opcode = op.opcode, d.act = act, d.round_out = op.dtype == OutDType::kAct ? 1 : 0;
     d.num_inputs = int32_t(op.inputs.size()), d.num_weights = int32_t(op.weights.size()), d.state = op.state;
-    d.width = op.width, d.out_offset = op.offset, d.in_offset = in_off.data(), d.in_width = in_w.data(), d.weights = ws.data();
+    d.width = op.width, d.out_offset = op.offset, d.in_offset = in_off.data(), d.in_width = in_w.data(), d.in_stride = in_stride.data(), d.weights = ws.data();
     if (is_misc_op(op.opcode) && !pack_misc_attrs(op, d.attr)) fail("emu: no attrs");
     if (op.op() == Op::kTokens) {
       for (int64_t t = 0; t < rows; ++t) arena[size_t(op.offset + t)] = float(in.token_ids[size_t(t)]);

@@ -1,5 +1,5 @@
-// Elementwise op bodies (cpu: ops/elementwise.cpp, fused.cpp cpu_slice): one thread per element of the
-// task's slice [col_begin, col_end) × all rows; inputs share the output's width (kSlice: offset).
+// Elementwise op bodies (cpu: ops/elementwise.cpp): one thread per element of the task's slice
+// [col_begin, col_end) × all rows; inputs share the output's width (each with its own row stride).
 // fp32 math, one rounding per output (SiLU·mul also rounds SiLU first, as the CPU does).
 #pragma once
 
@@ -42,13 +42,6 @@ __device__ inline void op_situ_mul(const TaskCtx& ctx) {
 // kSigmoidMul: a · σ(g) (the K3 MLA output gate). attrs: none.
 __device__ inline void op_sigmoid_mul(const TaskCtx& ctx) {
   for_each_slice_element(ctx, [&](int64_t t, int64_t c) { ctx.out(t)[c] = round_out(ctx, ctx.in(0, t)[c] * sigmoidf_(ctx.in(1, t)[c])); });
-}
-
-// kSlice: columns [offset + col_begin, offset + col_end) of the input, copied (already rounded).
-// attrs: [0] offset, [1] width.
-__device__ inline void op_slice(const TaskCtx& ctx) {
-  const auto offset = static_cast<int64_t>(ctx.attr(0));
-  for_each_slice_element(ctx, [&](int64_t t, int64_t c) { ctx.out(t)[c] = ctx.in(0, t)[offset + c]; });
 }
 
 }  // namespace plow::cuda

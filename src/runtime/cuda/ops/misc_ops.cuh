@@ -30,7 +30,6 @@ __device__ inline bool run_misc_op(const TaskCtx& ctx) {
     case Op::kAdd: op_add(ctx); return true;
     case Op::kSituMul: op_situ_mul(ctx); return true;
     case Op::kSigmoidMul: op_sigmoid_mul(ctx); return true;
-    case Op::kSlice: op_slice(ctx); return true;
     case Op::kMoeTopK: op_moe_topk(ctx); return true;
     case Op::kAttnResMix: op_attn_res_mix(ctx); return true;
     case Op::kAttnResNorm: op_attn_res_norm(ctx); return true;
@@ -44,7 +43,7 @@ __host__ __device__ constexpr bool is_misc_op(uint8_t opcode) {
   switch (static_cast<Op>(opcode)) {
     case Op::kRmsNorm: case Op::kGatedRmsNorm: case Op::kAddNorm: case Op::kShortConvSilu: case Op::kKdaGate:
     case Op::kKdaDeltaRule: case Op::kMlaAttention: case Op::kSigmoid: case Op::kSiluMul: case Op::kAdd:
-    case Op::kSituMul: case Op::kSigmoidMul: case Op::kSlice: case Op::kMoeTopK: case Op::kAttnResMix:
+    case Op::kSituMul: case Op::kSigmoidMul: case Op::kMoeTopK: case Op::kAttnResMix:
     case Op::kAttnResNorm: case Op::kAllReduce:
       return true;
     default:
