@@ -26,7 +26,8 @@ std::optional<GemmOp> gemm_form(const Plan& plan, const PlanOp& op, const Device
   if (weight.cols != input.width || weight.rows != op.width) return std::nullopt;
   const bool exact_input = input.dtype == OutDType::kAct && ((weight.type == kWBF16 && act == kABF16) || (weight.type == kWF16 && act == kAF16));
   if (weight.type != kWF32 && !exact_input) return std::nullopt;
-  return GemmOp{weight, input.offset, op.offset, input.width, op.width};
+  const ActivationView x = activation_view(plan, op.inputs.front());  // a slice is a view of its source's rows
+  return GemmOp{weight, x.offset, op.offset, input.width, op.width, x.row_stride};
 }
 
 std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host_op) {
@@ -110,13 +111,13 @@ void GemmRunner::run(const GemmOp& op, float* arena, int64_t rows) {
   const auto m = static_cast<int>(op.out), n = static_cast<int>(rows), k = static_cast<int>(op.in);
   calls_ += 1;
   if (op.weight.type == kWF32) {  // pedantic: never TF32, whatever NVIDIA_TF32_OVERRIDE says
-    check_cublas(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, op.weight.data, CUDA_R_32F, k, x, CUDA_R_32F, k, &beta, y, CUDA_R_32F, m,
+    check_cublas(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, op.weight.data, CUDA_R_32F, k, x, CUDA_R_32F, static_cast<int>(op.x_stride), &beta, y, CUDA_R_32F, m,
                               CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
                  "fp32 GEMM");
     return;
   }
   if (rows * op.in > static_cast<int64_t>(staging_.bytes / 2)) fail("cuda: a GEMM input of {}x{} outgrows its staging buffer", rows, op.in);
-  launch_to_half(x, rows, op.in, op.in, staging_.ptr, op.weight.type, stream_);
+  launch_to_half(x, rows, op.in, op.x_stride, staging_.ptr, op.weight.type, stream_);
   const cudaDataType type = half_type(op.weight.type);
   check_cublas(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, op.weight.data, type, k, staging_.ptr, type, k, &beta, y, CUDA_R_32F, m,
                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
@@ -161,7 +162,7 @@ GemmTimes time_prefill_gemm(int64_t rows, int64_t out, int64_t in, int reps, int
     launch_fill(w.as<uint8_t>(), out * in, kWBF16, FillKind::kLinear, 1, 2, static_cast<float>(in), 0, stream);
     launch_fill(arena.as<uint8_t>(), rows * (in + out), kWF32, FillKind::kEmbedding, 1, 3, static_cast<float>(in), 0, stream);
     GemmRunner ours(rows * in, stream);
-    GemmOp op{DeviceWeight{w.as<uint8_t>(), nullptr, out, in, out * in * 2, 0, kWBF16, 1}, 0, rows * in, in, out};
+    GemmOp op{DeviceWeight{w.as<uint8_t>(), nullptr, out, in, out * in * 2, 0, kWBF16, 1}, 0, rows * in, in, out, in};
     times.ours_ms = median_ms(stream, reps, [&] { ours.run(op, arena.as<float>(), rows); });
     // The library alone: bf16 in, bf16 out, no conversion (its best case at this shape).
     DeviceBuffer y(static_cast<size_t>(rows * out) * 2, "GEMM peer");

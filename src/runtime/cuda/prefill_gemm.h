@@ -18,10 +18,11 @@ namespace plow::cuda {
 inline constexpr int64_t kGemmMinRows = 32;  // below it the GEMV bodies (one weight pass per 8 rows) win
 
 // One linear op as a GEMM: y[T, out] = x[T, in]·Wᵀ with W [out, in] row-major; x rows at arena +
-// x_offset (row stride `in`), y rows at arena + y_offset (row stride `out`), both fp32.
+// x_offset (row stride x_stride), y rows at arena + y_offset (row stride `out`), both fp32.
 struct GemmOp {
   DeviceWeight weight;
   int64_t x_offset = 0, y_offset = 0, in = 0, out = 0;
+  int64_t x_stride = 0;  // floats between input rows: the input's width, or its source's for a slice view
 };
 
 // The GEMM form of `op`, when it has one: a plain kLinear over one dense matrix whose input values are
