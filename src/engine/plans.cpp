@@ -37,8 +37,8 @@ std::vector<Plan> compile_serving_plans(const LoadedModel& model, int num_slots,
   return plans;
 }
 
-std::unique_ptr<PlanInterpreter> make_plan_interpreter(const LoadedModel& model, std::vector<Plan> plans, int workers, DType act, int num_slots,
-                                                       int64_t max_context, Collective* collective) {
+InterpreterOptions plan_interpreter_options(const LoadedModel& model, int workers, DType act, int num_slots, int64_t max_context,
+                                            Collective* collective) {
   InterpreterOptions options;
   options.workers = workers;
   options.act_dtype = act;
@@ -46,7 +46,13 @@ std::unique_ptr<PlanInterpreter> make_plan_interpreter(const LoadedModel& model,
   options.max_context_tokens = max_context;
   options.model_fingerprint = fingerprint_of(model);
   options.collective = collective;
-  return std::make_unique<PlanInterpreter>(*model.weights, std::move(plans), options);
+  return options;
+}
+
+std::unique_ptr<PlanInterpreter> make_plan_interpreter(const LoadedModel& model, std::vector<Plan> plans, int workers, DType act, int num_slots,
+                                                       int64_t max_context, Collective* collective) {
+  return std::make_unique<PlanInterpreter>(*model.weights, std::move(plans),
+                                           plan_interpreter_options(model, workers, act, num_slots, max_context, collective));
 }
 
 }  // namespace plow

@@ -25,7 +25,12 @@ Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens,
 std::vector<Plan> compile_serving_plans(const LoadedModel& model, int num_slots, int64_t max_context, int64_t step_tokens, int workers,
                                         bool fuse_prefill = true);
 
-// The plan interpreter for `model` over `plans`: `workers` threads, activations in `act`, the model's
+// The interpreter options for `model`: `workers` threads, activations in `act`, the model's fingerprint
+// required of every plan, `collective` joining a tensor-parallel rank to its group.
+InterpreterOptions plan_interpreter_options(const LoadedModel& model, int workers, DType act, int num_slots, int64_t max_context,
+                                            Collective* collective = nullptr);
+
+// The plan interpreter for `model` over `plans` (with plan_interpreter_options): `workers` threads, activations in `act`, the model's
 // fingerprint required of every plan; `collective` joins a tensor-parallel rank to its group.
 std::unique_ptr<PlanInterpreter> make_plan_interpreter(const LoadedModel& model, std::vector<Plan> plans, int workers, DType act, int num_slots,
                                                        int64_t max_context, Collective* collective = nullptr);

@@ -142,13 +142,4 @@ std::unique_ptr<TensorParallelBackend> make_local_tp_backend(int size, const std
   return std::make_unique<TensorParallelBackend>(std::move(ranks), std::move(control));
 }
 
-ArgmaxCandidate fold_argmax(const std::vector<ArgmaxCandidate>& per_rank) {
-  PLOW_CHECK(!per_rank.empty(), "fold_argmax of no ranks");
-  ArgmaxCandidate best = per_rank[0];
-  for (const ArgmaxCandidate& c : per_rank) {
-    if (c.value > best.value || (c.value == best.value && c.id < best.id)) best = c;
-  }
-  return best;
-}
-
 }  // namespace plow

@@ -69,12 +69,4 @@ class TensorParallelBackend : public Backend {
 std::unique_ptr<TensorParallelBackend> make_local_tp_backend(int size, const std::function<std::unique_ptr<LoadedModel>(TpShard)>& load,
                                                              const std::function<std::unique_ptr<Backend>(const LoadedModel&, Collective&)>& make);
 
-// The argmax fold of a column-parallel lm_head: given each rank's best (value, vocabulary id) of its
-// block, the global argmax with the lowest id on ties (what argmax over the whole row gives).
-struct ArgmaxCandidate {
-  float value = 0;
-  int64_t id = 0;
-};
-ArgmaxCandidate fold_argmax(const std::vector<ArgmaxCandidate>& per_rank);
-
 }  // namespace plow

@@ -66,7 +66,6 @@ class Graph {
 
   const std::vector<Node>& nodes() const { return nodes_; }
   const std::vector<WeightDecl>& weights() const { return weights_; }
-  WeightDecl& weight_decl(int id) { return weights_.at(static_cast<size_t>(id)); }
   const std::vector<StateDecl>& states() const { return states_; }
   int output() const { return output_; }
   const Node& node(int id) const { return nodes_.at(static_cast<size_t>(id)); }

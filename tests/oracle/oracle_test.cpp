@@ -14,6 +14,7 @@
 #include "core/npy.h"
 #include "engine/generate.h"
 #include "engine/model.h"
+#include "logit_compare.h"
 
 namespace plow {
 namespace {
@@ -65,35 +66,8 @@ const LoadedModel& model_for(const std::string& fixture) {
   return *slot;
 }
 
-struct Comparison {
-  float max_abs = 0.0f;        // over every logit
-  float median_row_max = 0.0f; // median over rows of the row's max |difference|
-  float argmax_agreement = 0.0f;
-};
-
-Comparison compare(const std::vector<float>& a, const std::vector<float>& b, int64_t vocab) {
-  Comparison result;
-  std::vector<float> row_max;
-  int agree = 0;
-  const auto rows = static_cast<int64_t>(a.size()) / vocab;
-  for (int64_t r = 0; r < rows; ++r) {
-    float worst = 0.0f;
-    int64_t best_a = 0, best_b = 0;
-    for (int64_t v = 0; v < vocab; ++v) {
-      const auto i = static_cast<size_t>(r * vocab + v);
-      worst = std::isnan(a[i]) || std::isnan(b[i]) ? INFINITY : std::max(worst, std::fabs(a[i] - b[i]));
-      if (a[i] > a[static_cast<size_t>(r * vocab + best_a)]) best_a = v;
-      if (b[i] > b[static_cast<size_t>(r * vocab + best_b)]) best_b = v;
-    }
-    row_max.push_back(worst);
-    result.max_abs = std::max(result.max_abs, worst);
-    agree += best_a == best_b;
-  }
-  std::sort(row_max.begin(), row_max.end());
-  result.median_row_max = row_max[row_max.size() / 2];
-  result.argmax_agreement = static_cast<float>(agree) / static_cast<float>(rows);
-  return result;
-}
+using test::Comparison;
+using test::compare;
 
 std::vector<float> oracle_logits(const OracleRun& run, const json& expected, std::vector<int64_t> shape) {
   const NpyArray oracle = read_npy_f32((fs::path(PLOW_TEST_DATA) / run.fixture / expected.at("logits").get<std::string>()).string());

@@ -61,12 +61,7 @@ inline Plan make_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tok
 
 inline std::unique_ptr<PlanInterpreter> make_interpreter(const LoadedModel& model, std::vector<Plan> plans, int workers, DType act,
                                                          int slots, int64_t max_context, int64_t delay_us = 0, uint64_t seed = 1) {
-  InterpreterOptions options;
-  options.workers = workers;
-  options.act_dtype = act;
-  options.num_slots = slots;
-  options.max_context_tokens = max_context;
-  options.model_fingerprint = fingerprint_of(model);
+  InterpreterOptions options = plan_interpreter_options(model, workers, act, slots, max_context);
   options.inject_delay_max_us = delay_us;
   options.inject_delay_seed = seed;
   return std::make_unique<PlanInterpreter>(*model.weights, std::move(plans), options);

@@ -14,6 +14,7 @@
 #include "engine/generate.h"
 #include "engine/tensor_parallel.h"
 #include "plan/validate.h"
+#include "../oracle/logit_compare.h"
 #include "plan_test_util.h"
 
 namespace plow::plan_test {
@@ -62,28 +63,8 @@ std::vector<TpRun> all_runs() {
   return runs;
 }
 
-// Per row: the largest |a − b| and whether the argmaxes agree (lowest index on ties).
-struct Comparison {
-  float max_abs = 0, median_row_max = 0, argmax_agreement = 0;
-};
-
-Comparison compare(const std::vector<float>& a, const std::vector<float>& b, int64_t vocab) {
-  Comparison result;
-  std::vector<float> rows_max;
-  int agree = 0;
-  const auto rows = static_cast<int64_t>(a.size()) / vocab;
-  for (int64_t r = 0; r < rows; ++r) {
-    std::vector<float> ra(a.begin() + r * vocab, a.begin() + (r + 1) * vocab), rb(b.begin() + r * vocab, b.begin() + (r + 1) * vocab);
-    const float worst = max_abs_diff(ra, rb);
-    rows_max.push_back(worst);
-    result.max_abs = std::max(result.max_abs, worst);
-    agree += argmax(ra) == argmax(rb);
-  }
-  std::sort(rows_max.begin(), rows_max.end());
-  result.median_row_max = rows_max[rows_max.size() / 2];
-  result.argmax_agreement = static_cast<float>(agree) / static_cast<float>(rows);
-  return result;
-}
+using test::Comparison;
+using test::compare;
 
 class TensorParallelVsOracle : public ::testing::TestWithParam<TpRun> {};
 
@@ -360,12 +341,6 @@ TEST(TensorParallel, SnapshotsRestoreEveryRanksState) {
   SlotSnapshot wrong = snap;
   wrong.fixed.pop_back();
   EXPECT_THROW(backend->restore_slot(1, wrong), Error);
-}
-
-TEST(TensorParallel, ArgmaxFoldPicksTheLowestIdOnTies) {
-  EXPECT_EQ(fold_argmax({{1.0f, 3}, {2.0f, 130}, {2.0f, 70}}).id, 70);
-  EXPECT_EQ(fold_argmax({{-1.0f, 5}}).id, 5);
-  EXPECT_EQ(fold_argmax({{0.5f, 9}, {0.25f, 1}}).id, 9);
 }
 
 }  // namespace

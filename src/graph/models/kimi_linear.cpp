@@ -51,12 +51,9 @@ class KimiLinearBuilder {
     h = norm(h, model + "norm.weight", c_.hidden_size, c_.rms_norm_eps, "final_norm");
     const std::string head = c_.tie_word_embeddings ? model + "embed_tokens.weight" : c_.tensor_prefix + "lm_head.weight";
     // Column-parallel: each rank's logits are its block of the vocabulary (the engine gathers them).
-    int logits = linear_col(h, head, c_.vocab_size, "vocab_size", "lm_head");
-    if (c_.tie_word_embeddings && tp_.size > 1) {
-      // Plans bind weights by name: the tied head's block of the table gets a name of its own.
-      WeightDecl& decl = g_.weight_decl(g_.node(logits).weights[0]);
-      decl.name = c_.tensor_prefix + "lm_head.weight (tied to " + head + ")";
-    }
+    // Plans bind weights by name: a tied head's block of the table gets a name of its own.
+    const std::string head_name = c_.tie_word_embeddings && tp_.size > 1 ? c_.tensor_prefix + "lm_head.weight (tied to " + head + ")" : head;
+    const int logits = linear_col(h, head, c_.vocab_size, "vocab_size", "lm_head", head_name);
     g_.set_output(logits);
     g_.verify();
     return std::move(g_);
@@ -84,10 +81,12 @@ class KimiLinearBuilder {
     decl.shard_count = tp_.size;
   }
 
-  // A weight cut along `axis` (0: rows, 1: columns); `shape` is the whole tensor's.
-  int sharded_weight(const std::string& name, std::vector<int64_t> shape, int axis, const char* field, bool reshape_ok = false) {
+  // A weight cut along `axis` (0: rows, 1: columns); `shape` is the whole tensor's. `decl_name`, when
+  // set, names the declaration apart from the checkpoint tensor it reads.
+  int sharded_weight(const std::string& name, std::vector<int64_t> shape, int axis, const char* field, bool reshape_ok = false,
+                     const std::string& decl_name = "") {
     shape[static_cast<size_t>(axis)] = per_rank(shape[static_cast<size_t>(axis)], field);
-    WeightDecl decl{name, {name}, std::move(shape), reshape_ok};
+    WeightDecl decl{decl_name.empty() ? name : decl_name, {name}, std::move(shape), reshape_ok};
     shard(decl, axis);
     return g_.add_weight(std::move(decl));
   }
@@ -98,8 +97,8 @@ class KimiLinearBuilder {
   }
 
   // Column-parallel: this rank's block of the `out` rows.
-  int linear_col(int x, const std::string& name, int64_t out, const char* field, const std::string& label) {
-    return g_.add(Op::kLinear, {x}, {sharded_weight(name, {out, g_.node(x).width}, 0, field)}, {}, label);
+  int linear_col(int x, const std::string& name, int64_t out, const char* field, const std::string& label, const std::string& decl_name = "") {
+    return g_.add(Op::kLinear, {x}, {sharded_weight(name, {out, g_.node(x).width}, 0, field, false, decl_name)}, {}, label);
   }
 
   // Row-parallel: x is this rank's block of the input columns; the result is a partial sum.
