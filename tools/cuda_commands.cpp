@@ -316,6 +316,13 @@ int run_bench_decode(const BenchDecodeArgs& args) {
         backend.fake_context(context);
         backend.set_eager(false);
         const double mega = backend.timed_decode_steps(static_cast<int>(batch), args.steps);
+        const bool in_kernel = backend.last_step_peer_all_reduce();
+        double nccl = 0;
+        if (in_kernel) {  // the same point with the all_reduces as NCCL calls between segments
+          backend.set_peer_all_reduce(false);
+          nccl = backend.timed_decode_steps(static_cast<int>(batch), args.steps);
+          backend.set_peer_all_reduce(true);
+        }
         backend.set_eager(true);
         const double eager = backend.timed_decode_steps(static_cast<int>(batch), std::max(5, args.steps / 3));
         backend.set_eager(false);
@@ -344,7 +351,9 @@ int run_bench_decode(const BenchDecodeArgs& args) {
           // Bytes and the roofline are one rank's (every rank reads its own block at the same time).
           record["tp"] = args.tp;
           record["gpus"] = args.tp;
-          record["collectives"] = "NCCL all-reduce between megakernel segments (eager: before the op's launch); argmax fold by NCCL all-gather";
+          record["collectives"] = in_kernel ? "all_reduce inside the megakernel over peer-mapped memory (NVLink stores, flags); argmax fold by NCCL all-gather"
+                                            : "NCCL all-reduce between megakernel segments (eager: before the op's launch); argmax fold by NCCL all-gather";
+          if (in_kernel) record["peers"]["cuda-nccl-segments"] = {{"ms_per_step", nccl}};
         }
         if (args.profile) {
           backend.set_eager(false);
@@ -358,8 +367,8 @@ int run_bench_decode(const BenchDecodeArgs& args) {
           }
           record["profile"] = {{"eager_ops_ms", total}, {"rows", rows}};
         }
-        if (!quiet) std::cerr << fmt::format("batch {:3d} context {:6d}: {:8.3f} ms/step (eager {:8.3f}), {:7.1f} GB/s = {:5.1f}% of {:.0f}\n", batch, context, mega,
-                                 eager, gbps, 100.0 * gbps / roofline_gbps, roofline_gbps);
+        if (!quiet) std::cerr << fmt::format("batch {:3d} context {:6d}: {:8.3f} ms/step (eager {:8.3f}{}), {:7.1f} GB/s = {:5.1f}% of {:.0f}\n", batch, context, mega,
+                                 eager, in_kernel ? fmt::format(", NCCL segments {:8.3f}", nccl) : "", gbps, 100.0 * gbps / roofline_gbps, roofline_gbps);
         records.push_back(std::move(record));
       }
     }

@@ -4,13 +4,16 @@
 //  - the cross-rank gate: at every step every rank's device-folded argmax (its lm_head block, the
 //    candidates all-gathered over NCCL) is the same token, and each rank feeds it back as its next input;
 //  - TP2 against the CPU reference (one rank): greedy tokens identical over 64 steps on every fp32
-//    fixture that splits in two and on the bundled model, batch 1 and batch 3, megakernel and eager.
+//    fixture that splits in two and on the bundled model, batch 1 and batch 3, megakernel and eager,
+//    with the all_reduces inside the kernel (peer-mapped memory, the default) and as NCCL calls;
+//  - ranks as threads: the same tokens, and the in-kernel all_reduce's logits equal NCCL's bit for bit.
 // PLOW_TEST_DATA in the environment overrides the compiled-in path (the GPU machine runs a copy).
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -57,7 +60,8 @@ using gpu_test::prompt;
 // One rank, run in its own process (as `plow bench decode --tp` runs them): joins the NCCL group
 // through the id file, decodes `batch` prompts for kSteps greedy steps taking each next token from its
 // device-folded argmax, and writes its tokens (one line per step) to `out`.
-int run_rank(int rank, const std::string& id_file, const std::string& dir, int batch, bool eager, const std::string& out) {
+// `peer`: in-kernel all_reduces, and every step must have used them (no silent fallback to NCCL).
+int run_rank(int rank, const std::string& id_file, const std::string& dir, int batch, bool eager, bool peer, const std::string& out) {
   std::ifstream id_in(id_file, std::ios::binary);
   const std::string id((std::istreambuf_iterator<char>(id_in)), std::istreambuf_iterator<char>());
   cuda::NcclComm comm(id, rank, kRanks, rank);
@@ -72,6 +76,7 @@ int run_rank(int rank, const std::string& id_file, const std::string& dir, int b
   options.eager = eager;
   options.device = rank;
   options.comm = &comm;
+  options.peer_all_reduce = peer;
   cuda::CudaBackend backend(model->graph, cuda::upload_weights(model->graph, *model->weights), std::move(plans), options);
   StepInputs step;
   for (int s = 0; s < batch; ++s) {
@@ -82,6 +87,7 @@ int run_rank(int rank, const std::string& id_file, const std::string& dir, int b
   std::ofstream lines(out);
   for (int64_t i = 0; i < kSteps; ++i) {
     backend.step(step);
+    if (backend.last_step_peer_all_reduce() != peer) fail("step {}: the all_reduces ran {}", i, peer ? "through NCCL" : "in the kernel");
     const std::vector<int32_t> next = backend.last_folded_argmax();
     for (int32_t t : next) lines << t << " ";
     lines << "\n";
@@ -95,7 +101,7 @@ int run_rank(int rank, const std::string& id_file, const std::string& dir, int b
 }
 
 // Per rank, per step, the tokens of the batch: the ranks run as processes of this binary.
-std::vector<std::vector<std::vector<int32_t>>> run_ranks(const std::string& dir, int batch, bool eager) {
+std::vector<std::vector<std::vector<int32_t>>> run_ranks(const std::string& dir, int batch, bool eager, bool peer) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < kRanks) fail("this test needs {} GPUs, the machine has {}", kRanks, devices);
   const fs::path tmp = fs::temp_directory_path() / ("plow-tp-test-" + std::to_string(::getpid()));
@@ -105,7 +111,7 @@ std::vector<std::vector<std::vector<int32_t>>> run_ranks(const std::string& dir,
   std::vector<pid_t> children;
   for (int r = 0; r < kRanks; ++r) {
     std::vector<std::string> args = {"/proc/self/exe", "--rank", std::to_string(r), id_file, dir, std::to_string(batch), eager ? "1" : "0",
-                                     (tmp / ("rank" + std::to_string(r))).string()};
+                                     peer ? "1" : "0", (tmp / ("rank" + std::to_string(r))).string()};
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -142,13 +148,13 @@ std::vector<int32_t> reference_run(const std::string& dir, const std::vector<int
   return generate(reference, 0, options).generated;
 }
 
-class TensorParallelCuda : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+class TensorParallelCuda : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
 
 TEST_P(TensorParallelCuda, TwoRanksEmitTheReferenceTokensAndAgreeEveryStep) {
-  const auto [batch, eager] = GetParam();
+  const auto [batch, eager, peer] = GetParam();
   for (const std::string& dir : model_dirs()) {
     SCOPED_TRACE(dir);
-    const auto tokens = run_ranks(dir, batch, eager);
+    const auto tokens = run_ranks(dir, batch, eager, peer);
     ASSERT_EQ(tokens[0].size(), static_cast<size_t>(kSteps));
     EXPECT_EQ(tokens[0], tokens[1]) << "the ranks' folded argmaxes differ: the cross-rank token gate";
     const int64_t vocab = LoadedModel::describe((fs::path(dir) / "config.json").string())->config.vocab_size;
@@ -160,61 +166,89 @@ TEST_P(TensorParallelCuda, TwoRanksEmitTheReferenceTokensAndAgreeEveryStep) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, TensorParallelCuda, ::testing::Combine(::testing::Values(1, 3), ::testing::Bool()),
-                         [](const auto& mode) { return fmt::format("batch{}_{}", std::get<0>(mode.param), std::get<1>(mode.param) ? "eager" : "megakernel"); });
+INSTANTIATE_TEST_SUITE_P(Modes, TensorParallelCuda, ::testing::Combine(::testing::Values(1, 3), ::testing::Bool(), ::testing::Bool()),
+                         [](const auto& mode) {
+                           return fmt::format("batch{}_{}_{}", std::get<0>(mode.param), std::get<1>(mode.param) ? "eager" : "megakernel",
+                                              std::get<2>(mode.param) ? "in_kernel" : "nccl");
+                         });
 
 // The ranks as threads of one process (what `plow serve --tp 2 --backend cuda` builds): TensorParallelBackend
 // over two CudaBackends with communicators from ncclCommInitAll. Tokens from the gathered logits equal
 // the reference, and each rank's device fold agrees with them at every step.
+// Two ranks as threads over `dir`, greedy from two prompts for kSteps steps: per step the gathered
+// logits rows; checks each rank's device fold against the gathered argmax and the all_reduce path used.
+std::vector<std::vector<float>> thread_ranks(const std::string& dir, bool peer, std::vector<std::vector<int32_t>>& got) {
+  auto comms = cuda::NcclComm::init_all(kRanks);
+  std::vector<TpRank> ranks;
+  std::vector<cuda::CudaBackend*> cudas;
+  const int batch = 2;
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(cudaSetDevice(r), cudaSuccess);
+    TpRank rank;
+    rank.model = LoadedModel::load(dir, {r, kRanks});
+    const int workers = cuda::CudaBackend::sm_count(r);
+    std::vector<Plan> plans = {compile_plan(*rank.model, PlanPhase::kDecode, batch, workers, kMaxContext),
+                               compile_plan(*rank.model, PlanPhase::kPrefill, 64, workers, kMaxContext)};
+    cuda::CudaOptions options;
+    options.act_dtype = DType::F32;
+    options.num_slots = batch;
+    options.max_context_tokens = kMaxContext;
+    options.device = r;
+    options.comm = comms[static_cast<size_t>(r)].get();
+    options.peer_all_reduce = peer;
+    auto backend = std::make_unique<cuda::CudaBackend>(rank.model->graph, cuda::upload_weights(rank.model->graph, *rank.model->weights),
+                                                       std::move(plans), options);
+    cudas.push_back(backend.get());
+    rank.backend = std::move(backend);
+    ranks.push_back(std::move(rank));
+  }
+  TensorParallelBackend group(std::move(ranks), {});
+  const int64_t vocab = LoadedModel::describe((fs::path(dir) / "config.json").string())->config.vocab_size;
+  const std::vector<std::vector<int32_t>> prompts = {prompt(0, vocab, 7), prompt(1, vocab, 12)};
+  got.assign(batch, {});
+  std::vector<std::vector<float>> logits;
+  StepInputs step;
+  for (int s = 0; s < batch; ++s) {
+    step.token_ids.insert(step.token_ids.end(), prompts[static_cast<size_t>(s)].begin(), prompts[static_cast<size_t>(s)].end());
+    step.sequences.push_back({s, static_cast<int64_t>(prompts[static_cast<size_t>(s)].size())});
+  }
+  for (int64_t i = 0; i < kSteps; ++i) {
+    StepOutput out = group.step(step);
+    for (cuda::CudaBackend* rank : cudas) EXPECT_EQ(rank->last_step_peer_all_reduce(), peer) << "step " << i;
+    step = {};
+    for (int s = 0; s < batch; ++s) {
+      const int32_t token = argmax(std::span<const float>(out.logits.data() + s * out.vocab, static_cast<size_t>(out.vocab)));
+      for (cuda::CudaBackend* rank : cudas) EXPECT_EQ(rank->last_folded_argmax().at(static_cast<size_t>(s)), token) << "step " << i;
+      got[static_cast<size_t>(s)].push_back(token);
+      step.token_ids.push_back(token);
+      step.sequences.push_back({s, 1});
+    }
+    logits.push_back(std::move(out.logits));
+  }
+  for (int s = 0; s < batch; ++s) EXPECT_EQ(got[static_cast<size_t>(s)], reference_run(dir, prompts[static_cast<size_t>(s)])) << "sequence " << s;
+  return logits;
+}
+
+// The ranks as threads of one process (what `plow serve --tp 2 --backend cuda` builds): TensorParallelBackend
+// over two CudaBackends with communicators from ncclCommInitAll. Tokens from the gathered logits equal
+// the reference, each rank's device fold agrees with them at every step, and the in-kernel all_reduce
+// (two ranks: one fp32 addition per element) gives NCCL's logits bit for bit.
 TEST(TensorParallelCudaThreads, TwoRanksInOneProcessEmitTheReferenceTokens) {
   int devices = 0;
   ASSERT_TRUE(cudaGetDeviceCount(&devices) == cudaSuccess && devices >= kRanks) << "this test needs " << kRanks << " GPUs";
   for (const std::string& dir : model_dirs()) {
     SCOPED_TRACE(dir);
-    auto comms = cuda::NcclComm::init_all(kRanks);
-    std::vector<TpRank> ranks;
-    std::vector<cuda::CudaBackend*> cudas;
-    const int batch = 2;
-    for (int r = 0; r < kRanks; ++r) {
-      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
-      TpRank rank;
-      rank.model = LoadedModel::load(dir, {r, kRanks});
-      const int workers = cuda::CudaBackend::sm_count(r);
-      std::vector<Plan> plans = {compile_plan(*rank.model, PlanPhase::kDecode, batch, workers, kMaxContext),
-                                 compile_plan(*rank.model, PlanPhase::kPrefill, 64, workers, kMaxContext)};
-      cuda::CudaOptions options;
-      options.act_dtype = DType::F32;
-      options.num_slots = batch;
-      options.max_context_tokens = kMaxContext;
-      options.device = r;
-      options.comm = comms[static_cast<size_t>(r)].get();
-      auto backend = std::make_unique<cuda::CudaBackend>(rank.model->graph, cuda::upload_weights(rank.model->graph, *rank.model->weights),
-                                                         std::move(plans), options);
-      cudas.push_back(backend.get());
-      rank.backend = std::move(backend);
-      ranks.push_back(std::move(rank));
+    std::vector<std::vector<int32_t>> in_kernel_tokens, nccl_tokens;
+    const auto in_kernel = thread_ranks(dir, true, in_kernel_tokens);
+    const auto nccl = thread_ranks(dir, false, nccl_tokens);
+    EXPECT_EQ(in_kernel_tokens, nccl_tokens);
+    ASSERT_EQ(in_kernel.size(), nccl.size());
+    for (size_t i = 0; i < nccl.size(); ++i) {
+      ASSERT_EQ(in_kernel[i].size(), nccl[i].size());
+      size_t differ = 0;
+      for (size_t j = 0; j < nccl[i].size(); ++j) differ += std::memcmp(&in_kernel[i][j], &nccl[i][j], sizeof(float)) != 0;
+      EXPECT_EQ(differ, 0u) << "logits of step " << i << " differ between the two all_reduce paths";
     }
-    TensorParallelBackend group(std::move(ranks), {});
-    const int64_t vocab = LoadedModel::describe((fs::path(dir) / "config.json").string())->config.vocab_size;
-    std::vector<std::vector<int32_t>> prompts = {prompt(0, vocab, 7), prompt(1, vocab, 12)};
-    std::vector<std::vector<int32_t>> got(batch);
-    StepInputs step;
-    for (int s = 0; s < batch; ++s) {
-      step.token_ids.insert(step.token_ids.end(), prompts[static_cast<size_t>(s)].begin(), prompts[static_cast<size_t>(s)].end());
-      step.sequences.push_back({s, static_cast<int64_t>(prompts[static_cast<size_t>(s)].size())});
-    }
-    for (int64_t i = 0; i < kSteps; ++i) {
-      const StepOutput out = group.step(step);
-      step = {};
-      for (int s = 0; s < batch; ++s) {
-        const int32_t token = argmax(std::span<const float>(out.logits.data() + s * out.vocab, static_cast<size_t>(out.vocab)));
-        for (cuda::CudaBackend* rank : cudas) ASSERT_EQ(rank->last_folded_argmax().at(static_cast<size_t>(s)), token) << "step " << i;
-        got[static_cast<size_t>(s)].push_back(token);
-        step.token_ids.push_back(token);
-        step.sequences.push_back({s, 1});
-      }
-    }
-    for (int s = 0; s < batch; ++s) EXPECT_EQ(got[static_cast<size_t>(s)], reference_run(dir, prompts[static_cast<size_t>(s)])) << "sequence " << s;
   }
 }
 
@@ -230,11 +264,11 @@ TEST(TensorParallelCudaPlans, ARanksPlanWithoutACommunicatorIsRefused) {
 }  // namespace
 }  // namespace plow
 
-// `cuda_tp_tests --rank R ID_FILE DIR BATCH EAGER OUT` is one rank's process; otherwise the tests.
+// `cuda_tp_tests --rank R ID_FILE DIR BATCH EAGER PEER OUT` is one rank's process; otherwise the tests.
 int main(int argc, char** argv) {
-  if (argc == 8 && std::string(argv[1]) == "--rank") {
+  if (argc == 9 && std::string(argv[1]) == "--rank") {
     try {
-      return plow::run_rank(std::stoi(argv[2]), argv[3], argv[4], std::stoi(argv[5]), std::string(argv[6]) == "1", argv[7]);
+      return plow::run_rank(std::stoi(argv[2]), argv[3], argv[4], std::stoi(argv[5]), std::string(argv[6]) == "1", std::string(argv[7]) == "1", argv[8]);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "rank %s: %s\n", argv[2], e.what());
       return 1;

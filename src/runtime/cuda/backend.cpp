@@ -18,6 +18,7 @@
 #include "runtime/cuda/device_memory.h"
 #include "runtime/cuda/kernels.h"
 #include "runtime/cuda/nccl_comm.h"
+#include "runtime/cuda/peer_reduce.h"
 #include "runtime/cuda/ops_attrs.h"
 #include "runtime/cuda/prefill_gemm.h"
 
@@ -111,6 +112,8 @@ bool same_state(const StateDecl& a, const StateDecl& b) {
 
 }  // namespace
 
+static_assert(static_cast<int>(Op::kCount) < kProfileSlots - 1, "the per-opcode profile needs a slot per opcode");
+
 struct CudaBackend::Impl {
   struct PreparedPlan {
     Plan plan;
@@ -122,6 +125,7 @@ struct CudaBackend::Impl {
     // Tensor parallelism: the megakernel runs in segments split at the all_reduce ops; before a
     // segment the host enqueues the NCCL all-reduces that open it. None without all_reduce ops.
     std::vector<Segment> segments;
+    bool peer_reduce = false;  // small enough for the in-kernel all_reduce (peer_reduce.h)
     GemmPath gemm;  // prefill steps of ≥ kGemmMinRows rows: linears as cuBLAS GEMMs (prefill_gemm.h)
   };
 
@@ -130,8 +134,12 @@ struct CudaBackend::Impl {
   cudaStream_t stream = nullptr;
   std::vector<std::unique_ptr<PreparedPlan>> plans;
   std::unique_ptr<GemmRunner> gemm_runner;  // when a plan has a GEMM path
-  DeviceBuffer arena, scratch, state_table, step_ints, error_flag, argmax_ids, profile, fold_cands;
+  DeviceBuffer arena, scratch, state_table, step_ints, error_flag, argmax_ids, profile, op_profile, fold_cands;
   std::vector<int32_t> last_folded;  // tensor parallelism: the last step's folded argmax per sequence
+  std::unique_ptr<PeerReduceArea> peer_area;  // tensor parallelism: the in-kernel all_reduce's slots
+  bool peer_failed = false;                   // the areas could not be mapped: NCCL from then on
+  bool last_peer = false;                     // the last step's all_reduces ran in the kernel
+  uint32_t coll_epoch = 0;                    // steps run by this rank (the same count on every rank)
   std::vector<DeviceBuffer> state_buffers;
   std::vector<DeviceState> states;
   std::vector<int64_t> contexts;  // per slot
@@ -222,7 +230,27 @@ struct CudaBackend::Impl {
     p.scratch = scratch.as<float>();
     p.step = view;
     p.epoch = prepared.epoch;
+    if (options.comm) {
+      p.step.coll_epoch = ++coll_epoch;
+      p.step.peers = peer_table(prepared);
+      last_peer = p.step.peers != nullptr;
+    }
     return p;
+  }
+
+  // The peers' areas when this step's all_reduces run in the kernel, else null (NCCL). The first step
+  // that wants them maps them: a collective, reached at the same step by every rank.
+  const PeerTable* peer_table(const PreparedPlan& prepared) {
+    if (!prepared.peer_reduce || !peer_area || !options.peer_all_reduce || peer_failed) return nullptr;
+    if (!peer_area->connected()) {
+      std::string why;
+      if (!peer_area->connect(*options.comm, stream, &why)) {
+        peer_failed = true;
+        if (options.comm->rank() == 0) std::fprintf(stderr, "cuda: all_reduce stays on NCCL: %s\n", why.c_str());
+        return nullptr;
+      }
+    }
+    return peer_area->table();
   }
 
   // Tensor parallelism: the ranks' fp32 partial sums (the all_reduce's input) summed by NCCL into its
@@ -235,7 +263,7 @@ struct CudaBackend::Impl {
 
   // The host's part of an op: its NCCL all-reduce, or its GEMM (`gemm`: this step takes the GEMM path).
   void run_host_op(const PreparedPlan& prepared, int32_t op_index, const KernelParams& p, bool gemm) {
-    if (prepared.plan.op(op_index).op() == Op::kAllReduce) all_reduce(prepared, op_index, p);
+    if (prepared.plan.op(op_index).op() == Op::kAllReduce && p.step.peers == nullptr) all_reduce(prepared, op_index, p);
     if (gemm && prepared.gemm.ops[static_cast<size_t>(op_index)]) gemm_runner->run(*prepared.gemm.ops[static_cast<size_t>(op_index)], arena.as<float>(), p.step.tokens);
   }
 
@@ -254,7 +282,9 @@ struct CudaBackend::Impl {
       for (size_t i = 0; i < prepared.plan.ops.size(); ++i) launch_op(prepared, i, tasks, gemm);
       return;
     }
-    const std::vector<Segment>& segments = gemm ? prepared.gemm.segments : prepared.segments;
+    // In-kernel all_reduces need no cuts (a GEMM step keeps its GEMM cuts).
+    static const std::vector<Segment> kUncut;
+    const std::vector<Segment>& segments = gemm ? prepared.gemm.segments : p.step.peers != nullptr ? kUncut : prepared.segments;
     if (segments.empty()) {
       launch_megakernel(p, prepared.plan.workers, stream);
       return;
@@ -294,6 +324,10 @@ struct CudaBackend::Impl {
       case kErrBadToken: fail("cuda: a token id is outside the vocabulary");
       case kErrContext: fail("cuda: a sequence outgrew its slot's cache");
       case kErrOpcode: fail("cuda: an op without a device body was run");
+      case kErrPeerTimeout:
+        fail("cuda: rank {}'s in-kernel all_reduce waited 20 s for a peer's partial sums (a rank failed, or the ranks ran different steps)",
+             options.comm ? options.comm->rank() : 0);
+      case kErrPeerSlot: fail("cuda: an in-kernel all_reduce does not fit its slot (a bug: the slots are sized from the plans)");
       default: fail("cuda: the device reported error {}", code);
     }
   }
@@ -343,6 +377,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
     m.fold_cands = DeviceBuffer(static_cast<size_t>(2 * m.max_tokens * (1 + options.comm->size())) * sizeof(float), "argmax fold");
   }
   m.profile = DeviceBuffer(static_cast<size_t>(std::max(m.max_workers, 1)) * 4 * sizeof(unsigned long long), "profile counters");
+  m.op_profile = DeviceBuffer(static_cast<size_t>(3 * kProfileSlots) * sizeof(unsigned long long), "profile counters");
 
   // Per-slot state, one buffer per state declaration for all slots.
   for (const StateDecl& decl : m.plans.front()->plan.states) {
@@ -364,6 +399,8 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
 
   // Decode each plan: OpDescs with resolved pointers, instructions in queue order and in task order.
   int64_t max_gemm_input = 0;
+  int peer_ops = 0;
+  int64_t peer_slot = 0;
   for (auto& prepared_ptr : m.plans) {
     Impl::PreparedPlan& prepared = *prepared_ptr;
     const Plan& plan = prepared.plan;
@@ -393,6 +430,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
     prepared.op_inputs = upload(op_inputs, "op inputs");
     prepared.op_weights = upload(op_weights, "op weights");
     std::vector<OpDesc> descs;
+    int reduce_ordinal = 0;
     for (size_t i = 0; i < plan.ops.size(); ++i) {
       const PlanOp& op = plan.ops[i];
       OpDesc d;
@@ -409,6 +447,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
       d.in_stride = d.in_width + op.inputs.size();
       d.weights = prepared.op_weights.as<DeviceWeight>() + weight_at[i].first;
       pack_attrs(op, d.attr);
+      if (op.op() == Op::kAllReduce) d.attr[0] = static_cast<float>(reduce_ordinal++);
       descs.push_back(d);
       if (op.op() == Op::kTokens) prepared.token_offsets.push_back(op.offset);
     }
@@ -453,6 +492,13 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
     const auto all_reduces = std::count(reduce.begin(), reduce.end(), true);
     if (all_reduces > 0 && options.comm == nullptr) fail("plan '{}' has {} all_reduce ops (a tensor-parallel rank's) but the backend has no communicator", plan.source, all_reduces);
     if (all_reduces > 0) prepared.segments = build_segments(plan, by_task, reduce);
+    if (all_reduces > 0 && plan.max_tokens <= kPeerReduceMaxRows) {
+      prepared.peer_reduce = true;
+      peer_ops = std::max(peer_ops, static_cast<int>(all_reduces));
+      for (const PlanOp& op : plan.ops) {
+        if (op.op() == Op::kAllReduce) peer_slot = std::max(peer_slot, plan.max_tokens * op.width);
+      }
+    }
     if (options.prefill_gemm) prepared.gemm = plan_gemm_path(plan, plan_weights, by_task, reduce, act);
     max_gemm_input = std::max(max_gemm_input, prepared.gemm.max_input_elems);
     prepared.signals = upload(signals, "signals");
@@ -460,6 +506,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
     check(cudaMemset(prepared.counters.ptr, 0, prepared.counters.bytes), "counters");
   }
   if (max_gemm_input > 0) m.gemm_runner = std::make_unique<GemmRunner>(max_gemm_input, m.stream);
+  if (peer_ops > 0 && options.comm->size() <= kMaxPeerRanks) m.peer_area = std::make_unique<PeerReduceArea>(options.device, options.comm->size(), peer_ops, peer_slot);
 }
 
 CudaBackend::~CudaBackend() {
@@ -627,6 +674,10 @@ int64_t CudaBackend::prefill_gemms() const { return impl_->gemm_runner ? impl_->
 
 void CudaBackend::set_eager(bool eager) { impl_->options.eager = eager; }
 
+void CudaBackend::set_peer_all_reduce(bool on) { impl_->options.peer_all_reduce = on; }
+
+bool CudaBackend::last_step_peer_all_reduce() const { return impl_->last_peer; }
+
 int CudaBackend::diagnose_decode_step(int batch, double timeout_ms) {
   Impl& m = *impl_;
   m.use_device();
@@ -637,7 +688,7 @@ int CudaBackend::diagnose_decode_step(int batch, double timeout_ms) {
     const auto [first, end] = prepared.op_tasks[i];
     if (end <= first) continue;
     const auto start = std::chrono::steady_clock::now();
-    if (prepared.plan.ops[i].op() == Op::kAllReduce) m.all_reduce(prepared, static_cast<int32_t>(i), p);
+    m.run_host_op(prepared, static_cast<int32_t>(i), p, false);
     launch_eager(p, first, end - first, m.stream);
     cudaError_t state = cudaErrorNotReady;
     double ms = 0;
@@ -750,12 +801,16 @@ std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
   }
   // The megakernel's own view: wait vs run cycles summed over its blocks.
   check(cudaMemsetAsync(m.profile.ptr, 0, m.profile.bytes, m.stream), "profile");
+  check(cudaMemsetAsync(m.op_profile.ptr, 0, m.op_profile.bytes, m.stream), "profile");
   m.upload_decode_step(prepared, batch);
   KernelParams p = m.params(prepared, view, false);
   p.profile = m.profile.as<unsigned long long>();
+  p.op_profile = m.op_profile.as<unsigned long long>();
   m.launch(prepared, p, false);
   std::vector<unsigned long long> counts(static_cast<size_t>(plan.workers) * 4);
   check(cudaMemcpyAsync(counts.data(), m.profile.ptr, counts.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost, m.stream), "profile");
+  std::vector<unsigned long long> per_op(static_cast<size_t>(3 * kProfileSlots));
+  check(cudaMemcpyAsync(per_op.data(), m.op_profile.ptr, per_op.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost, m.stream), "profile");
   check(cudaStreamSynchronize(m.stream), "profile");
   m.check_device_error();
   int clock_khz = 0;
@@ -772,6 +827,17 @@ std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
   const double to_ms = 1.0 / std::max(clock_khz, 1);  // cycles → ms
   out.push_back({"megakernel:wait (mean per block)", static_cast<int64_t>(tasks), wait * to_ms / plan.workers, 0});
   out.push_back({"megakernel:run (mean per block)", static_cast<int64_t>(tasks), run * to_ms / plan.workers, 0});
+  // Per opcode inside the megakernel, as the mean block spends it: waiting for the op's inputs, running its tasks.
+  std::vector<OpcodeProfile> inside;
+  for (int slot = 0; slot < kProfileSlots; ++slot) {
+    const unsigned long long* c = per_op.data() + 3 * slot;
+    if (c[2] == 0) continue;
+    const std::string name = slot == kProfileSlots - 1 ? "round_rows" : std::string(op_name(static_cast<Op>(slot)));
+    inside.push_back({"megakernel:" + name + " run", static_cast<int64_t>(c[2]), static_cast<double>(c[1]) * to_ms / plan.workers, 0});
+    inside.push_back({"megakernel:" + name + " wait", static_cast<int64_t>(c[2]), static_cast<double>(c[0]) * to_ms / plan.workers, 0});
+  }
+  std::sort(inside.begin(), inside.end(), [](const OpcodeProfile& a, const OpcodeProfile& b) { return a.ms > b.ms; });
+  out.insert(out.end(), inside.begin(), inside.end());
   return out;
 }
 

@@ -33,6 +33,8 @@ int64_t device_weight_bytes(const DeviceWeightSet& weights);
 // several timed passes over a buffer far larger than the L2.
 double measure_read_bandwidth_gbps(int64_t bytes, int device = 0);
 
+inline constexpr int64_t kPeerReduceMaxRows = 64;
+
 struct CudaOptions {
   DType act_dtype = DType::F32;
   int num_slots = 1;
@@ -43,6 +45,10 @@ struct CudaOptions {
   // Tensor parallelism: this rank's communicator (not owned; on `device`). Plans with all_reduce ops
   // need one: each all_reduce is an NCCL call between megakernel segments (eager: before its launch).
   NcclComm* comm = nullptr;
+  // Tensor parallelism: steps of plans of ≤ kPeerReduceMaxRows rows (decode) run their all_reduces
+  // inside the kernel over peer-mapped memory (peer_reduce.h), without NCCL calls or segment cuts;
+  // false, or GPUs that cannot map each other's memory: NCCL between segments.
+  bool peer_all_reduce = true;
   // Prefill steps of ≥ 32 rows run the plan's plain linear ops as cuBLAS GEMMs between megakernel
   // segments (prefill_gemm.h); false: every op on its plan body (the GEMV path, for comparison).
   bool prefill_gemm = true;
@@ -91,11 +97,14 @@ class CudaBackend : public Backend {
   // step attends over that many cached positions — for benchmarks at long context.
   void fake_context(int64_t tokens);
   std::vector<OpcodeProfile> profile_decode_step(int batch);
-  void set_eager(bool eager);
+  void set_eager(bool eager);  // switch between the megakernel and one launch per op (same weights and state)
+  // Tensor parallelism: in-kernel all_reduces on or off from the next step (every rank alike).
+  void set_peer_all_reduce(bool on);
+  bool last_step_peer_all_reduce() const;
   // Diagnosis: runs one decode step's ops one launch at a time, each waited for with a host timeout;
   // prints each op's label, tasks and time to stderr, and returns the index of the first op that did
   // not finish within `timeout_ms` (the process cannot reclaim such a GPU: the caller should exit), or −1.
-  int diagnose_decode_step(int batch, double timeout_ms);  // switch between the megakernel and one launch per op (same weights and state)
+  int diagnose_decode_step(int batch, double timeout_ms);
   const Plan& plan(int index) const;
   int last_plan() const;
   // Tensor parallelism: after a step, per sequence the argmax of the whole vocabulary (lowest id on

@@ -60,6 +60,17 @@ struct OpDesc {
   float attr[kMaxAttrs] = {};     // packed by pack_attrs (attrs.cpp): op-specific order
 };
 
+// Tensor parallelism inside the kernel (peer_reduce.h): every rank's receive area as this rank maps it.
+// An area holds flags [2][ops][size] (uint32: the collective epoch that filled the slot), then slots
+// [2][ops][size][slot_floats] (fp32 partial sums), indexed [epoch parity][all_reduce ordinal][source rank].
+inline constexpr int kMaxPeerRanks = 8;
+struct PeerTable {
+  unsigned* flags[kMaxPeerRanks] = {};
+  float* slots[kMaxPeerRanks] = {};
+  int32_t rank = 0, size = 1, ops = 0;
+  int64_t slot_floats = 0;
+};
+
 // The step, as the device sees it (rebuilt by the host before every step). Rows of a sequence are
 // contiguous; row r belongs to sequence row_seq[r] at absolute position row_pos[r].
 struct StepView {
@@ -74,10 +85,16 @@ struct StepView {
   const int32_t* seq_context = nullptr; // tokens the slot held before this step
   const DeviceState* states = nullptr;  // [plan states]
   int32_t* error = nullptr;             // first device-side error code (0 = none), see kErr*
+  // Tensor parallelism: the peers' areas when this step's all_reduces run in the kernel, else null
+  // (the host summed them through NCCL); the step's collective epoch (the same on every rank).
+  const PeerTable* peers = nullptr;
+  uint32_t coll_epoch = 0;
 };
 
 inline constexpr int32_t kErrBadToken = 1;     // a token id outside the vocabulary
 inline constexpr int32_t kErrContext = 2;      // a sequence grew past the slot's cache
 inline constexpr int32_t kErrOpcode = 3;       // an opcode without a device body
+inline constexpr int32_t kErrPeerTimeout = 4;  // an in-kernel all_reduce waited 20 s for a peer
+inline constexpr int32_t kErrPeerSlot = 5;     // an in-kernel all_reduce larger than its slot
 
 }  // namespace plow::cuda

@@ -91,6 +91,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
   float* scratch = p.scratch + static_cast<int64_t>(worker) * kScratchFloats;
   unsigned long long wait_cycles = 0, run_cycles = 0, spins = 0;
   if (threadIdx.x == 0 && begin < end) prefetch_l2(p.instrs[begin]);
+  long long task_wait = 0;
   for (int32_t i = begin; i < end; ++i) {
     const Instr& ins = p.instrs[i];
     if (threadIdx.x == 0) {
@@ -101,7 +102,8 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
       }
       __threadfence();
       const long long t1 = clock64();
-      wait_cycles += static_cast<unsigned long long>(t1 - t0);
+      task_wait = t1 - t0;
+      wait_cycles += static_cast<unsigned long long>(task_wait);
       if (i + 1 < end) prefetch_l2(p.instrs[i + 1]);  // the next task's weights stream in while this one runs
     }
     __syncthreads();
@@ -110,7 +112,14 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
     run_task(ctx, ins.opcode);
     __syncthreads();
     if (threadIdx.x == 0) {
-      run_cycles += static_cast<unsigned long long>(clock64() - r0);
+      const long long ran = clock64() - r0;
+      run_cycles += static_cast<unsigned long long>(ran);
+      if (p.op_profile != nullptr) {
+        unsigned long long* slot = p.op_profile + 3 * profile_slot(ins.opcode);
+        atomicAdd(slot, static_cast<unsigned long long>(task_wait));
+        atomicAdd(slot + 1, static_cast<unsigned long long>(ran));
+        atomicAdd(slot + 2, 1ull);
+      }
       __threadfence();
       for (int32_t s = 0; s < ins.num_signals; ++s) add_release(p.counters + p.signals[ins.signal_begin + s], 1u);
     }

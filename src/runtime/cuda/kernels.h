@@ -27,6 +27,9 @@ static_assert(sizeof(Instr) == 64, "instructions are 64 bytes");
 // Instr::opcode of a task whose op the host ran as a GEMM (prefill_gemm.h): it rounds its output
 // columns in place (ops/round_rows.cuh). Outside the Op range.
 inline constexpr int32_t kOpRoundRows = 0x100;
+// Per-opcode profile slots: the plan's opcodes, then one for kOpRoundRows.
+inline constexpr int kProfileSlots = 64;
+inline constexpr int profile_slot(int32_t opcode) { return opcode == kOpRoundRows ? kProfileSlots - 1 : opcode < kProfileSlots - 1 ? opcode : kProfileSlots - 1; }
 
 struct KernelParams {
   const Instr* instrs = nullptr;       // megakernel: queues back to back; eager: tasks in plan order
@@ -37,6 +40,7 @@ struct KernelParams {
   unsigned* counters = nullptr;
   float* scratch = nullptr;            // kScratchFloats per block
   unsigned long long* profile = nullptr;  // megakernel: per block {wait cycles, run cycles, tasks, spins}, or null
+  unsigned long long* op_profile = nullptr;  // megakernel: per opcode slot (profile_slot) {wait cycles, run cycles, tasks}, or null
   StepView step;
   uint32_t epoch = 0;
 };

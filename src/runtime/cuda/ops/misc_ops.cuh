@@ -4,6 +4,7 @@
 #pragma once
 
 #include "graph/op_table.h"
+#include "runtime/cuda/ops/all_reduce.cuh"
 #include "runtime/cuda/ops/attn_res.cuh"
 #include "runtime/cuda/ops/elementwise.cuh"
 #include "runtime/cuda/ops/kda.cuh"
@@ -33,7 +34,7 @@ __device__ inline bool run_misc_op(const TaskCtx& ctx) {
     case Op::kMoeTopK: op_moe_topk(ctx); return true;
     case Op::kAttnResMix: op_attn_res_mix(ctx); return true;
     case Op::kAttnResNorm: op_attn_res_norm(ctx); return true;
-    case Op::kAllReduce: op_all_reduce_round(ctx); return true;
+    case Op::kAllReduce: op_all_reduce(ctx); return true;
     default: return false;
   }
 }
