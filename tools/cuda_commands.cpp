@@ -25,7 +25,6 @@
 
 #include "core/error.h"
 #include "engine/plans.h"
-#include "engine/tensor_parallel.h"
 #include "runtime/cuda/backend.h"
 #include "runtime/cuda/nccl_comm.h"
 
@@ -133,47 +132,6 @@ std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, DType act, 
   return std::make_unique<cuda::CudaBackend>(model.graph, cuda::upload_weights(model.graph, *model.weights), std::move(plans), options);
 }
 
-std::unique_ptr<Backend> make_cuda_serving_backend(const LoadedModel& model, int num_slots, int64_t max_context, int64_t max_step_tokens, bool eager,
-                                                   int workers) {
-  if (workers <= 0) workers = cuda::CudaBackend::sm_count();
-  std::vector<Plan> plans = compile_serving_plans(model, num_slots, max_context, max_step_tokens, workers, /*fuse_prefill=*/false);
-  cuda::CudaOptions options;
-  options.act_dtype = model.weights->storage_dtype();
-  options.num_slots = num_slots;
-  options.max_context_tokens = max_context;
-  options.eager = eager;
-  return std::make_unique<cuda::CudaBackend>(model.graph, cuda::upload_weights(model.graph, *model.weights), std::move(plans), options);
-}
-
-std::unique_ptr<Backend> make_cuda_tp_serving_backend(const std::string& model_dir, int tp, int num_slots, int64_t max_context, int64_t max_step_tokens,
-                                                      bool eager, int workers) {
-  std::shared_ptr<std::vector<std::unique_ptr<cuda::NcclComm>>> comms = std::make_shared<std::vector<std::unique_ptr<cuda::NcclComm>>>(cuda::NcclComm::init_all(tp));
-  std::vector<TpRank> ranks;
-  for (int r = 0; r < tp; ++r) {
-    if (cudaSetDevice(r) != cudaSuccess) fail("serve --tp {}: cannot select GPU {}", tp, r);
-    TpRank rank;
-    rank.model = LoadedModel::load(model_dir, {r, tp});
-    const int blocks = workers > 0 ? workers : cuda::CudaBackend::sm_count(r);
-    cuda::CudaOptions options;
-    options.act_dtype = rank.model->weights->storage_dtype();
-    options.num_slots = num_slots;
-    options.max_context_tokens = max_context;
-    options.eager = eager;
-    options.device = r;
-    options.comm = (*comms)[static_cast<size_t>(r)].get();
-    rank.backend = std::make_unique<cuda::CudaBackend>(rank.model->graph, cuda::upload_weights(rank.model->graph, *rank.model->weights),
-                                                       compile_serving_plans(*rank.model, num_slots, max_context, max_step_tokens, blocks, /*fuse_prefill=*/false), options);
-    ranks.push_back(std::move(rank));
-  }
-  TpGroupControl control;
-  control.abort = [c = comms.get()] {
-    for (auto& comm : *c) comm->abort();
-  };
-  control.abort_after = std::chrono::seconds(30);  // an aborted NCCL group is gone: give healthy ranks time
-  control.keep_alive = comms;
-  return std::make_unique<TensorParallelBackend>(std::move(ranks), std::move(control));
-}
-
 void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
   auto* dir = cmd->add_option("--model", args.model_dir, "model directory (config.json + safetensors)");
   auto* config = cmd->add_option("--config", args.config_path, "config.json of a model to draw on the device")->excludes(dir);
@@ -203,13 +161,7 @@ int launch_ranks(const BenchDecodeArgs& args) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < args.tp) fail("bench decode --tp {}: needs {} GPUs, this machine has {}", args.tp, args.tp, devices);
   if (!args.hf_peer.empty()) fail("bench decode --tp: --hf-peer measures one GPU; run it without --tp");
-  char path[] = "/tmp/plow-nccl-id-XXXXXX";
-  const int fd = mkstemp(path);
-  if (fd < 0) fail("bench decode --tp: cannot create the NCCL id file in /tmp");
-  const std::string id = cuda::NcclComm::new_unique_id();
-  const bool written = write(fd, id.data(), id.size()) == static_cast<ssize_t>(id.size());
-  close(fd);
-  if (!written) fail("bench decode --tp: cannot write the NCCL id file {}", path);
+  const std::string path = write_nccl_id_file("bench decode --tp");
   std::vector<pid_t> children;
   for (int r = 0; r < args.tp; ++r) {
     std::vector<std::string> argv = args.argv;
@@ -237,15 +189,9 @@ int launch_ranks(const BenchDecodeArgs& args) {
       }
     }
   }
-  unlink(path);
+  unlink(path.c_str());
   if (failed) fail("bench decode --tp {}: a rank failed (its error is above); the other ranks were stopped", args.tp);
   return 0;
-}
-
-std::string read_id_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("bench decode: cannot read the NCCL id file {}", path);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 }  // namespace
@@ -276,7 +222,7 @@ int run_bench_decode(const BenchDecodeArgs& args) {
   const int gpu = shard.rank;
   if (cudaSetDevice(gpu) != cudaSuccess) fail("bench decode: cannot select GPU {}", gpu);
   std::unique_ptr<cuda::NcclComm> comm;
-  if (ranked) comm = std::make_unique<cuda::NcclComm>(read_id_file(args.tp_id_file), shard.rank, shard.size, gpu);
+  if (ranked) comm = std::make_unique<cuda::NcclComm>(read_nccl_id_file(args.tp_id_file), shard.rank, shard.size, gpu);
   const int sms = cuda::CudaBackend::sm_count(gpu);
   const int workers = args.workers > 0 ? args.workers : sms;
   const std::string device = cuda::CudaBackend::device_name(gpu);

@@ -1,5 +1,6 @@
 // The plow subcommands and options that need the cuda backend: `generate --backend cuda|cuda-eager`,
-// `bench decode` and `bench prefill` (cuda_bench_prefill.cpp). Builds without CUDA link
+// `bench decode`, `bench prefill` (cuda_bench_prefill.cpp), the server's backends and `tp-worker`
+// (cuda_serve.cpp). Builds without CUDA link
 // cuda_commands_none.cpp, which says so.
 #pragma once
 
@@ -8,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,15 +22,47 @@ namespace plow::tools {
 // tokens (none when ≤ 1), compiled for `workers` (0: one per SM).
 std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, DType act, int64_t max_context, int64_t prefill_chunk, bool eager, int workers);
 
-// A cuda backend for the server: decode plans for batches 1, 2, 4, … up to num_slots and a prefill plan
-// for steps of max_step_tokens (mixed prefill + decode steps run on it).
-std::unique_ptr<Backend> make_cuda_serving_backend(const LoadedModel& model, int num_slots, int64_t max_context, int64_t max_step_tokens, bool eager,
-                                                   int workers);
+// What a server's backend is compiled for: its slots, their longest context, the tokens of one step
+// (its prefill plan), megakernel or eager, megakernel blocks (0: one per SM), the activations' dtype
+// (unset: the checkpoint's, as `plow serve` runs; tests set F32 to compare with the reference).
+struct ServingShape {
+  int num_slots = 1;
+  int64_t max_context = 4096;
+  int64_t max_step_tokens = 512;
+  bool eager = false;
+  int workers = 0;
+  std::optional<DType> act;
+};
 
-// The server's backend on `tp` GPUs: one rank per GPU, as threads of this process with NCCL
-// communicators, each with the plans of make_cuda_serving_backend over its block of the model.
-std::unique_ptr<Backend> make_cuda_tp_serving_backend(const std::string& model_dir, int tp, int num_slots, int64_t max_context, int64_t max_step_tokens,
-                                                      bool eager, int workers);
+// A cuda backend for the server (cuda_serve.cpp): decode plans for batches 1, 2, 4, … up to num_slots
+// and a prefill plan for steps of max_step_tokens (mixed prefill + decode steps run on it).
+std::unique_ptr<Backend> make_cuda_serving_backend(const LoadedModel& model, const ServingShape& shape);
+
+// The server's backend on `tp` GPUs: rank 0 in this process on GPU 0, ranks 1..tp−1 as `plow tp-worker`
+// processes of `plow_binary` (GPU r each) behind RemoteRankBackend proxies, joined in one NCCL group;
+// each rank has the plans of make_cuda_serving_backend over its block of the model.
+std::unique_ptr<Backend> make_cuda_tp_serving_backend(const std::string& model_dir, int tp, const ServingShape& shape,
+                                                      const std::string& plow_binary = "/proc/self/exe");
+
+// `plow tp-worker` (hidden; started by make_cuda_tp_serving_backend): rank `rank` of `tp`, serving its
+// backend over the socket `fd` until the server closes it.
+struct TpWorkerArgs {
+  std::string model_dir;
+  int tp = 0;
+  int rank = -1;
+  std::string id_file;  // the NCCL unique id, written by the server
+  int fd = -1;
+  ServingShape shape;
+  std::string act;  // the dtype's safetensors name; empty: the checkpoint's
+};
+
+void add_tp_worker_options(CLI::App* cmd, TpWorkerArgs& args);
+int run_tp_worker(const TpWorkerArgs& args);
+
+// A new NCCL group's unique id in a file of /tmp for the ranks' processes (`what` names the command in
+// errors); the file's path. And reading it back in a rank.
+std::string write_nccl_id_file(const std::string& what);
+std::string read_nccl_id_file(const std::string& path);
 
 struct BenchDecodeArgs {
   std::string model_dir, config_path;

@@ -8,13 +8,17 @@ std::unique_ptr<Backend> make_cuda_backend(const LoadedModel&, DType, int64_t, i
   fail("--backend cuda: this build of plow has no cuda backend (configure with a CUDA toolkit and -DPLOW_CUDA=ON)");
 }
 
-std::unique_ptr<Backend> make_cuda_serving_backend(const LoadedModel&, int, int64_t, int64_t, bool, int) {
+std::unique_ptr<Backend> make_cuda_serving_backend(const LoadedModel&, const ServingShape&) {
   fail("--backend cuda: this build of plow has no cuda backend (configure with a CUDA toolkit and -DPLOW_CUDA=ON)");
 }
 
-std::unique_ptr<Backend> make_cuda_tp_serving_backend(const std::string&, int, int, int64_t, int64_t, bool, int) {
+std::unique_ptr<Backend> make_cuda_tp_serving_backend(const std::string&, int, const ServingShape&, const std::string&) {
   fail("--backend cuda: this build of plow has no cuda backend (configure with a CUDA toolkit and -DPLOW_CUDA=ON)");
 }
+
+void add_tp_worker_options(CLI::App* cmd, TpWorkerArgs&) { cmd->allow_extras(); }
+
+int run_tp_worker(const TpWorkerArgs&) { fail("tp-worker: this build of plow has no cuda backend (configure with a CUDA toolkit and -DPLOW_CUDA=ON)"); }
 
 void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
   cmd->add_option("--config", args.config_path, "config.json of a model to draw on the device");

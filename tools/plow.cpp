@@ -312,7 +312,8 @@ int run_inspect_plan(const std::string& path, const std::string& dtype) {
 // plow serve: SIGTERM/SIGINT stop accepting, finish in-flight requests, exit 0. The signals are
 // blocked in every thread and taken by one waiter thread (no async-signal-safety concerns).
 // serve --backend: the CPU reference (default), compiled plans on worker threads, or the GPU.
-// serve --tp N: N tensor-parallel ranks (cuda: one GPU each, NCCL; cpu, cpu-plan: simulated ranks).
+// serve --tp N: N tensor-parallel ranks (cuda: one GPU and one process each, NCCL; cpu, cpu-plan:
+// simulated ranks, threads of this process).
 void choose_serve_backend(ServeOptions& options, const std::string& backend, int workers, int tp) {
   if (workers < 0) fail("--workers must be >= 1, found {}", workers);
   if (tp < 1 || tp > 8) fail("--tp {}: expected 1..8", tp);
@@ -320,7 +321,7 @@ void choose_serve_backend(ServeOptions& options, const std::string& backend, int
     if (backend == "cuda" || backend == "cuda-eager") {
       const bool eager = backend == "cuda-eager";
       options.make_backend = [workers, eager, tp](const LoadedModel& model, int slots, int64_t max_context, int64_t step_tokens) {
-        return tools::make_cuda_tp_serving_backend(model.checkpoint->dir(), tp, slots, max_context, step_tokens, eager, workers);
+        return tools::make_cuda_tp_serving_backend(model.checkpoint->dir(), tp, {slots, max_context, step_tokens, eager, workers, std::nullopt});
       };
       return;
     }
@@ -352,7 +353,7 @@ void choose_serve_backend(ServeOptions& options, const std::string& backend, int
   if (backend == "cuda" || backend == "cuda-eager") {
     const bool eager = backend == "cuda-eager";
     options.make_backend = [workers, eager](const LoadedModel& model, int slots, int64_t max_context, int64_t step_tokens) {
-      return tools::make_cuda_serving_backend(model, slots, max_context, step_tokens, eager, workers);
+      return tools::make_cuda_serving_backend(model, {slots, max_context, step_tokens, eager, workers, std::nullopt});
     };
     return;
   }
@@ -445,9 +446,14 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--backend", serve_backend, "cpu (the reference), cpu-plan (compiled plans on worker threads), cuda or cuda-eager");
   serve_cmd->add_option("--workers", serve_workers, "cpu-plan: worker threads; cuda: megakernel blocks (default: one per core / SM)");
   int serve_tp = 1;
-  serve_cmd->add_option("--tp", serve_tp, "tensor-parallel ranks: cuda: one GPU each, NCCL, threads of this process; cpu, cpu-plan: simulated ranks");
+  serve_cmd->add_option("--tp", serve_tp, "tensor-parallel ranks: cuda: one GPU and one process each, NCCL; cpu, cpu-plan: simulated ranks");
   serve_cmd->add_option("--prefix-cache-mb", serve.prefix_cache_mb, "prefix cache memory budget in MiB (0: no prefix cache; default 512)");
   serve_cmd->add_flag("--debug-endpoints", serve.debug_endpoints, "serve GET /debug/integrity (slot and page manager check)");
+
+  // Rank r ≥ 1 of `serve --tp N --backend cuda`, started by the server (hidden: not for users).
+  tools::TpWorkerArgs tp_worker;
+  CLI::App* tp_worker_cmd = app.add_subcommand("tp-worker", "a tensor-parallel rank of plow serve")->group("");
+  tools::add_tp_worker_options(tp_worker_cmd, tp_worker);
 
   const Subcommand chat_cmd = add_chat_command(app);
   const Subcommand bench_serve_cmd = add_bench_serve_command(app);
@@ -482,6 +488,7 @@ int main(int argc, char** argv) {
       choose_serve_backend(serve, serve_backend, serve_workers, serve_tp);
       return run_serve(serve);
     }
+    if (tp_worker_cmd->parsed()) return tools::run_tp_worker(tp_worker);
     if (bench_decode_cmd->parsed()) return tools::run_bench_decode(bench_decode);
     if (bench_prefill_cmd->parsed()) return tools::run_bench_prefill(bench_prefill);
     if (chat_cmd.command->parsed()) return chat_cmd.run();

@@ -12,8 +12,9 @@ namespace plow {
 TensorParallelBackend::TensorParallelBackend(std::vector<TpRank> ranks, TpGroupControl control)
     : control_(std::move(control)), ranks_(std::move(ranks)) {
   if (ranks_.empty()) fail("tensor parallelism: no ranks");
+  PLOW_CHECK(ranks_[0].model, "tensor parallelism: rank 0 without its model (the state table of every rank)");
   for (const TpRank& r : ranks_) {
-    PLOW_CHECK(r.model && r.backend, "tensor parallelism: a rank without model or backend");
+    PLOW_CHECK(r.backend, "tensor parallelism: a rank without a backend");
     if (r.backend->num_slots() != ranks_[0].backend->num_slots() || r.backend->act_dtype() != ranks_[0].backend->act_dtype()) {
       fail("tensor parallelism: the ranks' backends differ in slots or activation dtype");
     }

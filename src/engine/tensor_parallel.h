@@ -1,8 +1,9 @@
-// Tensor parallelism inside one process (DESIGN.md §5): one backend per rank, each over its rank's
-// graph (graph/models: Megatron splits, all_reduce per sublayer), stepped in lockstep from one thread
-// per rank; the ranks' vocabulary blocks of the logits are gathered into whole rows (the lm_head is
-// column-parallel). The ranks' collectives are a LocalGroup (CPU backends: simulated ranks, the CI
-// path of the sharding math) or NCCL communicators (one GPU per rank, built in runtime/cuda).
+// Tensor parallelism (DESIGN.md §5): one backend per rank, each over its rank's graph (graph/models:
+// Megatron splits, all_reduce per sublayer), stepped in lockstep from one thread per rank; the ranks'
+// vocabulary blocks of the logits are gathered into whole rows (the lm_head is column-parallel). The
+// ranks' collectives are a LocalGroup (CPU backends: simulated ranks, the CI path of the sharding math)
+// or NCCL communicators (one GPU per rank, built in runtime/cuda). A rank's backend may be a proxy to a
+// process of its own (engine/remote_rank: `plow serve --tp N --backend cuda`).
 #pragma once
 
 #include <chrono>
@@ -17,7 +18,9 @@
 namespace plow {
 
 struct TpRank {
-  std::unique_ptr<LoadedModel> model;  // the rank's graph and weight blocks (the backend points into it)
+  // The rank's graph and weight blocks (the backend points into it); none for a rank whose backend
+  // runs in another process (engine/remote_rank). Rank 0 always has one: its state table is every rank's.
+  std::unique_ptr<LoadedModel> model;
   std::unique_ptr<Backend> backend;
 };
 

@@ -6,20 +6,27 @@
 //  - TP2 against the CPU reference (one rank): greedy tokens identical over 64 steps on every fp32
 //    fixture that splits in two and on the bundled model, batch 1 and batch 3, megakernel and eager,
 //    with the all_reduces inside the kernel (peer-mapped memory, the default) and as NCCL calls;
-//  - ranks as threads: the same tokens, and the in-kernel all_reduce's logits equal NCCL's bit for bit.
-// PLOW_TEST_DATA in the environment overrides the compiled-in path (the GPU machine runs a copy).
+//  - ranks as threads of one process (TensorParallelBackend, ncclCommInitAll): the same tokens, and
+//    the in-kernel all_reduce's logits equal NCCL's bit for bit;
+//  - the server's process mode (rank 1 a `plow tp-worker` behind a socket): the same tokens, and a
+//    killed rank fails the step instead of hanging it.
+// PLOW_TEST_DATA and PLOW_BINARY in the environment override the compiled-in paths (the GPU machine
+// runs a copy).
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
+#include <thread>
 #include <vector>
 
+#include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -28,9 +35,11 @@
 #include "engine/generate.h"
 #include "engine/plans.h"
 #include "engine/sampler.h"
+#include "engine/remote_rank.h"
 #include "engine/tensor_parallel.h"
 #include "runtime/cuda/backend.h"
 #include "runtime/cuda/nccl_comm.h"
+#include "tools/cuda_commands.h"
 #include "gpu_test_util.h"
 
 namespace plow {
@@ -45,6 +54,12 @@ constexpr int64_t kMaxContext = 256;
 std::string data_dir() {
   const char* env = std::getenv("PLOW_TEST_DATA");
   return env != nullptr ? env : PLOW_TEST_DATA;
+}
+
+// The plow binary whose `tp-worker` the server's process mode starts (PLOW_BINARY overrides it too).
+std::string plow_binary() {
+  const char* env = std::getenv("PLOW_BINARY");
+  return env != nullptr ? env : PLOW_BINARY;
 }
 
 // fp32 fixtures whose heads and expert columns split in two (tiny-k3's 32-column MXFP4 experts do not),
@@ -146,6 +161,45 @@ std::vector<int32_t> reference_run(const std::string& dir, const std::vector<int
   options.prompt = ids;
   options.max_new_tokens = kSteps;
   return generate(reference, 0, options).generated;
+}
+
+// Two prompts prefilled in one step, then decoded together for kSteps greedy steps on the tokens of
+// the backend's (gathered) logits; `check` sees every step's tokens. They must equal the reference.
+void expect_reference_tokens(Backend& backend, const std::string& dir, const std::function<void(int64_t, const std::vector<int32_t>&)>& check) {
+  const int batch = 2;
+  const int64_t vocab = LoadedModel::describe((fs::path(dir) / "config.json").string())->config.vocab_size;
+  std::vector<std::vector<int32_t>> prompts = {prompt(0, vocab, 7), prompt(1, vocab, 12)};
+  std::vector<std::vector<int32_t>> got(batch);
+  StepInputs step;
+  for (int s = 0; s < batch; ++s) {
+    step.token_ids.insert(step.token_ids.end(), prompts[static_cast<size_t>(s)].begin(), prompts[static_cast<size_t>(s)].end());
+    step.sequences.push_back({s, static_cast<int64_t>(prompts[static_cast<size_t>(s)].size())});
+  }
+  for (int64_t i = 0; i < kSteps; ++i) {
+    const StepOutput out = backend.step(step);
+    step = {};
+    std::vector<int32_t> tokens;
+    for (int s = 0; s < batch; ++s) {
+      const int32_t token = argmax(std::span<const float>(out.logits.data() + s * out.vocab, static_cast<size_t>(out.vocab)));
+      tokens.push_back(token);
+      got[static_cast<size_t>(s)].push_back(token);
+      step.token_ids.push_back(token);
+      step.sequences.push_back({s, 1});
+    }
+    check(i, tokens);
+  }
+  for (int s = 0; s < batch; ++s) EXPECT_EQ(got[static_cast<size_t>(s)], reference_run(dir, prompts[static_cast<size_t>(s)])) << "sequence " << s;
+}
+
+// The server's plans for two slots, fp32 activations (as the reference runs).
+tools::ServingShape serving_shape(bool eager) {
+  tools::ServingShape shape;
+  shape.num_slots = 2;
+  shape.max_context = kMaxContext;
+  shape.max_step_tokens = 64;
+  shape.eager = eager;
+  shape.act = DType::F32;
+  return shape;
 }
 
 class TensorParallelCuda : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
@@ -250,6 +304,56 @@ TEST(TensorParallelCudaThreads, TwoRanksInOneProcessEmitTheReferenceTokens) {
       EXPECT_EQ(differ, 0u) << "logits of step " << i << " differ between the two all_reduce paths";
     }
   }
+}
+
+// The server's process mode (`plow serve --tp 2 --backend cuda`: tools/cuda_serve.cpp's factory; rank 0
+// in this process, rank 1 a `plow tp-worker` process of the plow binary behind a socket): the tokens of
+// the gathered logits equal the reference, megakernel and eager.
+TEST(TensorParallelCudaServe, RanksAsServerProcessesEmitTheReferenceTokens) {
+  int devices = 0;
+  ASSERT_TRUE(cudaGetDeviceCount(&devices) == cudaSuccess && devices >= kRanks) << "this test needs " << kRanks << " GPUs";
+  for (const std::string& dir : model_dirs()) {
+    for (const bool eager : {false, true}) {
+      SCOPED_TRACE(dir + (eager ? " eager" : " megakernel"));
+      const auto backend = tools::make_cuda_tp_serving_backend(dir, kRanks, serving_shape(eager), plow_binary());
+      expect_reference_tokens(*backend, dir, [](int64_t, const std::vector<int32_t>&) {});
+    }
+  }
+}
+
+// Rank 1's process is killed between steps: the next step fails, naming the rank and how it ended,
+// once the group's abort (30 s) has released rank 0 from its collective; it does not hang.
+TEST(TensorParallelCudaServe, AKilledRankFailsTheStepInsteadOfHangingIt) {
+  int devices = 0;
+  ASSERT_TRUE(cudaGetDeviceCount(&devices) == cudaSuccess && devices >= kRanks) << "this test needs " << kRanks << " GPUs";
+  const std::string dir = model_dirs().front();
+  const auto backend = tools::make_cuda_tp_serving_backend(dir, kRanks, serving_shape(false), plow_binary());
+  auto& group = dynamic_cast<TensorParallelBackend&>(*backend);
+  const pid_t pid = dynamic_cast<RemoteRankBackend&>(group.rank(1)).pid();
+  StepInputs step;
+  step.token_ids = {3, 5, 7};
+  step.sequences = {{0, 3}};
+  ASSERT_EQ(backend->step(step).rows, 1);
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  std::atomic<bool> done{false};
+  std::thread watchdog([&] {
+    for (int i = 0; i < 1200 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (!done) {
+      std::fprintf(stderr, "the step after rank 1 was killed did not end within 120 s: the group hangs\n");
+      std::_Exit(3);
+    }
+  });
+  step.token_ids = {9};
+  step.sequences = {{0, 1}};
+  std::string message;
+  try {
+    backend->step(step);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  done = true;
+  watchdog.join();
+  EXPECT_NE(message.find(fmt::format("tensor-parallel rank 1 (pid {}) exited: killed by signal 9", pid)), std::string::npos) << message;
 }
 
 // A plan of a rank needs a communicator: without one the backend refuses it at construction.
