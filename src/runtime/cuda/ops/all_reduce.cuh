@@ -74,6 +74,9 @@ __device__ inline void op_all_reduce(const TaskCtx& ctx) {
     const unsigned* flag = pt->flags[me] + cell + q;
     const unsigned long long start = global_ns();
     while (static_cast<int>(load_acquire_sys(flag) - epoch) < 0) {
+      // A step that has failed (this wait timed out before, or any other device error) waits no more:
+      // the host reports the error after the launch.
+      if (*static_cast<volatile int32_t*>(ctx.step->error) != 0) break;
       if (global_ns() - start > kPeerTimeoutNs) {
         report_error(ctx, kErrPeerTimeout);
         break;

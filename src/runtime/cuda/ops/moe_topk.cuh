@@ -31,7 +31,7 @@ __device__ __forceinline__ void warp_argmax(float& value, int& index) {
 }
 
 // Selects and weights the experts of one row (one warp). logits: the row's E logits (the input row in
-// the arena, read only); buf: this warp's scratch (E choice values, then G group scores, then top_k ids).
+// the arena, read only); buf: this warp's shared memory (E choice values, then G group scores).
 __device__ inline void router_select_row(const TaskCtx& ctx, const RouterArgs& a, const float* logits, float* buf, float* out) {
   const DeviceWeight& bias = ctx.weight(0);
   const int lane = lane_id(), experts = a.experts;
@@ -89,9 +89,10 @@ __device__ inline void router_select_row(const TaskCtx& ctx, const RouterArgs& a
     }
     __syncwarp();
   }
-  // Top-k of the choice values: k rounds of argmax over the candidates not taken yet.
-  float* ids = buf + experts + a.groups;
+  // Top-k of the choice values: k rounds of argmax over the candidates not taken yet. Every lane gets
+  // each round's winner (the butterfly leaves it in all lanes); lane k % 32 keeps pick k.
   uint32_t taken = 0;
+  int pick[2] = {0, 0};
   for (int k = 0; k < a.top_k; ++k) {
     float value = -INFINITY;
     int index = INT_MAX;
@@ -102,18 +103,21 @@ __device__ inline void router_select_row(const TaskCtx& ctx, const RouterArgs& a
     }
     warp_argmax(value, index);
     if (index != INT_MAX && index % 32 == lane) taken |= 1u << (index / 32);  // top_k ≤ E: always found
-    if (lane == 0) ids[k] = static_cast<float>(index);
+    if (k % 32 == lane) pick[k / 32] = index;
   }
-  __syncwarp();
-  if (lane == 0) {  // weights from the unbiased scores, summed in selection order as the CPU does
-    float total = 0.0f;
-    for (int k = 0; k < a.top_k; ++k) total += score(static_cast<int>(ids[k]));
-    for (int k = 0; k < a.top_k; ++k) {
-      float w = score(static_cast<int>(ids[k]));
-      if (a.renormalize) w = w / (total + 1e-20f);
-      out[k] = round_out(ctx, w * a.scale);
-      out[a.top_k + k] = ids[k];
-    }
+  // Weights from the unbiased scores, each lane its picks' (in parallel), summed in selection order as
+  // the CPU does (every lane forms the same sum from the shuffled scores).
+  const float picked[2] = {lane < a.top_k ? score(pick[0]) : 0.0f, lane + 32 < a.top_k ? score(pick[1]) : 0.0f};
+  float total = 0.0f;
+  for (int k = 0; k < a.top_k; ++k) total += __shfl_sync(0xffffffffu, picked[k / 32], k % 32);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int k = lane + 32 * half;
+    if (k >= a.top_k) continue;
+    float w = picked[half];
+    if (a.renormalize) w = w / (total + 1e-20f);
+    out[k] = round_out(ctx, w * a.scale);
+    out[a.top_k + k] = static_cast<float>(pick[half]);
   }
   __syncwarp();
 }
@@ -130,8 +134,12 @@ __device__ inline void op_moe_topk(const TaskCtx& ctx) {
   a.renormalize = ctx.attr(4) != 0.0f;
   a.scale = ctx.attr(5);
   a.softmax = ctx.attr(6) != 0.0f;
-  float* buf = ctx.scratch + warp_id() * (a.experts + a.groups + a.top_k);
-  for (int t = warp_id(); t < ctx.rows(); t += kWarps) router_select_row(ctx, a, ctx.in(0, t), buf, ctx.out(t));
+  // Per warp, E choice values and G group scores in shared memory (as many warps as fit: E ≤ 1024).
+  const int per_warp = a.experts + a.groups;
+  const int warps = min(kWarps, static_cast<int>(kSharedBytes / (per_warp * sizeof(float))));
+  if (warp_id() >= warps) return;  // no block barrier follows
+  float* buf = smem_floats(ctx) + warp_id() * per_warp;
+  for (int t = warp_id(); t < ctx.rows(); t += warps) router_select_row(ctx, a, ctx.in(0, t), buf, ctx.out(t));
 }
 
 }  // namespace plow::cuda
