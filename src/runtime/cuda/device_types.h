@@ -58,7 +58,15 @@ struct OpDesc {
   const int64_t* in_stride = nullptr;  // [num_inputs] floats between rows
   const DeviceWeight* weights = nullptr;  // [num_weights]
   float attr[kMaxAttrs] = {};     // packed by pack_attrs (attrs.cpp): op-specific order
+  // Tasks that cooperate across blocks within one op (MLA split-KV, ops/mla.cuh): the op's task count,
+  // a global workspace its tasks share during one step, and kOpSyncCounters counters that are 0
+  // whenever the op is not running (its last task to leave resets them). Null / 0 for other ops.
+  int32_t tasks = 1;
+  float* workspace = nullptr;
+  int64_t workspace_floats = 0;
+  unsigned* sync = nullptr;
 };
+inline constexpr int kOpSyncCounters = 4;
 
 // The step, as the device sees it (rebuilt by the host before every step). Rows of a sequence are
 // contiguous; row r belongs to sequence row_seq[r] at absolute position row_pos[r].
@@ -79,5 +87,6 @@ struct StepView {
 inline constexpr int32_t kErrBadToken = 1;     // a token id outside the vocabulary
 inline constexpr int32_t kErrContext = 2;      // a sequence grew past the slot's cache
 inline constexpr int32_t kErrOpcode = 3;       // an opcode without a device body
+inline constexpr int32_t kErrWorkspace = 4;    // a step's work outgrew an op's workspace (a sizing bug)
 
 }  // namespace plow::cuda
