@@ -276,6 +276,8 @@ OutDType out_dtype_of(Op op, const Attrs& attrs) {
 
 bool reads_routed_experts(Op op) { return op == Op::kMoeGateUp || op == Op::kMoeDown || op == Op::kMoeDownAdd; }
 
+bool spreads_over_workers(Op op) { return op == Op::kMlaAttention; }
+
 int64_t slice_granularity(const Node& node) {
   const OpInfo& info = op_info(node.op);
   switch (info.slicing) {

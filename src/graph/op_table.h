@@ -106,6 +106,9 @@ bool reads_routed_experts(Op op);
 // Output columns per indivisible unit of work: 1 for column-sliced ops, a head's width for per-head
 // ops, the whole width for ops that run as one task.
 int64_t slice_granularity(const Node& node);
+// Whether a plan gives the op one task per worker even past its slice units (those tasks own no
+// columns): MLA, whose GPU body splits the latent cache over all of its tasks (split-KV).
+bool spreads_over_workers(Op op);
 std::string_view op_name(Op op);
 
 }  // namespace plow

@@ -128,18 +128,21 @@ std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<st
   return war;
 }
 
-// Tasks of one op: min(workers, units) slices of near-equal whole units (unit = slice granularity).
+// Tasks of one op: min(workers, units) slices of near-equal whole units (unit = slice granularity). An
+// op that spreads over workers (spreads_over_workers) gets one task per worker: the tasks past its
+// units own the empty slice [width, width), for backends that split its work otherwise (cuda MLA).
 void add_tasks(Plan& plan, const Graph& graph, int32_t op_index, std::vector<std::vector<int32_t>>& tasks_of) {
   const Node& node = graph.node(op_index);
   const int64_t unit = slice_granularity(node);
   PLOW_CHECK(unit > 0 && node.width % unit == 0, "{}: width {} is not a multiple of its slice unit {}", node.label, node.width, unit);
   const int64_t units = node.width / unit;
   const int64_t slices = std::min<int64_t>(plan.workers, units);
-  for (int64_t s = 0; s < slices; ++s) {
+  const int64_t tasks = spreads_over_workers(node.op) ? std::max<int64_t>(plan.workers, slices) : slices;
+  for (int64_t s = 0; s < tasks; ++s) {
     PlanTask task;
     task.op = op_index;
-    task.col_begin = units * s / slices * unit;
-    task.col_end = units * (s + 1) / slices * unit;
+    task.col_begin = s < slices ? units * s / slices * unit : node.width;
+    task.col_end = s < slices ? units * (s + 1) / slices * unit : node.width;
     task.wait_counter = op_index;  // one counter per op, on the consumer side
     tasks_of[static_cast<size_t>(op_index)].push_back(static_cast<int32_t>(plan.tasks.size()));
     plan.tasks.push_back(std::move(task));

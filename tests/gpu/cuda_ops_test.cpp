@@ -466,6 +466,108 @@ TEST_P(CudaOpTest, MatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(Ops, CudaOpTest, testing::ValuesIn(params()), param_name);
 
+// ---- MLA at long context (split-KV) ----------------------------------------------------------------
+// The latent caches are restored from random rows (both backends take the same snapshot), so a case
+// reaches tens of thousands of positions without prefilling them; then decode and mixed steps. The
+// device splits the positions over its tasks (many splits at 132 workers) and merges the partials: a
+// split dropped, counted twice, masked wrongly or rescaled wrongly moves the output far past the bound.
+
+struct MlaLongCase {
+  int64_t heads, nope, rope, dv, rank;
+  int64_t context;  // cached positions of slot 0; slots 1, 2 (batch 3) hold context − 37 and context / 3
+  int batch;
+  int workers;
+};
+
+std::string mla_long_name(const testing::TestParamInfo<std::pair<MlaLongCase, DType>>& info) {
+  const MlaLongCase& c = info.param.first;
+  return "h" + std::to_string(c.heads) + "_rank" + std::to_string(c.rank) + "_ctx" + std::to_string(c.context) + "_b" + std::to_string(c.batch) + "_w" +
+         std::to_string(c.workers) + (info.param.second == DType::F32 ? "_f32" : "_bf16");
+}
+
+std::vector<std::pair<MlaLongCase, DType>> mla_long_params() {
+  const std::vector<MlaLongCase> shapes = {
+      {3, 32, 8, 24, 64, 1, 1, 7},        {3, 32, 8, 24, 64, 63, 3, 3},       {3, 32, 8, 24, 64, 700, 3, 132},
+      {3, 32, 8, 24, 64, 4097, 1, 132},   {3, 32, 8, 24, 64, 20000, 1, 132},  {3, 32, 8, 24, 64, 20000, 3, 7},
+      {5, 16, 8, 16, 32, 700, 3, 7},      {5, 16, 8, 16, 32, 4097, 3, 132},   // 5 heads: query groups of 16 straddle tokens
+      {2, 128, 64, 128, 512, 700, 3, 3},  {2, 128, 64, 128, 512, 4097, 1, 132},  // the real head shape
+  };
+  std::vector<std::pair<MlaLongCase, DType>> all;
+  for (const MlaLongCase& c : shapes) {
+    for (DType act : {DType::F32, DType::BF16}) all.push_back({c, act});
+  }
+  return all;
+}
+
+// `tokens` latent rows of width rank + rope, as the cache holds them: the rank part rounded to the
+// activation dtype (the CPU rounds the normed latent), the rope part too (an activation).
+SlotSnapshot random_latents(int64_t tokens, int64_t latent, DType act, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  SlotSnapshot snap;
+  snap.tokens = tokens;
+  snap.row_floats = {latent};
+  snap.fixed = {{}};
+  snap.rows = {std::vector<float>(static_cast<size_t>(tokens * latent))};
+  for (float& v : snap.rows[0]) v = round_to(act, normal(rng));
+  return snap;
+}
+
+class CudaMlaLongTest : public testing::TestWithParam<std::pair<MlaLongCase, DType>> {};
+
+TEST_P(CudaMlaLongTest, MatchesReference) {
+  const MlaLongCase& lc = GetParam().first;
+  const DType act = GetParam().second;
+  if (cuda::CudaBackend::sm_count() < lc.workers) GTEST_SKIP() << lc.workers << " workers need as many SMs";
+  const OpCase c = mla(lc.heads, lc.nope, lc.rope, lc.dv, lc.rank);
+  const auto p = prepare(c, act, lc.workers);
+  const auto device_weights = cuda::upload_weights(p->g.graph, *p->bound);
+  const double bound = act == DType::F32 ? c.bound.f32 : c.bound.bf16;
+  const double floor = act == DType::F32 ? c.bound.floor_f32 : c.bound.floor_bf16;
+  const double eps = act == DType::F32 ? 0x1p-23 : 0x1p-7;
+  const int64_t contexts[kSlots] = {lc.context, std::max<int64_t>(0, lc.context - 37), lc.context / 3};
+  // Decode of every slot; slot 0 brings 5 tokens beside the others' decode (causal masks inside a split);
+  // decode again.
+  std::vector<std::vector<SequenceStep>> steps(3);
+  for (int s = 0; s < lc.batch; ++s) {
+    steps[0].push_back({s, 1});
+    steps[1].push_back({s, s == 0 ? 5 : 1});
+    steps[2].push_back({s, 1});
+  }
+  for (bool eager : {true, false}) {
+    SCOPED_TRACE(eager ? "eager" : "megakernel");
+    cuda::CudaOptions options;
+    options.act_dtype = act;
+    options.num_slots = kSlots;
+    options.max_context_tokens = lc.context + 16;
+    options.eager = eager;
+    options.poison_arena = true;
+    cuda::CudaBackend gpu(p->g.graph, device_weights, p->plans, options);
+    ReferenceBackend ref(p->g.graph, *p->bound, act, kSlots);
+    for (int s = 0; s < lc.batch; ++s) {
+      const SlotSnapshot snap = random_latents(contexts[s], lc.rank + lc.rope, act, 4242 + static_cast<uint64_t>(s));
+      gpu.restore_slot(s, snap);
+      ref.restore_slot(s, snap);
+    }
+    std::mt19937 rng(17);
+    double worst_error = 0;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const StepInputs inputs = make_step(steps[i], rng);
+      const StepOutput expected = ref.step(inputs);
+      const StepOutput got = gpu.step(inputs);
+      std::string worst;
+      const double error = step_error(got, expected, eps, floor, -1, worst);
+      EXPECT_LE(error, bound) << "step " << i << " (" << inputs.token_ids.size() << " tokens): " << worst;
+      worst_error = std::max(worst_error, error);
+    }
+    std::printf("  mla ctx %lld batch %d workers %d %s: max error %.3g (bound %.3g)\n", static_cast<long long>(lc.context), lc.batch, lc.workers,
+                eager ? "eager" : "megakernel", worst_error, bound);
+    for (int s = 0; s < lc.batch; ++s) EXPECT_EQ(gpu.context_tokens(s), ref.context_tokens(s));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(MlaLong, CudaMlaLongTest, testing::ValuesIn(mla_long_params()), mla_long_name);
+
 // The device reports an out-of-vocabulary token as plow::Error from step(), in both modes.
 TEST(CudaOpErrors, OutOfVocabularyToken) {
   const OpCase c = elementwise("add", Op::kAdd, 96, 2, {}, {});

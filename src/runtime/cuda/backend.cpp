@@ -14,11 +14,13 @@
 #include <set>
 
 #include "core/error.h"
+#include "graph/op_table.h"
 #include "plan/validate.h"
 #include "runtime/cuda/device_memory.h"
 #include "runtime/cuda/kernels.h"
 #include "runtime/cuda/nccl_comm.h"
 #include "runtime/cuda/peer_reduce.h"
+#include "runtime/cuda/ops/limits.h"
 #include "runtime/cuda/ops_attrs.h"
 #include "runtime/cuda/prefill_gemm.h"
 
@@ -106,6 +108,38 @@ std::pair<const uint8_t*, uint32_t> prefetch_range(const PlanOp& op, const std::
   return {begin, static_cast<uint32_t>(bytes)};
 }
 
+// Tasks of each op of the plan.
+std::vector<int32_t> tasks_per_op(const Plan& plan) {
+  std::vector<int32_t> count(plan.ops.size(), 0);
+  for (const PlanTask& task : plan.tasks) count[static_cast<size_t>(task.op)] += 1;
+  return count;
+}
+
+// Floats of the workspace an MLA op's tasks share within a step (ops/mla.cuh: q_abs of every row, then
+// the partials of at most 2·tasks + Σ groups split items, Σ groups ≤ ⌈T·heads/16⌉ + T).
+int64_t mla_workspace_floats(const PlanOp& op, int64_t max_tokens, int32_t tasks) {
+  const auto heads = static_cast<int64_t>(op.attrs.get("heads")), rank = static_cast<int64_t>(op.attrs.get("rank"));
+  const int64_t latent = rank + static_cast<int64_t>(op.attrs.get("rope"));
+  const int64_t items = 2 * int64_t{tasks} + (max_tokens * heads + kMlaGroupQueries - 1) / kMlaGroupQueries + max_tokens;
+  return max_tokens * heads * latent + items * kMlaGroupQueries * (2 + rank);
+}
+
+// Whether `later` reads, through any chain of inputs, the output of `earlier` (so every task of
+// `earlier` has finished before any task of `later` starts, in both launch modes).
+bool depends_on(const Plan& plan, int32_t later, int32_t earlier) {
+  std::vector<bool> seen(plan.ops.size(), false);
+  std::vector<int32_t> stack{later};
+  while (!stack.empty()) {
+    const int32_t op = stack.back();
+    stack.pop_back();
+    for (int32_t in : plan.op(op).inputs) {
+      if (in == earlier) return true;
+      if (in > earlier && !seen[static_cast<size_t>(in)]) seen[static_cast<size_t>(in)] = true, stack.push_back(in);
+    }
+  }
+  return false;
+}
+
 bool same_state(const StateDecl& a, const StateDecl& b) {
   return a.kind == b.kind && a.width == b.width && a.depth == b.depth && a.label == b.label;
 }
@@ -118,6 +152,7 @@ struct CudaBackend::Impl {
   struct PreparedPlan {
     Plan plan;
     DeviceBuffer ops, op_inputs, op_weights, queue_instrs, task_instrs, queue_begin, signals, counters;
+    DeviceBuffer op_sync;  // kOpSyncCounters per op (OpDesc::sync), 0 between steps
     std::vector<std::pair<int32_t, int32_t>> op_tasks;  // per op: [first, end) in task order
     std::vector<int64_t> token_offsets;                 // arena offsets of the kTokens ops
     uint32_t max_threshold = 1;
@@ -135,6 +170,7 @@ struct CudaBackend::Impl {
   std::vector<std::unique_ptr<PreparedPlan>> plans;
   std::unique_ptr<GemmRunner> gemm_runner;  // when a plan has a GEMM path
   DeviceBuffer arena, scratch, state_table, step_ints, error_flag, argmax_ids, profile, op_profile, fold_cands;
+  DeviceBuffer workspace;  // shared by the ops whose tasks cooperate (OpDesc::workspace: MLA)
   std::vector<int32_t> last_folded;  // tensor parallelism: the last step's folded argmax per sequence
   std::unique_ptr<PeerReduceArea> peer_area;  // tensor parallelism: the in-kernel all_reduce's slots
   bool peer_failed = false;                   // the areas could not be mapped: NCCL from then on
@@ -328,6 +364,7 @@ struct CudaBackend::Impl {
         fail("cuda: rank {}'s in-kernel all_reduce waited 20 s for a peer's partial sums (a rank failed, or the ranks ran different steps)",
              options.comm ? options.comm->rank() : 0);
       case kErrPeerSlot: fail("cuda: an in-kernel all_reduce does not fit its slot (a bug: the slots are sized from the plans)");
+      case kErrWorkspace: fail("cuda: a step outgrew the MLA workspace (a sizing bug)");
       default: fail("cuda: the device reported error {}", code);
     }
   }
@@ -397,6 +434,24 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
   m.state_table = upload(m.states, "the state table");
   m.contexts.assign(static_cast<size_t>(options.num_slots), 0);
 
+  // Ops whose tasks cooperate across blocks (spreads_over_workers: MLA) share one workspace, sized for
+  // the largest; sharing is safe because each such op depends on the one before it (checked here).
+  int64_t workspace_floats = 0;
+  for (const auto& prepared : m.plans) {
+    const Plan& plan = prepared->plan;
+    const std::vector<int32_t> tasks = tasks_per_op(plan);
+    int32_t previous = -1;
+    for (int32_t i = 0; i < static_cast<int32_t>(plan.ops.size()); ++i) {
+      if (!spreads_over_workers(plan.op(i).op())) continue;
+      if (previous >= 0 && !depends_on(plan, i, previous)) {
+        fail("plan '{}': ops '{}' and '{}' may run at once, but share the MLA workspace", plan.source, plan.op(previous).label, plan.op(i).label);
+      }
+      previous = i;
+      workspace_floats = std::max(workspace_floats, mla_workspace_floats(plan.op(i), plan.max_tokens, tasks[static_cast<size_t>(i)]));
+    }
+  }
+  if (workspace_floats > 0) m.workspace = DeviceBuffer(static_cast<size_t>(workspace_floats) * sizeof(float), "the MLA workspace");
+
   // Decode each plan: OpDescs with resolved pointers, instructions in queue order and in task order.
   int64_t max_gemm_input = 0;
   int peer_ops = 0;
@@ -429,6 +484,9 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
     }
     prepared.op_inputs = upload(op_inputs, "op inputs");
     prepared.op_weights = upload(op_weights, "op weights");
+    prepared.op_sync = DeviceBuffer(static_cast<size_t>(std::max<size_t>(plan.ops.size(), 1)) * kOpSyncCounters * sizeof(unsigned), "op counters");
+    check(cudaMemset(prepared.op_sync.ptr, 0, prepared.op_sync.bytes), "op counters");
+    const std::vector<int32_t> op_task_count = tasks_per_op(plan);
     std::vector<OpDesc> descs;
     int reduce_ordinal = 0;
     for (size_t i = 0; i < plan.ops.size(); ++i) {
@@ -448,6 +506,12 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
       d.weights = prepared.op_weights.as<DeviceWeight>() + weight_at[i].first;
       pack_attrs(op, d.attr);
       if (op.op() == Op::kAllReduce) d.attr[0] = static_cast<float>(reduce_ordinal++);
+      d.tasks = op_task_count[i];
+      if (spreads_over_workers(op.op())) {
+        d.workspace = m.workspace.as<float>();
+        d.workspace_floats = workspace_floats;
+        d.sync = prepared.op_sync.as<unsigned>() + i * kOpSyncCounters;
+      }
       descs.push_back(d);
       if (op.op() == Op::kTokens) prepared.token_offsets.push_back(op.offset);
     }
@@ -476,6 +540,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
       auto& range = prepared.op_tasks[static_cast<size_t>(task.op)];
       if (range.second == range.first) range.first = static_cast<int32_t>(t);
       range.second = static_cast<int32_t>(t) + 1;
+      ins.task = static_cast<int32_t>(t) - range.first;  // an op's tasks are consecutive in the plan
       by_task.push_back(ins);
     }
     std::vector<Instr> by_queue;

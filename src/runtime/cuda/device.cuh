@@ -10,7 +10,8 @@
 namespace plow::cuda {
 
 // What an op body gets: its op, the arena, the step, the column slice [col_begin, col_end) of its
-// output, the block's dynamic shared memory (kSharedBytes) and global scratch (kScratchFloats).
+// output, the block's dynamic shared memory (kSharedBytes) and global scratch (kScratchFloats), and
+// which of the op's op->tasks tasks it is.
 struct TaskCtx {
   const OpDesc* op;
   float* arena;
@@ -18,6 +19,7 @@ struct TaskCtx {
   int64_t col_begin, col_end;
   unsigned char* smem;
   float* scratch;
+  int32_t task = 0;
 
   // Row `row` of input i: in_width(i) floats (a view's rows keep its source's stride).
   __device__ const float* in(int i, int64_t row) const { return arena + op->in_offset[i] + row * op->in_stride[i]; }

@@ -58,7 +58,15 @@ struct OpDesc {
   const int64_t* in_stride = nullptr;  // [num_inputs] floats between rows
   const DeviceWeight* weights = nullptr;  // [num_weights]
   float attr[kMaxAttrs] = {};     // packed by pack_attrs (attrs.cpp): op-specific order
+  // Tasks that cooperate across blocks within one op (MLA split-KV, ops/mla.cuh): the op's task count,
+  // a global workspace its tasks share during one step, and kOpSyncCounters counters that are 0
+  // whenever the op is not running (its last task to leave resets them). Null / 0 for other ops.
+  int32_t tasks = 1;
+  float* workspace = nullptr;
+  int64_t workspace_floats = 0;
+  unsigned* sync = nullptr;
 };
+inline constexpr int kOpSyncCounters = 4;
 
 // Tensor parallelism inside the kernel (peer_reduce.h): every rank's receive area as this rank maps it.
 // An area holds flags [2][ops][size] (uint32: the collective epoch that filled the slot), then slots
@@ -96,5 +104,6 @@ inline constexpr int32_t kErrContext = 2;      // a sequence grew past the slot'
 inline constexpr int32_t kErrOpcode = 3;       // an opcode without a device body
 inline constexpr int32_t kErrPeerTimeout = 4;  // an in-kernel all_reduce waited 20 s for a peer
 inline constexpr int32_t kErrPeerSlot = 5;     // an in-kernel all_reduce larger than its slot
+inline constexpr int32_t kErrWorkspace = 6;    // a step's work outgrew an op's workspace (a sizing bug)
 
 }  // namespace plow::cuda

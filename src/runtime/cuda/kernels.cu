@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
     }
     __syncthreads();
     const long long r0 = clock64();
-    const TaskCtx ctx{p.ops + ins.op, p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch};
+    const TaskCtx ctx{p.ops + ins.op, p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task};
     run_task(ctx, ins.opcode);
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kThreads, 1) eager_kernel(const __grid_constan
   extern __shared__ __align__(16) unsigned char smem[];
   const Instr& ins = p.instrs[first + blockIdx.x];
   float* scratch = p.scratch + static_cast<int64_t>(blockIdx.x) * kScratchFloats;
-  const TaskCtx ctx{p.ops + ins.op, p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch};
+  const TaskCtx ctx{p.ops + ins.op, p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task};
   run_task(ctx, ins.opcode);
 }
 

@@ -21,7 +21,7 @@ struct alignas(64) Instr {
   int64_t col_begin = 0, col_end = 0;
   const uint8_t* prefetch = nullptr;  // weight bytes this task streams first (L2 prefetch), or null
   uint32_t prefetch_bytes = 0;
-  uint32_t reserved = 0;
+  int32_t task = 0;            // index of this task among its op's tasks (0 .. OpDesc::tasks − 1)
 };
 static_assert(sizeof(Instr) == 64, "instructions are 64 bytes");
 // Instr::opcode of a task whose op the host ran as a GEMM (prefill_gemm.h): it rounds its output

@@ -4,6 +4,8 @@
 // a divergent one aborts) without a GPU; it says nothing about speed, races across blocks or nvcc.
 // Only the ops of the op test graphs exist here: kTokens, kEmbedding and the bodies of run_misc_op.
 #include <algorithm>
+#include <array>
+#include <map>
 
 #include "core/error.h"
 #include "runtime/cuda/backend.h"
@@ -22,6 +24,7 @@ struct CudaBackend::Impl {
   std::vector<std::vector<float>> states;
   std::vector<DeviceState> dstates;
   std::vector<int64_t> context;
+  std::map<std::pair<const Plan*, size_t>, std::array<unsigned, kOpSyncCounters>> sync;  // per plan op, kept across steps
 };
 
 static DeviceWeight device_weight(const DeviceWeightSet& set, const WeightDecl& decl) {
@@ -63,6 +66,18 @@ void CudaBackend::reset_slot(int slot) {
     std::fill(impl_->states[i].begin() + slot * s.slot_floats, impl_->states[i].begin() + (slot + 1) * s.slot_floats, 0.0f);
   }
   impl_->context[static_cast<size_t>(slot)] = 0;
+}
+int CudaBackend::sm_count(int) { return 132; }  // an H200's, so the 132-worker cases run here too
+SlotSnapshot CudaBackend::save_slot(int, int64_t) const { fail("emu: no slot snapshots"); }
+void CudaBackend::restore_slot(int slot, const SlotSnapshot& snap) {
+  reset_slot(slot);
+  for (size_t i = 0; i < impl_->states.size(); ++i) {
+    const auto& s = impl_->dstates[i];
+    const std::vector<float>& src = snap.rows.at(i).empty() ? snap.fixed.at(i) : snap.rows.at(i);
+    if (int64_t(src.size()) > s.slot_floats) fail("emu: snapshot too large");
+    std::copy(src.begin(), src.end(), impl_->states[i].begin() + slot * s.slot_floats);
+  }
+  impl_->context[static_cast<size_t>(slot)] = snap.tokens;
 }
 int64_t CudaBackend::context_tokens(int s) const { return impl_->context[static_cast<size_t>(s)]; }
 int CudaBackend::num_slots() const { return impl_->opt.num_slots; }
@@ -122,10 +137,20 @@ StepOutput CudaBackend::step(const StepInputs& in) {
     d.num_inputs = int32_t(op.inputs.size()), d.num_weights = int32_t(op.weights.size()), d.state = op.state;
     d.width = op.width, d.out_offset = op.offset, d.in_offset = in_off.data(), d.in_width = in_w.data(), d.in_stride = in_stride.data(), d.weights = ws.data();
     if (is_misc_op(op.opcode) && !pack_misc_attrs(op, d.attr)) fail("emu: no attrs");
+    d.tasks = int32_t(std::count_if(plan->tasks.begin(), plan->tasks.end(), [&](const PlanTask& t) { return t.op == int32_t(oi); }));
+    std::vector<float> workspace;
+    std::array<unsigned, kOpSyncCounters>& sync = m.sync[{plan, oi}];
+    if (spreads_over_workers(op.op())) {  // the backend's sizing (backend.cpp mla_workspace_floats), NaN-poisoned
+      const auto heads = int64_t(op.attrs.get("heads")), rank = int64_t(op.attrs.get("rank")), latent = rank + int64_t(op.attrs.get("rope"));
+      const int64_t items = 2 * int64_t(d.tasks) + (plan->max_tokens * heads + kMlaGroupQueries - 1) / kMlaGroupQueries + plan->max_tokens;
+      workspace.assign(size_t(plan->max_tokens * heads * latent + items * kMlaGroupQueries * (2 + rank)), NAN);
+      d.workspace = workspace.data(), d.workspace_floats = int64_t(workspace.size()), d.sync = sync.data();
+    }
     if (op.op() == Op::kTokens) {
       for (int64_t t = 0; t < rows; ++t) arena[size_t(op.offset + t)] = float(in.token_ids[size_t(t)]);
       continue;
     }
+    int32_t task_index = 0;
     for (const PlanTask& task : plan->tasks) {
       if (task.op != int32_t(oi)) continue;
       if (op.op() == Op::kEmbedding) {
@@ -139,12 +164,15 @@ StepOutput CudaBackend::step(const StepInputs& in) {
           for (int64_t c = task.col_begin; c < task.col_end; ++c) arena[size_t(op.offset + t * op.width + c)] = round_act(act, weight_at(table, 0, id, c));
         }
       } else {
-        TaskCtx ctx{&d, arena.data(), &view, task.col_begin, task.col_end, nullptr, nullptr};
+        TaskCtx ctx{&d, arena.data(), &view, task.col_begin, task.col_end, nullptr, nullptr, task_index++};
         std::vector<unsigned char> smem(kSharedBytes);
         std::vector<float> scratch(size_t(kScratchFloats), NAN);
         ctx.smem = smem.data(), ctx.scratch = scratch.data();
         run_block(ctx);
       }
+    }
+    for (unsigned c : sync) {
+      if (c != 0 && error == 0) fail("emu: op {} left its counters at {} (the last task resets them)", op.label, c);
     }
   }
   if (error) fail("emu: device error {}", error);

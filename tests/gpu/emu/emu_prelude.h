@@ -112,6 +112,19 @@ inline T __shfl_xor_sync(unsigned, T v, int o) {
   __syncwarp();
   return std::bit_cast<T>(other);
 }
+// One OS thread runs every block: plain read-modify-writes are atomic, fences are no-ops.
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = old + v;
+  return old;
+}
+inline unsigned atomicExch(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = v;
+  return old;
+}
+inline void __threadfence() {}
+inline float __ldcg(const float* p) { return *p; }
 inline int atomicCAS(int* p, int expected, int desired) {
   const int old = *p;
   if (old == expected) *p = desired;

@@ -17,6 +17,7 @@ void cpu_mla_attention(OpContext& ctx) {
   const int64_t latent = rank + rope, qk = nope + rope, per_head = nope + dv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(qk));  // (d_n + d_r)^(−1/2), no mscale
 
+  if (ctx.end() <= ctx.begin()) return;  // a task of a plan's spread past the heads: no columns
   int64_t first = 0;
   for (const SequenceStep& seq : ctx.step.sequences) {
     std::vector<float>& cache = ctx.state(seq.slot);  // [context, rank + rope]

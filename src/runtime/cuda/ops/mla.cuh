@@ -1,17 +1,22 @@
 // MLA with NoPE over the latent cache (spec/MODEL.md §4.3, §5; cpu: ops/mla.cpp), in the ABSORBED form:
 // per head, q_abs = q_nope·W_UK,h (rank wide), score_τ = (q_abs·c_τ + q_rope·k_r,τ)/√(d_n+d_r),
 // u = Σ_τ p_τ c_τ, o = W_UV,h·u. Equal to the CPU's expanded form up to fp32 reassociation, except that
-// the CPU rounds the expanded k_nope and v to the activation dtype (a no-op in fp32; in bf16 a
-// difference of order one bf16 ulp of k and v, hence the looser bf16 test bound).
-// Probabilities: two sweeps over the cache — the first finds each query's max and softmax total
-// (online, per warp, merged across warps), the second forms p = act(exp(s − max)/total) exactly as the
-// CPU rounds P before PV and accumulates u. This costs a second read of the cache; a single online
-// sweep would skip P's rounding (no difference in fp32).
-// Work split: a task owns whole heads (slice by v columns); queries (token, head) go in tiles of
-// kMlaQueries, warps split the cache positions, every cache row loaded once per sweep serves the
-// tile's queries. Every task computes the step's fresh normalized latent rows and writes them to the
-// cache at positions context.. (identical values from every slice: benign), before any task's reads
-// of those rows in this op (each task reads only rows it has written itself or older ones).
+// the CPU rounds the expanded k_nope and v, and P, to the activation dtype (no-ops in fp32; in bf16 a
+// difference of order one bf16 ulp, hence the looser bf16 test bound). One sweep over the cache with an
+// online softmax: P is never formed normalized, so it is not rounded.
+// Split-KV: the op has one task per worker (spreads_over_workers) and its tasks take work items from a
+// ticket counter (OpDesc::sync[0]) in three phases, every item of a phase before any of the next:
+//  A (block of kMlaRowBlock query rows × head): q_abs into the workspace; the head-0 item also appends
+//    those rows' fresh latents to the cache.
+//  B (sequence × split of cache positions × group of kMlaGroup queries (token, head)): rows staged in
+//    shared memory once serve the group's queries; writes each query's partial (max, sum, u).
+//  C (row block × head): merges a query's partials with log-sum-exp rescaling; o = W_UV,h·u.
+// A B item waits until every A item is done (sync[1]), a C item until every B item is (sync[2]). That
+// wait cannot deadlock, in the megakernel or in eager mode with blocks not co-resident: tickets are
+// taken in order and only by running blocks, so every item below a waiting one is held by a running
+// block that waits only for items lower still. The last task to leave resets the counters to 0 (sync[3]
+// counts leavers), so they need no epoch and no host reset. Every task follows the same schedule, a
+// pure function of the step and OpDesc::tasks (mla_schedule).
 #pragma once
 
 #include "runtime/cuda/ops/common.cuh"
@@ -20,8 +25,13 @@
 namespace plow::cuda {
 
 inline constexpr int kMlaLatentPerLane = kMlaMaxLatent / 32;
-inline constexpr int kMlaRankPerLane = kMlaMaxRank / 32;
-inline constexpr int kMlaQueries = 4;      // (token, head) queries per sweep: u accumulators live in registers
+inline constexpr int kMlaGroup = kMlaGroupQueries;  // queries of a B item: u accumulators, one register each per thread
+inline constexpr int kMlaTileRows = 16;       // cache rows staged in shared memory at a time (one per warp)
+inline constexpr int kMlaRowBlock = 8;        // query rows of an A or C item (one read of the head's kv_b rows)
+inline constexpr int kMlaMinSplitRows = 64;   // cache rows of a split, at least (a B item loads kMlaGroup q_abs)
+inline constexpr int kMlaMaxSplits = 1024;    // splits of one sequence, at most (C weights in shared memory)
+inline constexpr int kMlaStagePerThread = kMlaTileRows * kMlaMaxLatent / kThreads;
+static_assert(kMlaTileRows == kWarps && kMlaMaxRank <= kThreads && kMlaTileRows * kMlaMaxLatent % kThreads == 0, "MLA tiling");
 
 struct MlaShape {
   int heads, nope, rope, dv, rank, latent, qk, per_head;
@@ -43,47 +53,124 @@ __device__ __forceinline__ MlaShape mla_shape(const TaskCtx& ctx) {
   return s;
 }
 
-// Writes rows [context, context + tokens) of the cache: c = act(w ⊙ act(c̃·rsqrt(mean(c̃²)+ε))), k_r raw.
-__device__ inline void mla_append_latents(const TaskCtx& ctx, const MlaShape& sh, int first, int tokens, int context, float* cache, float* red) {
+// The step's work items. B items of sequence s: splits(s) × groups(s), split-major (consecutive tickets
+// read the same cache rows for different query groups, from L2). split_rows: the positions of a split,
+// chosen so that B has about 2 × tasks items (never fewer than kMlaMinSplitRows positions).
+struct MlaSchedule {
+  int a_items, b_items, split_rows;
+};
+
+__device__ __forceinline__ int mla_groups(const StepView& step, int s, int heads) { return (step.seq_tokens[s] * heads + kMlaGroup - 1) / kMlaGroup; }
+__device__ __forceinline__ int mla_splits(const StepView& step, int s, int split_rows) {
+  return (step.seq_context[s] + step.seq_tokens[s] + split_rows - 1) / split_rows;
+}
+
+__device__ inline MlaSchedule mla_schedule(const TaskCtx& ctx, const MlaShape& sh) {
+  const StepView& step = *ctx.step;
+  MlaSchedule m;
+  m.a_items = (step.tokens + kMlaRowBlock - 1) / kMlaRowBlock * sh.heads;
+  int64_t work = 0, longest = 0;  // Σ positions × groups; the longest sequence
+  for (int s = 0; s < step.num_seqs; ++s) {
+    const int64_t visible = static_cast<int64_t>(step.seq_context[s]) + step.seq_tokens[s];
+    work += visible * mla_groups(step, s, sh.heads);
+    longest = visible > longest ? visible : longest;
+  }
+  const int64_t target = 2 * static_cast<int64_t>(ctx.op->tasks);
+  int64_t rows = (work + target - 1) / target;
+  const int64_t by_count = (longest + kMlaMaxSplits - 1) / kMlaMaxSplits;
+  rows = rows > by_count ? rows : by_count;
+  rows = rows > kMlaMinSplitRows ? rows : kMlaMinSplitRows;
+  m.split_rows = static_cast<int>((rows + kMlaTileRows - 1) / kMlaTileRows * kMlaTileRows);
+  m.b_items = 0;
+  for (int s = 0; s < step.num_seqs; ++s) m.b_items += mla_splits(step, s, m.split_rows) * mla_groups(step, s, sh.heads);
+  return m;
+}
+
+// The workspace of one step: q_abs [T, heads, latent], then per B item and query (max, sum) and u [rank].
+struct MlaWorkspace {
+  float* qabs;
+  float* part_ml;
+  float* part_u;
+};
+
+__device__ __forceinline__ int64_t mla_workspace_floats(const MlaShape& sh, int tokens, int b_items) {
+  return static_cast<int64_t>(tokens) * sh.heads * sh.latent + static_cast<int64_t>(b_items) * kMlaGroup * (2 + sh.rank);
+}
+
+// Where B item ib of query group gq, split k of sequence s begins: base of s (the items of the
+// sequences before it), its group count g and split count.
+struct MlaSeqItems {
+  int base, groups, splits;
+};
+__device__ inline MlaSeqItems mla_seq_items(const StepView& step, const MlaShape& sh, int split_rows, int s) {
+  MlaSeqItems r{0, 0, 0};
+  for (int i = 0; i <= s; ++i) {
+    r.base += r.groups * r.splits;
+    r.groups = mla_groups(step, i, sh.heads);
+    r.splits = mla_splits(step, i, split_rows);
+  }
+  return r;
+}
+
+__device__ __forceinline__ float mla_block_max(float v, float* red) {
+  v = warp_max(v);
+  __syncthreads();
+  if (lane_id() == 0) red[warp_id()] = v;
+  __syncthreads();
+  return warp_max(lane_id() < kWarps ? red[lane_id()] : -INFINITY);
+}
+
+// Step rows [r0, r0 + n) into the cache: c = act(w ⊙ act(c̃·rsqrt(mean(c̃²)+ε))), k_r raw, at each
+// row's position in its sequence's slot.
+__device__ inline void mla_append_latents(const TaskCtx& ctx, const MlaShape& sh, int r0, int n, float* red) {
   const DeviceWeight& norm = ctx.weight(0);
   const int32_t act = ctx.op->act;
+  const StepView& step = *ctx.step;
   for_each_row_sum(
-      tokens, red,
+      n, red,
       [&](int t, int begin, int stride) {
-        const float* kv = ctx.in(1, first + t);
+        const float* kv = ctx.in(1, r0 + t);
         float sum = 0.0f;
         for (int i = begin; i < sh.rank; i += stride) sum += kv[i] * kv[i];
         return sum;
       },
       [&](int t, float total, int begin, int stride) {
         const float inv = inv_rms(total, sh.rank, sh.eps);
-        const float* kv = ctx.in(1, first + t);
-        float* row = cache + static_cast<int64_t>(context + t) * sh.latent;
+        const float* kv = ctx.in(1, r0 + t);
+        float* row = state_of(ctx, step.seq_slot[step.row_seq[r0 + t]]) + static_cast<int64_t>(step.row_pos[r0 + t]) * sh.latent;
         for (int i = begin; i < sh.latent; i += stride) row[i] = i < sh.rank ? round_act(act, weight_flat(norm, i) * round_act(act, kv[i] * inv)) : kv[i];
       });
 }
 
-// qvec[j] = [q_nope·W_UK,h | q_rope] (latent wide) for queries q0 + j, j < nq; query qi is token qi / hs
-// of the sequence and head first_head + qi % hs.
-__device__ inline void mla_absorb_queries(const TaskCtx& ctx, const MlaShape& sh, int first, int q0, int nq, int hs, int first_head, float* qvec) {
+// A item: q_abs[row][h] = [q_nope·W_UK,h | q_rope] for the block's rows (one read of W_UK,h).
+__device__ inline void mla_absorb_item(const TaskCtx& ctx, const MlaShape& sh, int item, float* qabs, float* red) {
   const DeviceWeight& kv_b = ctx.weight(1);  // [heads·(nope+v), rank]
-  for (int idx = static_cast<int>(threadIdx.x); idx < nq * sh.latent; idx += kThreads) {
-    const int j = idx / sh.latent, e = idx % sh.latent, qi = q0 + j;
-    const int h = first_head + qi % hs;
-    const float* q = ctx.in(0, first + qi / hs) + static_cast<int64_t>(h) * sh.qk;
-    float acc = 0.0f;
+  const int h = item % sh.heads, r0 = item / sh.heads * kMlaRowBlock;
+  const int n = ctx.rows() - r0 < kMlaRowBlock ? ctx.rows() - r0 : kMlaRowBlock;
+  for (int e = static_cast<int>(threadIdx.x); e < sh.latent; e += kThreads) {
+    float acc[kMlaRowBlock];
+#pragma unroll
+    for (int r = 0; r < kMlaRowBlock; ++r) acc[r] = r < n && e >= sh.rank ? ctx.in(0, r0 + r)[h * sh.qk + sh.nope + e - sh.rank] : 0.0f;
     if (e < sh.rank) {
-      const int64_t row0 = static_cast<int64_t>(h) * sh.per_head;
-      for (int i = 0; i < sh.nope; ++i) acc += q[i] * weight_flat(kv_b, (row0 + i) * sh.rank + e);
-    } else {
-      acc = q[sh.nope + e - sh.rank];
+      const int64_t base = static_cast<int64_t>(h) * sh.per_head * sh.rank + e;
+#pragma unroll 8
+      for (int i = 0; i < sh.nope; ++i) {
+        const float w = weight_flat(kv_b, base + static_cast<int64_t>(i) * sh.rank);
+#pragma unroll
+        for (int r = 0; r < kMlaRowBlock; ++r) {
+          if (r < n) acc[r] += ctx.in(0, r0 + r)[h * sh.qk + i] * w;
+        }
+      }
     }
-    qvec[j * sh.latent + e] = acc;
+#pragma unroll
+    for (int r = 0; r < kMlaRowBlock; ++r) {
+      if (r < n) qabs[(static_cast<int64_t>(r0 + r) * sh.heads + h) * sh.latent + e] = acc[r];
+    }
   }
-  __syncthreads();
+  if (h == 0) mla_append_latents(ctx, sh, r0, n, red);  // ends with __syncthreads
 }
 
-// One cache row, lane-strided: x[e] = row[lane + 32e] (0 past the latent width).
+// One cache row, lane-strided from shared memory: x[e] = row[lane + 32e] (0 past the latent width).
 __device__ __forceinline__ void mla_load_row(const float* row, int latent, int lane, float (&x)[kMlaLatentPerLane]) {
 #pragma unroll
   for (int e = 0; e < kMlaLatentPerLane; ++e) {
@@ -103,135 +190,247 @@ __device__ __forceinline__ float mla_score(const float (&x)[kMlaLatentPerLane], 
   return warp_sum(partial) * scale;
 }
 
-// One sweep over the positions a tile can see: warps split the positions, each cache row is loaded once
-// and scored against every query; fn(j, visible, score, row) runs per (position, query), visible =
-// position ≤ the query token's (causal).
-template <typename Fn>
-__device__ __forceinline__ void mla_sweep(const MlaShape& sh, const float* cache, int context, int q0, int nq, int hs, const float* qvec, Fn fn) {
-  const int lane = lane_id();
-  const int visible_max = context + (q0 + nq - 1) / hs + 1;
-  for (int tau = warp_id(); tau < visible_max; tau += kWarps) {
-    float x[kMlaLatentPerLane];
-    mla_load_row(cache + static_cast<int64_t>(tau) * sh.latent, sh.latent, lane, x);
+// Cache rows [r0, r0 + n) (contiguous) into registers, kMlaStagePerThread floats per thread.
+__device__ __forceinline__ void mla_fetch_tile(const float* cache, int r0, int n, int latent, float (&pre)[kMlaStagePerThread]) {
+  const float* src = cache + static_cast<int64_t>(r0) * latent;
 #pragma unroll
-    for (int j = 0; j < kMlaQueries; ++j) {
-      if (j >= nq) continue;
-      fn(j, tau < context + (q0 + j) / hs + 1, mla_score(x, qvec + j * sh.latent, sh.latent, lane, sh.scale), x);
+  for (int i = 0; i < kMlaStagePerThread; ++i) {
+    const int idx = static_cast<int>(threadIdx.x) + i * kThreads;
+    pre[i] = idx < n * latent ? __ldcg(src + idx) : 0.0f;
+  }
+}
+
+// Shared memory of a B item (floats): q_abs of the group, the staged rows, scores/probabilities [j][r],
+// and per query the running max, sum and this tile's rescale.
+struct MlaSplitSmem {
+  float *qvec, *tile, *p, *m, *l, *alpha;
+};
+
+// Online-softmax update of tile rows [0, n) for every query: max, rescale alpha, p in place of the score.
+__device__ inline void mla_tile_softmax(const MlaSplitSmem& sm, int nq, int n) {
+  const int j = static_cast<int>(threadIdx.x);
+  if (j >= nq) return;
+  float* p = sm.p + j * kMlaTileRows;
+  float tile_max = -INFINITY;
+  for (int r = 0; r < n; ++r) tile_max = fmaxf(tile_max, p[r]);
+  const float m_new = fmaxf(sm.m[j], tile_max);
+  if (m_new == -INFINITY) {  // nothing visible to this query yet
+    sm.alpha[j] = 1.0f;
+    for (int r = 0; r < n; ++r) p[r] = 0.0f;
+    return;
+  }
+  sm.alpha[j] = expf(sm.m[j] - m_new);  // 0 while m was −∞
+  float sum = 0.0f;
+  for (int r = 0; r < n; ++r) sum += (p[r] = expf(p[r] - m_new));
+  sm.l[j] = sm.l[j] * sm.alpha[j] + sum;
+  sm.m[j] = m_new;
+}
+
+// B item ib: positions [k·split_rows, …) of one sequence against query group gq (queries q0 + j, token
+// q / heads, head q % heads). Writes (max, sum) and u = Σ exp(s − max)·c of each query.
+__device__ inline void mla_split_item(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched, int ib, const MlaWorkspace& ws, float* smem) {
+  const StepView& step = *ctx.step;
+  int s = 0;
+  MlaSeqItems si = mla_seq_items(step, sh, sched.split_rows, 0);
+  while (ib >= si.base + si.groups * si.splits) si = mla_seq_items(step, sh, sched.split_rows, ++s);
+  const int k = (ib - si.base) / si.groups, gq = (ib - si.base) % si.groups;
+  const int context = step.seq_context[s], first = step.seq_first_row[s], q0 = gq * kMlaGroup;
+  const int nq = step.seq_tokens[s] * sh.heads - q0 < kMlaGroup ? step.seq_tokens[s] * sh.heads - q0 : kMlaGroup;
+  const int begin = k * sched.split_rows, last_visible = context + (q0 + nq - 1) / sh.heads + 1;  // causal bound of the group
+  const int stop = begin + sched.split_rows < last_visible ? begin + sched.split_rows : last_visible;
+  MlaSplitSmem st;
+  st.qvec = smem;                                  // [kMlaGroup][latent]
+  st.tile = st.qvec + kMlaGroup * sh.latent;       // [kMlaTileRows][latent]
+  st.p = st.tile + kMlaTileRows * sh.latent;       // [kMlaGroup][kMlaTileRows]
+  st.m = st.p + kMlaGroup * kMlaTileRows;          // [kMlaGroup] each
+  st.l = st.m + kMlaGroup;
+  st.alpha = st.l + kMlaGroup;
+  for (int idx = static_cast<int>(threadIdx.x); idx < nq * sh.latent; idx += kThreads) {
+    const int qi = q0 + idx / sh.latent;
+    st.qvec[idx] = __ldcg(ws.qabs + (static_cast<int64_t>(first + qi / sh.heads) * sh.heads + qi % sh.heads) * sh.latent + idx % sh.latent);
+  }
+  if (threadIdx.x < kMlaGroup) st.m[threadIdx.x] = -INFINITY, st.l[threadIdx.x] = 0.0f;
+  const float* cache = state_of(ctx, step.seq_slot[s]);
+  const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
+  float u[kMlaGroup];
+#pragma unroll
+  for (int j = 0; j < kMlaGroup; ++j) u[j] = 0.0f;
+  float pre[kMlaStagePerThread];
+  if (begin < stop) mla_fetch_tile(cache, begin, stop - begin < kMlaTileRows ? stop - begin : kMlaTileRows, sh.latent, pre);
+  for (int r0 = begin; r0 < stop; r0 += kMlaTileRows) {
+    const int n = stop - r0 < kMlaTileRows ? stop - r0 : kMlaTileRows;
+#pragma unroll
+    for (int i = 0; i < kMlaStagePerThread; ++i) {
+      if (tid + i * kThreads < n * sh.latent) st.tile[tid + i * kThreads] = pre[i];
     }
-  }
-}
-
-// Sweep 1: stat[j] = (max, Σ exp(s − max)) of query j over its visible positions.
-__device__ inline void mla_softmax_stats(const MlaShape& sh, const float* cache, int context, int q0, int nq, int hs, const float* qvec,
-                                         float* warp_stat, float* stat) {
-  const int lane = lane_id(), warp = warp_id();
-  float m[kMlaQueries], l[kMlaQueries];
-#pragma unroll
-  for (int j = 0; j < kMlaQueries; ++j) m[j] = -INFINITY, l[j] = 0.0f;
-  mla_sweep(sh, cache, context, q0, nq, hs, qvec, [&](int j, bool visible, float s, const float(&)[kMlaLatentPerLane]) {
-    if (!visible) return;
-    const float m_new = fmaxf(m[j], s);
-    l[j] = l[j] * expf(m[j] - m_new) + expf(s - m_new);
-    m[j] = m_new;
-  });
-  if (lane == 0) {
-#pragma unroll
-    for (int j = 0; j < kMlaQueries; ++j) warp_stat[(warp * kMlaQueries + j) * 2] = m[j], warp_stat[(warp * kMlaQueries + j) * 2 + 1] = l[j];
-  }
-  __syncthreads();
-  if (static_cast<int>(threadIdx.x) < nq) {
-    const int j = static_cast<int>(threadIdx.x);
-    float max_score = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) max_score = fmaxf(max_score, warp_stat[(w * kMlaQueries + j) * 2]);
-    float total = 0.0f;
-    for (int w = 0; w < kWarps; ++w) total += warp_stat[(w * kMlaQueries + j) * 2 + 1] * expf(warp_stat[(w * kMlaQueries + j) * 2] - max_score);
-    stat[2 * j] = max_score;
-    stat[2 * j + 1] = total;
-  }
-  __syncthreads();
-}
-
-// Sweep 2: usum[j] = Σ_τ act(exp(s − max)/total)·c_τ (rank wide) for the tile's queries.
-__device__ inline void mla_accumulate(const TaskCtx& ctx, const MlaShape& sh, const float* cache, int context, int q0, int nq, int hs,
-                                      const float* qvec, const float* stat, float* upart, float* usum) {
-  const int lane = lane_id(), warp = warp_id();
-  const int32_t act = ctx.op->act;
-  float u[kMlaQueries][kMlaRankPerLane];
-#pragma unroll
-  for (int j = 0; j < kMlaQueries; ++j) {
-#pragma unroll
-    for (int e = 0; e < kMlaRankPerLane; ++e) u[j][e] = 0.0f;
-  }
-  mla_sweep(sh, cache, context, q0, nq, hs, qvec, [&](int j, bool visible, float s, const float (&x)[kMlaLatentPerLane]) {
-    const float p = visible ? round_act(act, expf(s - stat[2 * j]) / stat[2 * j + 1]) : 0.0f;
-#pragma unroll
-    for (int e = 0; e < kMlaRankPerLane; ++e) u[j][e] += p * x[e];  // slots past the rank are never read
-  });
-#pragma unroll
-  for (int j = 0; j < kMlaQueries; ++j) {
-    if (j >= nq) continue;  // block-uniform
-#pragma unroll
-    for (int e = 0; e < kMlaRankPerLane; ++e) {
-      const int idx = lane + 32 * e;
-      if (idx < sh.rank) upart[warp * sh.rank + idx] = u[j][e];
+    __syncthreads();  // the tile (and, the first time, qvec and the stats) are in place
+    const int next = r0 + kMlaTileRows;
+    if (next < stop) mla_fetch_tile(cache, next, stop - next < kMlaTileRows ? stop - next : kMlaTileRows, sh.latent, pre);  // in flight meanwhile
+    if (warp < n) {  // warp w scores row r0 + w against every query
+      float x[kMlaLatentPerLane];
+      mla_load_row(st.tile + warp * sh.latent, sh.latent, lane, x);
+      for (int j = 0; j < nq; ++j) {
+        const float score = mla_score(x, st.qvec + j * sh.latent, sh.latent, lane, sh.scale);
+        if (lane == 0) st.p[j * kMlaTileRows + warp] = r0 + warp < context + (q0 + j) / sh.heads + 1 ? score : -INFINITY;
+      }
     }
     __syncthreads();
-    for (int idx = static_cast<int>(threadIdx.x); idx < sh.rank; idx += kThreads) {
-      float sum = 0.0f;
-      for (int w = 0; w < kWarps; ++w) sum += upart[w * sh.rank + idx];
-      usum[j * sh.rank + idx] = sum;
-    }
+    mla_tile_softmax(st, nq, n);
     __syncthreads();
+    if (tid < sh.rank) {
+#pragma unroll
+      for (int j = 0; j < kMlaGroup; ++j) {
+        if (j >= nq) continue;
+        float acc = u[j] * st.alpha[j];
+        for (int r = 0; r < n; ++r) acc += st.p[j * kMlaTileRows + r] * st.tile[r * sh.latent + tid];
+        u[j] = acc;
+      }
+    }
+    __syncthreads();  // tile and p are rewritten by the next tile
+  }
+  __syncthreads();  // the stats, when no tile ran
+  const int64_t rec = static_cast<int64_t>(ib) * kMlaGroup;
+  if (tid < nq) ws.part_ml[(rec + tid) * 2] = st.m[tid], ws.part_ml[(rec + tid) * 2 + 1] = st.l[tid];
+  if (tid < sh.rank) {
+#pragma unroll
+    for (int j = 0; j < kMlaGroup; ++j) {
+      if (j < nq) ws.part_u[(rec + j) * sh.rank + tid] = u[j];
+    }
   }
 }
 
-// out[token][h·dv + i] = act(W_UV,h[i]·u) for the tile's queries: one warp per output column.
-__device__ inline void mla_project_out(const TaskCtx& ctx, const MlaShape& sh, int first, int q0, int nq, int hs, int first_head, const float* usum) {
+// C item: for each row of the block, head h: u = Σ_k e^(m_k − M)·u_k / Σ_k e^(m_k − M)·l_k over the
+// query's splits, then out[row][h·dv + i] = act(W_UV,h[i]·u) (one read of W_UV,h for the block).
+__device__ inline void mla_combine_item(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched, int item, const MlaWorkspace& ws, float* smem) {
+  const StepView& step = *ctx.step;
+  const int h = item % sh.heads, r0 = item / sh.heads * kMlaRowBlock;
+  const int n = ctx.rows() - r0 < kMlaRowBlock ? ctx.rows() - r0 : kMlaRowBlock;
+  float* wts = smem;                    // [kMlaMaxSplits]
+  float* usum = wts + kMlaMaxSplits;    // [kMlaRowBlock][rank]
+  float* red = usum + kMlaRowBlock * sh.rank;  // 32
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int r = 0; r < n; ++r) {
+    const int s = step.row_seq[r0 + r];
+    const int qi = (r0 + r - step.seq_first_row[s]) * sh.heads + h;
+    const MlaSeqItems si = mla_seq_items(step, sh, sched.split_rows, s);
+    auto record = [&](int k) { return (static_cast<int64_t>(si.base + k * si.groups + qi / kMlaGroup)) * kMlaGroup + qi % kMlaGroup; };
+    float mx = -INFINITY;
+    for (int k = tid; k < si.splits; k += kThreads) mx = fmaxf(mx, __ldcg(ws.part_ml + 2 * record(k)));
+    const float top = mla_block_max(mx, red);  // finite: split 0 holds position 0, visible to every query
+    float lsum = 0.0f;
+    for (int k = tid; k < si.splits; k += kThreads) {
+      const float mk = __ldcg(ws.part_ml + 2 * record(k));
+      const float w = mk == -INFINITY ? 0.0f : expf(mk - top);
+      wts[k] = w;
+      lsum += w * __ldcg(ws.part_ml + 2 * record(k) + 1);
+    }
+    const float total = block_sum(lsum, red);  // its barriers also publish wts
+    for (int e = tid; e < sh.rank; e += kThreads) {
+      float acc = 0.0f;
+      for (int k = 0; k < si.splits; ++k) acc += wts[k] * __ldcg(ws.part_u + record(k) * sh.rank + e);
+      usum[r * sh.rank + e] = acc / total;
+    }
+    __syncthreads();  // wts is rewritten by the next row; usum is read below
+  }
   const DeviceWeight& kv_b = ctx.weight(1);
   const int lane = lane_id();
-  for (int unit = warp_id(); unit < nq * sh.dv; unit += kWarps) {
-    const int j = unit / sh.dv, i = unit % sh.dv, qi = q0 + j;
-    const int h = first_head + qi % hs;
+  for (int i = warp_id(); i < sh.dv; i += kWarps) {
     const int64_t row = static_cast<int64_t>(h) * sh.per_head + sh.nope + i;
-    float acc = 0.0f;
-    for (int e = lane; e < sh.rank; e += 32) acc += weight_flat(kv_b, row * sh.rank + e) * usum[j * sh.rank + e];
-    acc = warp_sum(acc);
-    if (lane == 0) ctx.out(first + qi / hs)[static_cast<int64_t>(h) * sh.dv + i] = round_out(ctx, acc);
+    float acc[kMlaRowBlock];
+#pragma unroll
+    for (int r = 0; r < kMlaRowBlock; ++r) acc[r] = 0.0f;
+    for (int e = lane; e < sh.rank; e += 32) {
+      const float w = weight_flat(kv_b, row * sh.rank + e);
+#pragma unroll
+      for (int r = 0; r < kMlaRowBlock; ++r) {
+        if (r < n) acc[r] += w * usum[r * sh.rank + e];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kMlaRowBlock; ++r) {
+      if (r >= n) continue;  // warp-uniform
+      const float v = warp_sum(acc[r]);
+      if (lane == 0) ctx.out(r0 + r)[static_cast<int64_t>(h) * sh.dv + i] = round_out(ctx, v);
+    }
   }
-  __syncthreads();  // qvec and usum are rewritten by the next tile
 }
 
-// kMlaAttention (heads, sliced by v columns). Inputs q [T, heads·(nope+rope)], kv_a [T, rank+rope];
-// weights kv_a_layernorm [rank], kv_b [heads·(nope+v), rank]. State: latent cache rows [max_context,
-// rank+rope] per slot (DeviceState.depth = max_context rows; past it: kErrContext, sequence skipped).
-// attrs: [0] heads, [1] nope, [2] rope, [3] v, [4] rank, [5] eps (kv_a norm). Requires rank ≤ 512 and
-// rank + rope ≤ 576 (pack_misc_attrs refuses others).
+// Cross-block hand-offs of the op (see the file comment). Block-uniform.
+__device__ __forceinline__ void mla_arrive(unsigned* counter) {
+  __syncthreads();  // the item's writes are done
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+  }
+}
+__device__ __forceinline__ void mla_wait(const unsigned* counter, int count) {
+  if (threadIdx.x == 0) {
+    while (*reinterpret_cast<const volatile unsigned*>(counter) < static_cast<unsigned>(count)) {
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// Whether every sequence fits its slot and the workspace holds the step; if not, every task reports
+// and leaves without touching the counters (all see the same step).
+__device__ inline bool mla_step_fits(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched) {
+  const StepView& step = *ctx.step;
+  const DeviceState& state = step.states[ctx.op->state];
+  for (int s = 0; s < step.num_seqs; ++s) {
+    if (static_cast<int64_t>(step.seq_context[s]) + step.seq_tokens[s] > state.depth) {
+      if (threadIdx.x == 0) report_error(ctx, kErrContext);
+      return false;
+    }
+  }
+  if (ctx.op->sync == nullptr || mla_workspace_floats(sh, step.tokens, sched.b_items) > ctx.op->workspace_floats) {
+    if (threadIdx.x == 0) report_error(ctx, kErrWorkspace);
+    return false;
+  }
+  return true;
+}
+
+// kMlaAttention (heads; one task per worker, split-KV). Inputs q [T, heads·(nope+rope)], kv_a [T,
+// rank+rope]; weights kv_a_layernorm [rank], kv_b [heads·(nope+v), rank]. State: latent cache rows
+// [max_context, rank+rope] per slot (DeviceState.depth = max_context rows; past it: kErrContext, the step
+// is refused). attrs: [0] heads, [1] nope, [2] rope, [3] v, [4] rank, [5] eps (kv_a norm). Requires
+// rank ≤ 512 and rank + rope ≤ 576 (pack_misc_attrs refuses others), OpDesc workspace and sync.
 __device__ inline void op_mla_attention(const TaskCtx& ctx) {
   const MlaShape sh = mla_shape(ctx);
-  const DeviceState& state = ctx.step->states[ctx.op->state];
-  const int first_head = static_cast<int>(ctx.col_begin / sh.dv), hs = static_cast<int>((ctx.col_end - ctx.col_begin) / sh.dv);
-  float* qvec = smem_floats(ctx);                       // [kMlaQueries][latent]
-  float* warp_stat = qvec + kMlaQueries * sh.latent;    // [kWarps][kMlaQueries][2]
-  float* stat = warp_stat + kWarps * kMlaQueries * 2;   // [kMlaQueries][2]
-  float* upart = stat + kMlaQueries * 2;                // [kWarps][rank]
-  float* usum = upart + kWarps * sh.rank;               // [kMlaQueries][rank]
-  float* red = usum + kMlaQueries * sh.rank;            // 32
-  const StepView& step = *ctx.step;
-  for (int s = 0; s < step.num_seqs; ++s) {
-    const int first = step.seq_first_row[s], tokens = step.seq_tokens[s], context = step.seq_context[s];
-    if (static_cast<int64_t>(context) + tokens > state.depth) {
-      if (threadIdx.x == 0) report_error(ctx, kErrContext);
-      continue;  // block-uniform
+  const MlaSchedule sched = mla_schedule(ctx, sh);
+  if (!mla_step_fits(ctx, sh, sched)) return;
+  const int a_items = sched.a_items, b_items = sched.b_items, total = 2 * a_items + b_items;
+  float* const ws_base = ctx.op->workspace;
+  const MlaWorkspace ws{ws_base, ws_base + static_cast<int64_t>(ctx.rows()) * sh.heads * sh.latent,
+                        ws_base + static_cast<int64_t>(ctx.rows()) * sh.heads * sh.latent + static_cast<int64_t>(b_items) * kMlaGroup * 2};
+  unsigned* const sync = ctx.op->sync;
+  int* const ticket = reinterpret_cast<int*>(ctx.smem);
+  float* const smem = smem_floats(ctx) + 32;  // after the ticket
+  for (;;) {
+    if (threadIdx.x == 0) *ticket = static_cast<int>(atomicAdd(sync, 1u));
+    __syncthreads();
+    const int item = *ticket;
+    __syncthreads();  // every thread has the ticket before thread 0 takes the next
+    if (item >= total) break;  // block-uniform
+    if (item < a_items) {
+      mla_absorb_item(ctx, sh, item, ws.qabs, smem);
+      mla_arrive(sync + 1);
+    } else if (item < a_items + b_items) {
+      mla_wait(sync + 1, a_items);
+      mla_split_item(ctx, sh, sched, item - a_items, ws, smem);
+      mla_arrive(sync + 2);
+    } else {
+      mla_wait(sync + 2, b_items);
+      mla_combine_item(ctx, sh, sched, item - a_items - b_items, ws, smem);
+      __syncthreads();
     }
-    float* cache = state_of(ctx, step.seq_slot[s]);
-    mla_append_latents(ctx, sh, first, tokens, context, cache, red);
-    const int queries = tokens * hs;
-    for (int q0 = 0; q0 < queries; q0 += kMlaQueries) {
-      const int nq = queries - q0 < kMlaQueries ? queries - q0 : kMlaQueries;
-      mla_absorb_queries(ctx, sh, first, q0, nq, hs, first_head, qvec);
-      mla_softmax_stats(sh, cache, context, q0, nq, hs, qvec, warp_stat, stat);
-      mla_accumulate(ctx, sh, cache, context, q0, nq, hs, qvec, stat, upart, usum);
-      mla_project_out(ctx, sh, first, q0, nq, hs, first_head, usum);
+  }
+  if (threadIdx.x == 0) {
+    __threadfence();  // this task's last ticket is taken before it counts itself out
+    if (atomicAdd(sync + 3, 1u) == static_cast<unsigned>(ctx.op->tasks - 1)) {
+      __threadfence();
+      for (int i = 0; i < kOpSyncCounters; ++i) atomicExch(sync + i, 0u);  // every task has left: the next step starts from 0
+      __threadfence();
     }
   }
 }
