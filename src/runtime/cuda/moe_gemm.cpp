@@ -116,13 +116,10 @@ MoeGemmRunner::~MoeGemmRunner() {
   if (handle_ != nullptr) cublasDestroy(handle_);
 }
 
-// The step's top-k ids to the host (the stream waits for the segment that computed them), a counting
-// sort of the pairs by expert (ascending token order within an expert), and the lists uploaded:
-// perm[p] = the pair at sorted position p, inv[q] = the sorted position of pair q, then the experts
-// with pairs and their first positions.
-void MoeGemmRunner::route(const MoeGemmOp& op, const float* arena, int64_t rows) {
-  const int64_t k = op.top_k, pairs = rows * k;
-  if (pairs > capacity_.pairs || op.experts > capacity_.experts) fail("cuda: a MoE step of {} pairs over {} experts outgrows its buffers", pairs, op.experts);
+// The step's top-k rows to the host: the stream waits for the segment that computed them.
+void MoeGemmRunner::read_routing(const MoeGemmOp& op, const float* arena, int64_t rows) {
+  const int64_t k = op.top_k;
+  if (rows * k > capacity_.pairs || op.experts > capacity_.experts) fail("cuda: a MoE step of {} pairs over {} experts outgrows its buffers", rows * k, op.experts);
   routes_host_.resize(static_cast<size_t>(rows * 2 * k));
   check(cudaMemcpy2DAsync(routes_host_.data(), static_cast<size_t>(2 * k) * sizeof(float), arena + op.routes_offset,
                           static_cast<size_t>(op.routes_stride) * sizeof(float), static_cast<size_t>(2 * k) * sizeof(float), static_cast<size_t>(rows),
@@ -130,6 +127,13 @@ void MoeGemmRunner::route(const MoeGemmOp& op, const float* arena, int64_t rows)
         "MoE routing read");
   check(cudaStreamSynchronize(stream_), "MoE routing read");
   harvest_events();
+}
+
+// A counting sort of the pairs by expert (ascending token order within an expert), and the lists
+// uploaded: perm[p] = the pair at sorted position p, inv[q] = the sorted position of pair q, then the
+// experts with pairs and their first positions.
+void MoeGemmRunner::sort_routing(const MoeGemmOp& op, int64_t rows) {
+  const int64_t k = op.top_k, pairs = rows * k;
   Routing& r = routing_;
   r.counts.assign(static_cast<size_t>(op.experts), 0);
   std::vector<int32_t> expert_of(static_cast<size_t>(pairs));
@@ -175,7 +179,7 @@ void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
   // A down op reads the routing its gate_up read (the same top-k buffer in the same step).
   const bool reuse = !op.gate_up() && routing_.valid && routing_.routes_offset == op.routes_offset && routing_.rows == rows &&
                      routing_.top_k == op.top_k && static_cast<int64_t>(routing_.counts.size()) == op.experts;
-  if (!reuse) route(op, arena, rows);
+  if (!reuse) read_routing(op, arena, rows);
   std::pair<cudaEvent_t, cudaEvent_t>* timed = nullptr;
   if (timing_) {
     if (pending_ == events_.size()) {
@@ -184,8 +188,9 @@ void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
       check(cudaEventCreate(&events_.back().second), "event");
     }
     timed = &events_[pending_++];
-    check(cudaEventRecord(timed->first, stream_), "event");
+    check(cudaEventRecord(timed->first, stream_), "event");  // the stream is idle after a routing read: the sort counts
   }
+  if (!reuse) sort_routing(op, rows);
   const int64_t pairs = rows * op.top_k;
   const int32_t* perm = lists_.as<int32_t>();
   const int32_t* inv = perm + pairs;

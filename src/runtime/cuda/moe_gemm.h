@@ -89,7 +89,8 @@ class MoeGemmRunner {
     std::vector<int32_t> counts;                  // [experts] pairs per expert
     std::vector<int32_t> active, offsets;         // experts with pairs, ascending, and their first sorted pair
   };
-  void route(const MoeGemmOp& op, const float* arena, int64_t rows);
+  void read_routing(const MoeGemmOp& op, const float* arena, int64_t rows);
+  void sort_routing(const MoeGemmOp& op, int64_t rows);
   void gemms(const MoeGemmOp& op, int64_t pairs);
   void harvest_events();
 
