@@ -1,13 +1,15 @@
 // `plow bench prefill`: time to first token of a P-token prompt on the GPU, run in chunks through
-// prefill plans compiled without fusion (their linears run as cuBLAS GEMMs, prefill_gemm.h), on random
-// device weights; the FLOPs it must do (dense projections, the experts actually routed, attention's
-// QK/PV) over that time; and, measured in the same run, our GEMM and cuBLAS alone at each projection
-// shape of the chunk. Records are appended to a JSON array (bench/results/prefill.json).
+// prefill plans compiled without fusion (their linears run as cuBLAS GEMMs, prefill_gemm.h, their routed
+// experts as grouped expert GEMMs, moe_gemm.h), on random device weights; the FLOPs it must do (dense
+// projections, the experts actually routed, attention's QK/PV) over that time; the routed experts' own
+// stream time; and, measured in the same run, our GEMM and cuBLAS alone at each projection shape of
+// the chunk. Records are appended to a JSON array (bench/results/prefill.json).
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <set>
@@ -80,10 +82,12 @@ std::vector<int32_t> prompt_ids(int64_t tokens, int64_t vocab) {
 }
 
 // Wall-clock ms of the whole prompt, chunk by chunk from an empty slot, up to the first token's logits
-// on the host, per run; `reps` runs after a warm-up of the first chunk (kernels and cuBLAS loaded).
-std::vector<double> time_prompt(Backend& backend, const std::vector<int32_t>& ids, int64_t chunk, int reps) {
+// on the host, per run; `reps` runs after a warm-up of the first chunk (kernels and cuBLAS loaded),
+// `after_warmup` called between them.
+std::vector<double> time_prompt(Backend& backend, const std::vector<int32_t>& ids, int64_t chunk, int reps, const std::function<void()>& after_warmup = {}) {
   std::vector<double> runs;
   for (int r = 0; r < reps + 1; ++r) {
+    if (r == 1 && after_warmup) after_warmup();
     backend.reset_slot(0);
     const auto start = std::chrono::steady_clock::now();
     const size_t end = r == 0 ? std::min(ids.size(), static_cast<size_t>(chunk)) : ids.size();
@@ -165,11 +169,13 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
 
   auto weights = cuda::random_device_weights(model->graph, args.seed, dtype);
   auto backend = make_backend(*model, weights, chunks, workers, max_context, dtype, true);
+  backend->set_expert_timing(true);  // two event records per MoE op: the routed experts' share of TTFT
   // Today's path on the same weights (its own plans and arena), timed after ours at each prompt.
   auto gemv = args.gemv_peer ? make_backend(*model, weights, chunks, workers, max_context, dtype, false) : nullptr;
   for (int64_t p : args.prompts) {
     const int64_t chunk = chunk_of(p);
-    const std::vector<double> runs = time_prompt(*backend, prompt_ids(p, model->config.vocab_size), chunk, args.reps);
+    const std::vector<double> runs = time_prompt(*backend, prompt_ids(p, model->config.vocab_size), chunk, args.reps, [&] { backend->reset_expert_ms(); });
+    const double expert_ms = backend->expert_ms() / args.reps;
     const double ttft = median(runs);
     const PrefillFlops flops = prefill_flops(*model, p);
     const Plan* plan = &backend->plan(1);  // plans: decode, then the prefill chunks in ascending order
@@ -188,7 +194,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
     json record = {{"kind", "prefill"},
                    {"config", args.config_path},
                    {"backend", "cuda"},
-                   {"path", "unfused prefill plans, plain linears as cuBLAS GEMMs between megakernel segments"},
+                   {"path", "unfused prefill plans, plain linears as cuBLAS GEMMs and routed experts as grouped expert GEMMs between megakernel segments"},
                    {"dtype", std::string(dtype_name(dtype))},
                    {"prompt_tokens", p},
                    {"chunk", chunk},
@@ -198,14 +204,16 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"flops", {{"dense", flops.dense}, {"experts_routed", flops.experts}, {"attention_qk_pv", flops.attention}, {"total", flops.total()}}},
                    {"tflops", flops.total() / (ttft * 1e9)},
                    {"gemm_ms_estimate", gemm_ms_per_chunk * static_cast<double>(p) / static_cast<double>(chunk)},
+                   {"expert_ops_ms", expert_ms},
+                   {"expert_gemm_grouped", backend->last_expert_gemm_grouped()},
                    {"workers", workers},
                    {"plan", {{"max_tokens", plan->max_tokens}, {"ops", plan->ops.size()}, {"tasks", plan->tasks.size()}, {"fusion", false}}},
                    {"device", device},
                    {"git_rev", rev},
                    {"command", args.command_line},
                    {"peers", {{"gemm_shapes", shapes}}}};
-    std::cerr << fmt::format("prompt {:6d} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s\n", p, chunk, ttft,
-                             static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9));
+    std::cerr << fmt::format("prompt {:6d} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s; routed experts {:8.1f} ms\n", p, chunk, ttft,
+                             static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9), expert_ms);
     if (gemv) {
       const double ms = median(time_prompt(*gemv, prompt_ids(p, model->config.vocab_size), chunk, 1));
       record["peers"]["gemv_path"] = {{"ttft_ms", ms}, {"tflops", flops.total() / (ms * 1e9)}, {"plans", "fused prefill plans, GEMV bodies (one run after a one-chunk warm-up)"}};

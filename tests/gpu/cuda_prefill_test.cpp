@@ -1,8 +1,10 @@
-// The cuda backend's prefill GEMM path (runtime/cuda/prefill_gemm.h) vs cpu/reference (label gpu):
-// every checkpoint fixture through an unfused prefill plan (chunks of ≥ 32 rows run their linears as
-// cuBLAS GEMMs), logits of every prompt row within cuda_model_test's bound and 16 greedy tokens after
-// it identical to the reference's; and the GEMM path alone on odd shapes (rows 33 and 100, out 97,
-// in 200), chained and side by side, fp32 and bf16, megakernel and eager, against the CPU linear.
+// The cuda backend's prefill GEMM path (runtime/cuda/prefill_gemm.h, moe_gemm.h) vs cpu/reference
+// (label gpu): every checkpoint fixture through an unfused prefill plan (chunks of ≥ 32 rows run their
+// linears as cuBLAS GEMMs and their routed experts as grouped expert GEMMs), logits of every prompt row
+// within cuda_model_test's bound and 16 greedy tokens after it identical to the reference's; the GEMM
+// path alone on odd shapes (rows 33 and 100, out 97, in 200), chained and side by side; and the expert
+// GEMMs alone (router, top-k, gate/up, down, down + shared) with routings where some experts get no
+// token and some get every token; fp32 and bf16, megakernel and eager, against the CPU ops.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include "engine/plans.h"
 #include "graph/random_weights.h"
 #include "graph/weights.h"
+#include "model/safetensors.h"
 #include "plan/lower.h"
 #include "runtime/cpu/reference.h"
 #include "runtime/cuda/backend.h"
@@ -71,6 +74,7 @@ TEST_P(CudaPrefillFixtureTest, PromptLogitsAndGreedyTokensMatchTheReference) {
   if (act != DType::F32) options.forced_tokens = want.generated;
   const GenerateResult have = generate(gpu, 0, options);
   EXPECT_GT(gpu.prefill_gemms(), 0) << "the prompt never took the GEMM path";
+  EXPECT_GT(gpu.prefill_expert_ops(), 0) << "the prompt's routed experts never ran as expert GEMMs";
 
   if (act == DType::F32) {
     EXPECT_EQ(have.generated, want.generated);
@@ -151,54 +155,165 @@ bool exact_bf16(float v) {
   return (bits & 0xFFFFu) == 0;
 }
 
-// Rows 33 and 100 take the GEMM path, 5 rows the GEMV bodies of the same plan. Bounds as
-// cuda_gemv_test: fp32 reassociation; bf16 one output ulp where a sum lands next to a rounding
-// boundary, plus that through a second rounding. bf16 outputs must be bf16 values (the tasks rounded).
+// What one step did on the GEMM path: plain GEMMs and routed-expert ops run.
+struct PathCounts {
+  int64_t gemms = 0, expert_ops = 0;
+};
+
+// `graph` on the GPU (one prefill plan of 100 rows, a poisoned arena: an unwritten element reads back
+// as NaN) against cpu/reference, 7 and 132 workers, megakernel and eager, steps of 33 and 100 rows (the
+// GEMM path) and 5 (the GEMV bodies of the same plan). check(gpu, rows, counts, where) after each step;
+// every output within `fp32_rel` (fp32) or `bf16_ulps` output ulps (bf16) of the largest output, and
+// bf16 outputs bf16 values (the tasks rounded).
+template <typename Check>
+void expect_gpu_matches_cpu(const Graph& graph, const Checkpoint& checkpoint, DType dtype, const std::string& what, float fp32_rel, float bf16_ulps,
+                            Check check) {
+  const BoundWeights bound_weights(graph, checkpoint);
+  auto weights = cuda::upload_weights(graph, bound_weights);
+  for (int workers : {7, 132}) {
+    for (bool eager : {false, true}) {
+      const std::string where = what + " " + std::string(dtype_name(dtype)) + " workers " + std::to_string(workers) + (eager ? " eager" : " megakernel");
+      std::vector<Plan> plans = {lower_to_plan(graph, {PlanPhase::kPrefill, 100, workers, 0, 0})};
+      cuda::CudaOptions options;
+      options.act_dtype = dtype;
+      options.max_context_tokens = 128;
+      options.eager = eager;
+      options.poison_arena = true;
+      cuda::CudaBackend gpu(graph, weights, std::move(plans), options);
+      ReferenceBackend cpu(graph, bound_weights, dtype, 1);
+      for (int64_t rows : {33, 100, 5}) {
+        const PathCounts before{gpu.prefill_gemms(), gpu.prefill_expert_ops()};
+        StepInputs in;
+        in.all_logits = true;
+        for (int64_t i = 0; i < rows; ++i) in.token_ids.push_back(static_cast<int32_t>((i * 13 + rows) % 50));
+        in.sequences = {{0, rows}};
+        const StepOutput want = cpu.step(in);
+        const StepOutput have = gpu.step(in);
+        check(gpu, rows, PathCounts{gpu.prefill_gemms() - before.gemms, gpu.prefill_expert_ops() - before.expert_ops}, where + " rows " + std::to_string(rows));
+        ASSERT_EQ(have.logits.size(), want.logits.size());
+        float scale = 0;
+        for (float v : want.logits) scale = std::max(scale, std::fabs(v));
+        const float limit = (dtype == DType::F32 ? fp32_rel : bf16_ulps * 0.0079f) * std::max(1.0f, scale);
+        for (size_t i = 0; i < want.logits.size(); ++i) {
+          ASSERT_FALSE(std::isnan(have.logits[i])) << where << " rows " << rows << " element " << i;
+          ASSERT_LE(std::fabs(have.logits[i] - want.logits[i]), limit) << where << " rows " << rows << " element " << i;
+          if (dtype == DType::BF16) {
+            ASSERT_TRUE(exact_bf16(have.logits[i])) << where << " rows " << rows << " element " << i << " was not rounded";
+          }
+        }
+        cpu.reset_slot(0);
+        gpu.reset_slot(0);
+      }
+    }
+  }
+}
+
+// Bounds as cuda_gemv_test: fp32 reassociation; bf16 one output ulp where a sum lands next to a
+// rounding boundary, plus that through a second rounding.
 TEST(CudaPrefillGemm, OddShapesMatchTheCpuLinear) {
   for (Shape shape : {Shape::kSingle, Shape::kChain, Shape::kSiblings}) {
     for (DType dtype : {DType::F32, DType::BF16}) {
       const Graph graph = linear_graph(shape, 200, 97);
-      const Checkpoint checkpoint = random_checkpoint(graph, 5, dtype, "prefill-gemm");
-      const BoundWeights bound_weights(graph, checkpoint);
-      auto weights = cuda::upload_weights(graph, bound_weights);
-      for (int workers : {7, 132}) {
-        for (bool eager : {false, true}) {
-          const std::string where = "shape " + std::to_string(static_cast<int>(shape)) + " " + std::string(dtype_name(dtype)) + " workers " +
-                                    std::to_string(workers) + (eager ? " eager" : " megakernel");
-          std::vector<Plan> plans = {lower_to_plan(graph, {PlanPhase::kPrefill, 100, workers, 0, 0})};
-          cuda::CudaOptions options;
-          options.act_dtype = dtype;
-          options.max_context_tokens = 128;
-          options.eager = eager;
-          options.poison_arena = true;  // an unwritten element reads back as NaN
-          cuda::CudaBackend gpu(graph, weights, std::move(plans), options);
-          ReferenceBackend cpu(graph, bound_weights, dtype, 1);
-          for (int64_t rows : {33, 100, 5}) {
-            const int64_t gemms_before = gpu.prefill_gemms();
-            StepInputs in;
-            in.all_logits = true;
-            for (int64_t i = 0; i < rows; ++i) in.token_ids.push_back(static_cast<int32_t>((i * 13 + rows) % 50));
-            in.sequences = {{0, rows}};
-            const StepOutput want = cpu.step(in);
-            const StepOutput have = gpu.step(in);
-            const int64_t gemms = shape == Shape::kSingle ? 1 : 2;
-            EXPECT_EQ(gpu.prefill_gemms() - gemms_before, rows >= 32 ? gemms : 0) << where << " rows " << rows;
-            ASSERT_EQ(have.logits.size(), want.logits.size());
-            float scale = 0;
-            for (float v : want.logits) scale = std::max(scale, std::fabs(v));
-            const float limit = dtype == DType::F32 ? 1e-5f * std::max(1.0f, scale) : 2.0f * 0.0079f * std::max(1.0f, scale);
-            for (size_t i = 0; i < want.logits.size(); ++i) {
-              ASSERT_FALSE(std::isnan(have.logits[i])) << where << " rows " << rows << " element " << i;
-              ASSERT_LE(std::fabs(have.logits[i] - want.logits[i]), limit) << where << " rows " << rows << " element " << i;
-              if (dtype == DType::BF16) {
-                ASSERT_TRUE(exact_bf16(have.logits[i])) << where << " rows " << rows << " element " << i << " was not rounded";
-              }
-            }
-            cpu.reset_slot(0);
-            gpu.reset_slot(0);
+      const int64_t gemms = shape == Shape::kSingle ? 1 : 2;
+      expect_gpu_matches_cpu(graph, random_checkpoint(graph, 5, dtype, "prefill-gemm"), dtype, "shape " + std::to_string(static_cast<int>(shape)), 1e-5f, 2.0f,
+                             [&](const cuda::CudaBackend&, int64_t rows, PathCounts ran, const std::string& where) {
+                               EXPECT_EQ(ran.gemms, rows >= 32 ? gemms : 0) << where;
+                             });
+    }
+  }
+}
+
+// tokens → embedding [50, hidden] → router logits → top-k (bias [E]) → moe_gate_up (w1, w3: [inter,
+// hidden] × E) → moe_down (w2: [hidden, inter] × E), or moe_down_add with shared = linear(x; [hidden,
+// hidden]) as its third input.
+struct MoeCase {
+  const char* name;
+  int64_t hidden, inter, experts, top_k;
+  std::vector<float> bias;  // e_score_correction_bias; empty: the random one (small, every expert in play)
+  bool add, situ;
+  bool grouped;  // bf16 takes cuBLAS's grouped call (16-byte rows); else one GEMM per expert
+};
+
+Graph moe_graph(const MoeCase& c) {
+  Graph g;
+  auto weight = [&](const std::string& name, std::vector<int64_t> dims, int64_t parts) {
+    WeightDecl decl;
+    for (int64_t e = 0; e < parts; ++e) decl.parts.push_back(parts == 1 ? name : name + "." + std::to_string(e));
+    decl.name = decl.parts.front();
+    decl.shape = std::move(dims);
+    return g.add_weight(std::move(decl));
+  };
+  const auto experts = static_cast<double>(c.experts), top_k = static_cast<double>(c.top_k);
+  const int tokens = g.add(Op::kTokens, {}, {}, {}, "tokens");
+  const int x = g.add(Op::kEmbedding, {tokens}, {weight("model.embed_tokens.weight", {50, c.hidden}, 1)}, {}, "embed");
+  const int logits = g.add(Op::kRouterLogits, {x}, {weight("block_sparse_moe.gate.weight", {c.experts, c.hidden}, 1)}, {}, "router_logits");
+  const int routes = g.add(Op::kMoeTopK, {logits}, {weight("block_sparse_moe.gate.e_score_correction_bias", {c.experts}, 1)},
+                           {{"experts", experts}, {"top_k", top_k}, {"groups", 1}, {"topk_groups", 1}, {"renormalize", 1}, {"scale", 1}, {"softmax", 0}},
+                           "router");
+  const int w1 = weight("experts.w1", {c.inter, c.hidden}, c.experts), w3 = weight("experts.w3", {c.inter, c.hidden}, c.experts);
+  const int w2 = weight("experts.w2", {c.hidden, c.inter}, c.experts);
+  const int acts = g.add(Op::kMoeGateUp, {x, routes}, {w1, w3},
+                         {{"experts", experts}, {"top_k", top_k}, {"situ", c.situ ? 1.0 : 0.0}, {"beta", 4}, {"linear_beta", 25}}, "experts_gate_up");
+  const Attrs routing = {{"experts", experts}, {"top_k", top_k}};
+  int y = 0;
+  if (c.add) {
+    const int shared = g.add(Op::kLinear, {x}, {weight("shared.weight", {c.hidden, c.hidden}, 1)}, {}, "shared");
+    y = g.add(Op::kMoeDownAdd, {acts, routes, shared}, {w2}, routing, "experts_down_add");
+  } else {
+    y = g.add(Op::kMoeDown, {acts, routes}, {w2}, routing, "experts_down");
+  }
+  g.set_output(y);
+  g.verify();
+  return g;
+}
+
+// `random` with the router bias replaced by `bias` (stored fp32, as random_checkpoint stores it).
+Checkpoint with_bias(const Checkpoint& random, const std::vector<float>& bias) {
+  Checkpoint out = Checkpoint::in_memory("prefill-moe");
+  for (const auto& [name, view] : random.tensors()) {
+    std::vector<uint8_t> bytes(view->data, view->data + view->nbytes);
+    if (name.ends_with("e_score_correction_bias") && !bias.empty()) {
+      EXPECT_EQ(view->dtype, DType::F32);
+      bytes.resize(bias.size() * sizeof(float));
+      std::memcpy(bytes.data(), bias.data(), bytes.size());
+    }
+    out.add_tensor(name, view->dtype, view->shape, std::move(bytes));
+  }
+  return out;
+}
+
+// Rows 33 and 100 take the expert GEMMs (two host ops a step: gate/up and down), 5 rows the GEMV
+// bodies. A bias of +4 puts an expert in every token's top-k (scores are in (0, 1)), −4 in none.
+// Bounds: fp32 reassociation; bf16 three output ulps (a gate, up or per-expert dot next to a rounding
+// boundary moves one ulp, weighted by routes summing to 1, then the sum's own rounding).
+TEST(CudaPrefillGemm, RoutedExpertsMatchTheCpuOps) {
+  const std::vector<MoeCase> cases = {
+      {"one expert takes every token, two take none", 200, 40, 6, 2, {4, 0, 0, 0, -4, -4}, false, false, true},
+      {"three experts take every token (top-3), three none, + shared, SiTU", 200, 40, 6, 3, {4, 4, 4, -4, -4, -4}, true, true, true},
+      {"random routing, odd widths (per-expert GEMMs), + shared", 100, 36, 7, 2, {}, true, false, false},
+  };
+  for (const MoeCase& c : cases) {
+    for (DType dtype : {DType::F32, DType::BF16}) {
+      const Graph graph = moe_graph(c);
+      auto check = [&](const cuda::CudaBackend& gpu, int64_t rows, PathCounts ran, const std::string& where) {
+        ASSERT_EQ(ran.expert_ops, rows >= 32 ? 2 : 0) << where;
+        if (rows < 32) return;
+        const std::vector<int32_t> tokens = gpu.last_expert_tokens();
+        ASSERT_EQ(static_cast<int64_t>(tokens.size()), c.experts) << where;
+        int64_t pairs = 0;
+        for (int64_t e = 0; e < c.experts; ++e) {
+          pairs += tokens[static_cast<size_t>(e)];
+          const float b = c.bias.empty() ? 0.0f : c.bias[static_cast<size_t>(e)];
+          const int64_t expected = b > 1 ? rows : b < -1 ? 0 : -1;  // −1: free to vary
+          if (expected >= 0) {
+            EXPECT_EQ(tokens[static_cast<size_t>(e)], expected) << where << " expert " << e;
           }
         }
-      }
+        EXPECT_EQ(pairs, rows * c.top_k) << where;
+        EXPECT_EQ(gpu.last_expert_gemm_grouped(), c.grouped && dtype == DType::BF16)
+            << where << ": grouped call expected for bf16 with 16-byte rows (false with it: cuBLAS refused the grouped form)";
+      };
+      expect_gpu_matches_cpu(graph, with_bias(random_checkpoint(graph, 11, dtype, "prefill-moe"), c.bias), dtype, c.name, 2e-5f, 3.0f, check);
     }
   }
 }

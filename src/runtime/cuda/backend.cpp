@@ -169,6 +169,7 @@ struct CudaBackend::Impl {
   cudaStream_t stream = nullptr;
   std::vector<std::unique_ptr<PreparedPlan>> plans;
   std::unique_ptr<GemmRunner> gemm_runner;  // when a plan has a GEMM path
+  std::unique_ptr<MoeGemmRunner> moe_runner;  // when a plan's GEMM path has routed-expert ops (moe_gemm.h)
   DeviceBuffer arena, scratch, state_table, step_ints, error_flag, argmax_ids, profile, op_profile, fold_cands;
   DeviceBuffer workspace;  // shared by the ops whose tasks cooperate (OpDesc::workspace: MLA)
   std::vector<int32_t> last_folded;  // tensor parallelism: the last step's folded argmax per sequence
@@ -297,10 +298,14 @@ struct CudaBackend::Impl {
     options.comm->all_reduce_sum(arena.as<float>() + input.offset, arena.as<float>() + op.offset, static_cast<int64_t>(p.step.tokens) * op.width, stream);
   }
 
-  // The host's part of an op: its NCCL all-reduce, or its GEMM (`gemm`: this step takes the GEMM path).
+  // The host's part of an op: its NCCL all-reduce, or its GEMM or routed-expert GEMMs (`gemm`: this
+  // step takes the GEMM path). All on the stream, after the segments before the op.
   void run_host_op(const PreparedPlan& prepared, int32_t op_index, const KernelParams& p, bool gemm) {
     if (prepared.plan.op(op_index).op() == Op::kAllReduce && p.step.peers == nullptr) all_reduce(prepared, op_index, p);
-    if (gemm && prepared.gemm.ops[static_cast<size_t>(op_index)]) gemm_runner->run(*prepared.gemm.ops[static_cast<size_t>(op_index)], arena.as<float>(), p.step.tokens);
+    if (!gemm) return;
+    const auto i = static_cast<size_t>(op_index);
+    if (prepared.gemm.ops[i]) gemm_runner->run(*prepared.gemm.ops[i], arena.as<float>(), p.step.tokens);
+    if (prepared.gemm.moe_ops[i]) moe_runner->run(*prepared.gemm.moe_ops[i], arena.as<float>(), p.step.tokens);
   }
 
   // One op's tasks in one launch, after its host part (p.instrs: the task order of the chosen path).
@@ -312,6 +317,7 @@ struct CudaBackend::Impl {
 
   void launch(PreparedPlan& prepared, const KernelParams& p, bool eager) {
     const bool gemm = prepared.gemm.active(p.step.tokens);
+    if (gemm && moe_runner) moe_runner->new_step();  // the last step's routing is stale
     if (eager) {
       KernelParams tasks = p;
       if (gemm) tasks.instrs = prepared.gemm.task_instrs.as<Instr>();
@@ -454,6 +460,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
 
   // Decode each plan: OpDescs with resolved pointers, instructions in queue order and in task order.
   int64_t max_gemm_input = 0;
+  MoeGemmCapacity moe_capacity;
   int peer_ops = 0;
   int64_t peer_slot = 0;
   for (auto& prepared_ptr : m.plans) {
@@ -566,11 +573,13 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
     }
     if (options.prefill_gemm) prepared.gemm = plan_gemm_path(plan, plan_weights, by_task, reduce, act);
     max_gemm_input = std::max(max_gemm_input, prepared.gemm.max_input_elems);
+    moe_capacity.merge(prepared.gemm.moe_capacity);
     prepared.signals = upload(signals, "signals");
     prepared.counters = DeviceBuffer(static_cast<size_t>(std::max(plan.counters, 1)) * sizeof(unsigned), "counters");
     check(cudaMemset(prepared.counters.ptr, 0, prepared.counters.bytes), "counters");
   }
   if (max_gemm_input > 0) m.gemm_runner = std::make_unique<GemmRunner>(max_gemm_input, m.stream);
+  if (moe_capacity.pairs > 0) m.moe_runner = std::make_unique<MoeGemmRunner>(moe_capacity, m.stream);
   if (peer_ops > 0 && options.comm->size() <= kMaxPeerRanks) m.peer_area = std::make_unique<PeerReduceArea>(options.device, options.comm->size(), peer_ops, peer_slot);
 }
 
@@ -579,6 +588,7 @@ CudaBackend::~CudaBackend() {
     cudaSetDevice(impl_->options.device);
     cudaStreamSynchronize(impl_->stream);
     impl_->gemm_runner.reset();  // its cuBLAS handle works on the stream
+    impl_->moe_runner.reset();
     cudaStreamDestroy(impl_->stream);
   }
 }
@@ -736,6 +746,26 @@ StepOutput CudaBackend::step(const StepInputs& inputs) {
 const std::vector<int32_t>& CudaBackend::last_folded_argmax() const { return impl_->last_folded; }
 
 int64_t CudaBackend::prefill_gemms() const { return impl_->gemm_runner ? impl_->gemm_runner->calls() : 0; }
+
+int64_t CudaBackend::prefill_expert_ops() const { return impl_->moe_runner ? impl_->moe_runner->calls() : 0; }
+
+std::vector<int32_t> CudaBackend::last_expert_tokens() const { return impl_->moe_runner ? impl_->moe_runner->last_expert_tokens() : std::vector<int32_t>{}; }
+
+bool CudaBackend::last_expert_gemm_grouped() const { return impl_->moe_runner && impl_->moe_runner->last_grouped(); }
+
+void CudaBackend::set_expert_timing(bool on) {
+  if (impl_->moe_runner) impl_->moe_runner->set_timing(on);
+}
+
+double CudaBackend::expert_ms() {
+  impl_->use_device();
+  return impl_->moe_runner ? impl_->moe_runner->timed_ms() : 0.0;
+}
+
+void CudaBackend::reset_expert_ms() {
+  impl_->use_device();
+  if (impl_->moe_runner) impl_->moe_runner->reset_timed_ms();
+}
 
 void CudaBackend::set_eager(bool eager) { impl_->options.eager = eager; }
 

@@ -113,6 +113,16 @@ class CudaBackend : public Backend {
   const std::vector<int32_t>& last_folded_argmax() const;
   // Prefill GEMMs run through cuBLAS since construction (prefill_gemm.h; tests and benchmarks).
   int64_t prefill_gemms() const;
+  // Routed-expert ops (moe_gate_up, moe_down) run as expert GEMMs since construction (moe_gemm.h), the
+  // tokens per expert of the last routing they read, and whether the last one ran as one grouped call.
+  int64_t prefill_expert_ops() const;
+  std::vector<int32_t> last_expert_tokens() const;
+  bool last_expert_gemm_grouped() const;
+  // Benchmarks: stream time of the expert ops (routing sort, gather, GEMMs, epilogue) summed while on;
+  // expert_ms() waits for the stream.
+  void set_expert_timing(bool on);
+  double expert_ms();
+  void reset_expert_ms();
 
  private:
   struct Impl;

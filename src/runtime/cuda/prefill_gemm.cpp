@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "graph/op_table.h"
 
 namespace plow::cuda {
 
@@ -69,19 +70,29 @@ GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weigh
   GemmPath path;
   if (plan.phase != PlanPhase::kPrefill || plan.max_tokens < kGemmMinRows) return path;
   path.ops.resize(plan.ops.size());
+  path.moe_ops.resize(plan.ops.size());
   std::vector<bool> host = reduce;
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
+    if (reads_routed_experts(op.op())) {
+      std::vector<DeviceWeight> stacks;
+      for (int32_t w : op.weights) stacks.push_back(weights[static_cast<size_t>(w)]);
+      path.moe_ops[i] = moe_gemm_form(plan, op, stacks, act);
+      if (!path.moe_ops[i]) continue;
+      host[i] = true;
+      path.moe_capacity.add(*path.moe_ops[i], plan.max_tokens);
+      continue;
+    }
     if (op.weights.size() != 1) continue;
     path.ops[i] = gemm_form(plan, op, weights[static_cast<size_t>(op.weights.front())], act);
     if (!path.ops[i]) continue;
     host[i] = true;
     path.max_input_elems = std::max(path.max_input_elems, plan.max_tokens * path.ops[i]->in);
   }
-  if (path.max_input_elems == 0) return {};
+  if (path.max_input_elems == 0 && path.moe_capacity.pairs == 0) return {};
   std::vector<Instr> tasks = by_task;
   for (Instr& ins : tasks) {
-    if (!path.ops[static_cast<size_t>(ins.op)]) continue;
+    if (!path.ops[static_cast<size_t>(ins.op)] && !path.moe_ops[static_cast<size_t>(ins.op)]) continue;
     ins.opcode = kOpRoundRows;
     ins.prefetch = nullptr;  // reads no weights
     ins.prefetch_bytes = 0;

@@ -12,6 +12,7 @@
 
 #include "plan/plan.h"
 #include "runtime/cuda/device_memory.h"
+#include "runtime/cuda/moe_gemm.h"
 
 namespace plow::cuda {
 
@@ -40,16 +41,19 @@ struct Segment {
 };
 std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host_op);
 
-// The GEMM path of one plan: per plan op its GEMM form (or none), the segments cut at the GEMMs and
-// the all_reduces, and the task-order instructions where the GEMM ops' tasks only round.
+// The GEMM path of one plan: per plan op its GEMM form or its routed-expert GEMM form (moe_gemm.h), or
+// none; the segments cut at those ops and the all_reduces; the task-order instructions where their
+// tasks only round (a no-op on the MoE ops' outputs, which the host's kernels wrote rounded).
 struct GemmPath {
   std::vector<std::optional<GemmOp>> ops;
+  std::vector<std::optional<MoeGemmOp>> moe_ops;
   std::vector<Segment> segments;
   DeviceBuffer task_instrs;
   int64_t max_input_elems = 0;  // the largest GEMM input (rows × in) the plan can bring
+  MoeGemmCapacity moe_capacity;  // what its MoE ops need at max_tokens rows
   bool active(int64_t rows) const { return !segments.empty() && rows >= kGemmMinRows; }
 };
-// Empty for decode plans, plans of fewer than kGemmMinRows rows and plans without GEMM forms.
+// Empty for decode plans, plans of fewer than kGemmMinRows rows and plans without GEMM or MoE GEMM forms.
 // `weights`: the plan's weights on the device; `reduce`: its all_reduce ops (host ops on every path).
 GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weights, const std::vector<Instr>& by_task, const std::vector<bool>& reduce,
                         int32_t act);

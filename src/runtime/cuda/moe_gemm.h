@@ -1,0 +1,141 @@
+// Routed experts of a prefill step as grouped GEMMs over routing-sorted tokens (issue H): a plan's
+// moe_gate_up and moe_down(_add) ops on the GEMM path (prefill_gemm.h) run on the host between
+// megakernel segments. The host reads the step's top-k ids once per MoE layer, sorts the (token, slot)
+// pairs by expert, and the device gathers the pairs' rows in that order, runs one GEMM per expert with
+// tokens (one cuBLAS grouped call), then applies the op body's activation (gate_up) or weighted sum in
+// top-k order (down) with the op body's rounding points (ops/gemv.cuh), writing the op's output rows.
+// Internal to src/runtime/cuda (backend.cpp, prefill_gemm.cpp).
+#pragma once
+
+#include <cublas_v2.h>
+
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "plan/plan.h"
+#include "runtime/cuda/device_memory.h"
+
+namespace plow::cuda {
+
+// One routed-expert op as GEMMs. Pair q = t·top_k + s is slot s of token t; its expert is id s of the
+// top-k row t (k weights, then k ids as floats; ops/moe_topk.cuh). Per expert e, y = x·W_eᵀ with
+// W_e [gemm_out, gemm_in] row-major (gate_up: w1/w3 [I, io]; down: w2 [out, I]).
+struct MoeGemmOp {
+  Op op = Op::kMoeGateUp;                       // kMoeGateUp, kMoeDown or kMoeDownAdd
+  DeviceWeight w[2];                            // gate_up: gate (w1), up (w3); down: w2 (w[1] unused)
+  int64_t x_offset = 0, x_stride = 0;           // input 0: x [T, io] (gate_up) or h [T, k·I] (down)
+  int64_t routes_offset = 0, routes_stride = 0;  // input 1: [T, 2k] fp32
+  int64_t shared_offset = 0, shared_stride = 0;  // input 2 of kMoeDownAdd: [T, out]
+  int64_t out_offset = 0, width = 0;            // output rows, row stride width (gate_up k·I, down out)
+  int64_t top_k = 0, experts = 0, gemm_in = 0, gemm_out = 0;
+  int32_t act = 0;        // the activation dtype (ActType)
+  bool round_out = true;  // the op's output is in the activation dtype (false: a tensor-parallel partial sum)
+  bool situ = false;      // gate_up: SiTU (else SiLU·mul); β and β_lin as the op's attributes
+  float beta = 0, linear_beta = 0;
+
+  bool gate_up() const { return op == Op::kMoeGateUp; }
+  int sets() const { return gate_up() ? 2 : 1; }  // GEMMs per expert: gate and up, or down
+  // GEMM inputs and outputs: bf16/f16 weights read a bf16/f16 copy of the (exact) activations; their
+  // outputs are rounded to that type by cuBLAS where the op body rounds the dot (gate and up always,
+  // down's per-expert dot when round_out), else fp32. fp32 weights: fp32 throughout.
+  int32_t in_type() const { return w[0].type; }
+  int32_t out_type() const { return w[0].type != kWF32 && (gate_up() || round_out) ? w[0].type : kWF32; }
+};
+
+// The GEMM form of `op` (a kMoeGateUp, kMoeDown or kMoeDownAdd) with its weights on the device, when
+// it has one: dense expert stacks whose type takes the input exactly (as gemm_form: fp32, or bf16/f16
+// with activations of that dtype); MXFP4 experts keep the GEMV bodies. Else nullopt.
+std::optional<MoeGemmOp> moe_gemm_form(const Plan& plan, const PlanOp& op, const std::vector<DeviceWeight>& weights, int32_t act);
+
+// Device memory the MoE GEMMs of some plans need at their largest step (max_tokens rows).
+struct MoeGemmCapacity {
+  int64_t pairs = 0, routes_floats = 0, experts = 0, in_bytes = 0, out_bytes = 0;
+  void add(const MoeGemmOp& op, int64_t max_rows);
+  void merge(const MoeGemmCapacity& other);
+};
+
+// Runs MoE ops on one stream. Per step: new_step(), then run() for each MoE host op in plan order.
+// A gate_up op reads the routing (device → host, one stream synchronization) and uploads the sorted
+// pairs; the down op that follows reuses them (the same top-k buffer, still live: it is its input).
+class MoeGemmRunner {
+ public:
+  MoeGemmRunner(const MoeGemmCapacity& capacity, cudaStream_t stream);
+  ~MoeGemmRunner();
+  MoeGemmRunner(const MoeGemmRunner&) = delete;
+  MoeGemmRunner& operator=(const MoeGemmRunner&) = delete;
+
+  void new_step() { routing_.valid = false; }
+  // The op over the step's `rows` rows: its output rows written, final (the op's tasks only round,
+  // which leaves them as they are).
+  void run(const MoeGemmOp& op, float* arena, int64_t rows);
+
+  int64_t calls() const { return calls_; }  // ops run
+  // Tokens per expert of the last routing read (tests: which experts got none, which got all).
+  const std::vector<int32_t>& last_expert_tokens() const { return routing_.counts; }
+  // Whether the last op ran as one grouped GEMM (false: one cublasGemmEx per expert with tokens).
+  bool last_grouped() const { return last_grouped_; }
+  // Timing (benchmarks): with it on, each op's stream time from after its routing read to its last
+  // kernel (the host's sorting included) is added up; timed_ms() synchronizes the stream.
+  void set_timing(bool on) { timing_ = on; }
+  double timed_ms();
+  void reset_timed_ms();
+
+ private:
+  struct Routing {
+    bool valid = false;
+    int64_t routes_offset = -1, rows = 0, top_k = 0;
+    std::vector<int32_t> counts;                  // [experts] pairs per expert
+    std::vector<int32_t> active, offsets;         // experts with pairs, ascending, and their first sorted pair
+  };
+  void read_routing(const MoeGemmOp& op, const float* arena, int64_t rows);
+  void sort_routing(const MoeGemmOp& op, int64_t rows);
+  void gemms(const MoeGemmOp& op, int64_t pairs);
+  void harvest_events();
+
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t handle_ = nullptr;
+  MoeGemmCapacity capacity_;
+  DeviceBuffer workspace_, lists_, pointers_, in_, out_;
+  std::vector<float> routes_host_;
+  std::vector<int32_t> lists_host_;  // perm [pairs], inv [pairs], active experts, their offsets
+  Routing routing_;
+  // The grouped call's host arrays, one set per op kind (gate_up, down): each is rewritten only after
+  // a stream synchronization that follows its last use (a gate_up's routing read).
+  struct HostArrays {
+    std::vector<cublasOperation_t> transa, transb;
+    std::vector<int> m, n, k, lda, ldb, ldc, group_size;
+    std::vector<float> alpha, beta;
+  } arrays_[2];
+  bool grouped_ok_ = true;  // cleared when cuBLAS reports the grouped call unsupported
+  bool last_grouped_ = false;
+  int64_t calls_ = 0;
+  bool timing_ = false;
+  double total_ms_ = 0;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> events_;  // recorded, not yet read: [0, pending_)
+  size_t pending_ = 0;
+};
+
+// ---- device side (moe_gemm.cu) ------------------------------------------------------------------------
+
+// dst[p, c] (row stride ld, element type `type`: kWBF16, kWF16 or kWF32) = the fp32 row of pair
+// perm[p] for c < cols: base + (q / top_k)·stride + (q % top_k)·slot_width (slot_width 0: every slot
+// reads its token's row).
+void launch_moe_gather(const float* base, int64_t stride, int64_t slot_width, int64_t top_k, const int32_t* perm, int64_t pairs, int64_t cols,
+                       void* dst, int64_t ld, int32_t type, cudaStream_t stream);
+// The grouped call's pointer arrays for `n` experts (groups: their ids, then their first sorted pair)
+// and `sets` weight stacks: A[j·n + i] = w_j + e_i·part_bytes, B[…] = b + offset_i·b_row_bytes,
+// C[…] = c_j + offset_i·c_row_bytes; ptrs = A, B, C back to back (3·sets·n).
+void launch_moe_pointers(const int32_t* groups, int n, int sets, const uint8_t* w0, const uint8_t* w1, int64_t part_bytes, const uint8_t* b,
+                         int64_t b_row_bytes, uint8_t* c0, uint8_t* c1, int64_t c_row_bytes, void** ptrs, cudaStream_t stream);
+// gate_up: out[q·inter + i] for sorted pair p (q = perm[p]) from gate/up rows p (row stride ld, type
+// `type`), with op_moe_gate_up's rounding.
+void launch_moe_activation(const void* gate, const void* up, int64_t ld, int32_t type, const int32_t* perm, int64_t pairs, int64_t inter, float* out,
+                           int32_t act, bool round_out, bool situ, float beta, float linear_beta, cudaStream_t stream);
+// down: out[t·width + o] = Σ_s route[t][s]·y[inv[t·k + s], o] in slot order, with op_moe_down_impl's
+// rounding; shared (kMoeDownAdd) added after, or null.
+void launch_moe_combine(const void* y, int64_t ld, int32_t type, const int32_t* inv, int64_t rows, int64_t top_k, int64_t width, const float* routes,
+                        int64_t routes_stride, const float* shared, int64_t shared_stride, float* out, int32_t act, bool round_out, cudaStream_t stream);
+
+}  // namespace plow::cuda
