@@ -4,8 +4,8 @@
 // the CPU rounds the expanded k_nope and v, and P, to the activation dtype (no-ops in fp32; in bf16 a
 // difference of order one bf16 ulp, hence the looser bf16 test bound). One sweep over the cache with an
 // online softmax: P is never formed normalized, so it is not rounded.
-// Steps whose sequences all hold at most kMlaHeadsMaxContext positions take the per-head body of
-// mla_heads.cuh instead (faster there: no cross-block phases).
+// Steps of at most kMlaHeadsMaxRows rows whose sequences all hold at most kMlaHeadsMaxContext positions
+// take the per-head body of mla_heads.cuh instead (faster there: no cross-block phases).
 // Split-KV: the op has one task per worker (spreads_over_workers) and its tasks take work items from a
 // ticket counter (OpDesc::sync[0]) in three phases, every item of a phase before any of the next:
 //  A (block of kMlaRowBlock query rows × head): q_abs into the workspace; the head-0 item also appends
@@ -399,8 +399,9 @@ __device__ inline bool mla_step_fits(const TaskCtx& ctx, const MlaShape& sh, con
 // is refused). attrs: [0] heads, [1] nope, [2] rope, [3] v, [4] rank, [5] eps (kv_a norm). Requires
 // rank ≤ 512 and rank + rope ≤ 576 (pack_misc_attrs refuses others), OpDesc workspace and sync.
 __device__ inline void op_mla_attention(const TaskCtx& ctx) {
-  // Short contexts: one task per head slice, no cross-block phases (mla_heads.cuh). Step-uniform.
-  bool short_step = true;
+  // Steps of few rows over short contexts: one task per head slice, no cross-block phases
+  // (mla_heads.cuh). Step-uniform.
+  bool short_step = ctx.rows() <= kMlaHeadsMaxRows;
   for (int s = 0; s < ctx.step->num_seqs; ++s) short_step = short_step && ctx.step->seq_context[s] + ctx.step->seq_tokens[s] <= kMlaHeadsMaxContext;
   if (short_step) {
     mla_heads::run(ctx);
