@@ -1,0 +1,182 @@
+// CudaBackend for benchmarks and diagnosis: decode steps timed on the device, the per-opcode profile
+// (eager launches timed with events, and the megakernel's own wait and run cycles), one op at a time
+// with a host timeout.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+
+#include "graph/op_table.h"
+#include "runtime/cuda/backend.h"
+#include "runtime/cuda/backend_impl.h"
+
+namespace plow::cuda {
+
+static_assert(static_cast<int>(Op::kCount) < kProfileSlots - 1, "the per-opcode profile needs a slot per opcode");
+
+int CudaBackend::diagnose_decode_step(int batch, double timeout_ms) {
+  Impl& m = *impl_;
+  m.use_device();
+  Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(m.choose(true, batch))];
+  const StepView view = m.upload_decode_step(prepared, batch);
+  const KernelParams p = m.params(prepared, view, true);
+  for (size_t i = 0; i < prepared.plan.ops.size(); ++i) {
+    const auto [first, end] = prepared.op_tasks[i];
+    if (end <= first) continue;
+    const auto start = std::chrono::steady_clock::now();
+    m.run_host_op(prepared, static_cast<int32_t>(i), p, false);
+    launch_eager(p, first, end - first, m.stream);
+    cudaError_t state = cudaErrorNotReady;
+    double ms = 0;
+    while ((state = cudaStreamQuery(m.stream)) == cudaErrorNotReady) {
+      ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      if (ms > timeout_ms) {
+        std::fprintf(stderr, "op %zu %s (%s, %d tasks): still running after %.0f ms\n", i, prepared.plan.ops[i].label.c_str(),
+                     std::string(op_name(prepared.plan.ops[i].op())).c_str(), end - first, ms);
+        return static_cast<int>(i);
+      }
+    }
+    check(state, "diagnosis");
+    ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    int32_t code = 0;
+    check(cudaMemcpy(&code, m.error_flag.ptr, sizeof(code), cudaMemcpyDeviceToHost), "error flag");
+    std::fprintf(stderr, "op %zu %s (%s, %d tasks): %.3f ms%s\n", i, prepared.plan.ops[i].label.c_str(), std::string(op_name(prepared.plan.ops[i].op())).c_str(),
+                 end - first, ms, code != 0 ? fmt::format("  device error {}", code).c_str() : "");
+  }
+  return -1;
+}
+
+void CudaBackend::fake_context(int64_t tokens) {
+  Impl& m = *impl_;
+  if (tokens < 0 || tokens >= m.options.max_context_tokens) fail("cuda: a context of {} tokens does not fit the cache of {}", tokens, m.options.max_context_tokens);
+  std::fill(m.contexts.begin(), m.contexts.end(), tokens);
+}
+
+double CudaBackend::timed_decode_steps(int batch, int steps) {
+  Impl& m = *impl_;
+  m.use_device();
+  if (batch < 1 || batch > num_slots()) fail("cuda: a decode batch of {} needs {} slots, the backend has {}", batch, batch, num_slots());
+  Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(m.choose(true, batch))];
+  const StepView view = m.upload_decode_step(prepared, batch);
+  const PlanOp& head = prepared.plan.op(prepared.plan.output_op);
+  float* token_out = prepared.token_offsets.empty() ? nullptr : m.arena.as<float>() + prepared.token_offsets.front();
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "event");
+  check(cudaEventCreate(&stop), "event");
+  auto one = [&] {
+    m.launch(prepared, m.params(prepared, view, m.options.eager), m.options.eager);
+    if (m.options.comm) {
+      m.fold_argmax(prepared, view, batch, token_out);
+    } else {
+      launch_argmax(m.arena.as<float>() + head.offset, head.width, view.seq_first_row, view.seq_tokens, batch, m.argmax_ids.as<int32_t>(), token_out, m.stream);
+    }
+  };
+  for (int i = 0; i < 3; ++i) one();  // warm-up
+  check(cudaEventRecord(start, m.stream), "event");
+  for (int i = 0; i < steps; ++i) one();
+  check(cudaEventRecord(stop, m.stream), "event");
+  check(cudaEventSynchronize(stop), "timed steps");
+  float ms = 0;
+  check(cudaEventElapsedTime(&ms, start, stop), "event");
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  m.check_device_error();
+  return static_cast<double>(ms) / steps;
+}
+
+std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
+  Impl& m = *impl_;
+  m.use_device();
+  Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(m.choose(true, batch))];
+  const StepView view = m.upload_decode_step(prepared, batch);
+  const Plan& plan = prepared.plan;
+  std::map<std::string, OpcodeProfile> by_op;
+  const int repeats = 5;
+  // Ops that run nothing (tokens, slice views) get no events: an event record costs a few µs of the
+  // stream's time, which would otherwise be charged to them.
+  std::vector<size_t> timed;
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    if (prepared.op_tasks[i].second > prepared.op_tasks[i].first || plan.ops[i].op() == Op::kAllReduce) timed.push_back(i);
+  }
+  std::vector<cudaEvent_t> events(timed.size() + 1);
+  for (cudaEvent_t& e : events) check(cudaEventCreate(&e), "event");
+  std::vector<double> ms(plan.ops.size(), 0.0);
+  for (int r = 0; r < repeats + 1; ++r) {
+    // A step's later ops may reuse the token buffer's floats (arena reuse): write the ids again.
+    m.upload_decode_step(prepared, batch);
+    const KernelParams p = m.params(prepared, view, true);
+    for (size_t j = 0; j < timed.size(); ++j) {
+      check(cudaEventRecord(events[j], m.stream), "event");
+      m.launch_op(prepared, timed[j], p);
+    }
+    check(cudaEventRecord(events.back(), m.stream), "event");
+    check(cudaEventSynchronize(events.back()), "profile");
+    if (r == 0) continue;  // warm-up
+    for (size_t j = 0; j < timed.size(); ++j) {
+      float t = 0;
+      check(cudaEventElapsedTime(&t, events[j], events[j + 1]), "event");
+      ms[timed[j]] += t / repeats;
+    }
+  }
+  for (cudaEvent_t e : events) cudaEventDestroy(e);
+  for (size_t i : timed) {
+    const PlanOp& op = plan.ops[i];
+    OpcodeProfile& entry = by_op[std::string(op_name(op.op()))];
+    entry.op = op_name(op.op());
+    entry.tasks += prepared.op_tasks[i].second - prepared.op_tasks[i].first;
+    entry.ms += ms[i];
+    for (int32_t w : op.weights) {
+      const WeightDecl& decl = plan.weights[static_cast<size_t>(w)];
+      const auto [rows, cols] = matrix_shape(decl.shape);
+      const double part = decl.mxfp4 ? static_cast<double>(rows * cols) * 17.0 / 32.0 : static_cast<double>(rows * cols * 2);
+      const double parts_read = decl.parts.size() > 1 && op.attrs.has("top_k")
+                                    ? std::min<double>(static_cast<double>(decl.parts.size()), static_cast<double>(batch) * op.attrs.get("top_k"))
+                                    : static_cast<double>(decl.parts.size());
+      entry.bytes += part * parts_read;
+    }
+  }
+  // The megakernel's own view: wait vs run cycles summed over its blocks.
+  check(cudaMemsetAsync(m.profile.ptr, 0, m.profile.bytes, m.stream), "profile");
+  check(cudaMemsetAsync(m.op_profile.ptr, 0, m.op_profile.bytes, m.stream), "profile");
+  m.upload_decode_step(prepared, batch);
+  KernelParams p = m.params(prepared, view, false);
+  p.profile = m.profile.as<unsigned long long>();
+  p.op_profile = m.op_profile.as<unsigned long long>();
+  m.launch(prepared, p, false);
+  std::vector<unsigned long long> counts(static_cast<size_t>(plan.workers) * 4);
+  check(cudaMemcpyAsync(counts.data(), m.profile.ptr, counts.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost, m.stream), "profile");
+  std::vector<unsigned long long> per_op(static_cast<size_t>(3 * kProfileSlots));
+  check(cudaMemcpyAsync(per_op.data(), m.op_profile.ptr, per_op.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost, m.stream), "profile");
+  check(cudaStreamSynchronize(m.stream), "profile");
+  m.check_device_error();
+  int clock_khz = 0;
+  check(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, m.options.device), "device query");
+  double wait = 0, run = 0, tasks = 0;
+  for (int w = 0; w < plan.workers; ++w) {
+    wait += static_cast<double>(counts[static_cast<size_t>(4 * w)]);
+    run += static_cast<double>(counts[static_cast<size_t>(4 * w + 1)]);
+    tasks += static_cast<double>(counts[static_cast<size_t>(4 * w + 2)]);
+  }
+  std::vector<OpcodeProfile> out;
+  for (auto& [name, entry] : by_op) out.push_back(entry);
+  std::sort(out.begin(), out.end(), [](const OpcodeProfile& a, const OpcodeProfile& b) { return a.ms > b.ms; });
+  const double to_ms = 1.0 / std::max(clock_khz, 1);  // cycles → ms
+  out.push_back({"megakernel:wait (mean per block)", static_cast<int64_t>(tasks), wait * to_ms / plan.workers, 0});
+  out.push_back({"megakernel:run (mean per block)", static_cast<int64_t>(tasks), run * to_ms / plan.workers, 0});
+  // Per opcode inside the megakernel, as the mean block spends it: waiting for the op's inputs, running its tasks.
+  std::vector<OpcodeProfile> inside;
+  for (int slot = 0; slot < kProfileSlots; ++slot) {
+    const unsigned long long* c = per_op.data() + 3 * slot;
+    if (c[2] == 0) continue;
+    const std::string name = slot == kProfileSlots - 1 ? "round_rows" : std::string(op_name(static_cast<Op>(slot)));
+    inside.push_back({"megakernel:" + name + " run", static_cast<int64_t>(c[2]), static_cast<double>(c[1]) * to_ms / plan.workers, 0});
+    inside.push_back({"megakernel:" + name + " wait", static_cast<int64_t>(c[2]), static_cast<double>(c[0]) * to_ms / plan.workers, 0});
+  }
+  std::sort(inside.begin(), inside.end(), [](const OpcodeProfile& a, const OpcodeProfile& b) { return a.ms > b.ms; });
+  out.insert(out.end(), inside.begin(), inside.end());
+  return out;
+}
+
+}  // namespace plow::cuda
