@@ -23,11 +23,11 @@
 
 #include "runtime/cuda/ops/common.cuh"
 #include "runtime/cuda/ops/limits.h"
+#include "runtime/cuda/ops/mla_common.cuh"
 #include "runtime/cuda/ops/mla_heads.cuh"
 
 namespace plow::cuda {
 
-inline constexpr int kMlaLatentPerLane = kMlaMaxLatent / 32;
 inline constexpr int kMlaGroup = kMlaGroupQueries;  // queries of a B item: u accumulators, one register each per thread
 inline constexpr int kMlaTileRows = 16;       // cache rows staged in shared memory at a time (one per warp)
 inline constexpr int kMlaRowBlock = 8;        // query rows of an A or C item (one read of the head's kv_b rows)
@@ -35,26 +35,6 @@ inline constexpr int kMlaMinSplitRows = 64;   // cache rows of a split, at least
 inline constexpr int kMlaMaxSplits = 1024;    // splits of one sequence, at most (C weights in shared memory)
 inline constexpr int kMlaStagePerThread = kMlaTileRows * kMlaMaxLatent / kThreads;
 static_assert(kMlaTileRows == kWarps && kMlaMaxRank <= kThreads && kMlaTileRows * kMlaMaxLatent % kThreads == 0, "MLA tiling");
-
-struct MlaShape {
-  int heads, nope, rope, dv, rank, latent, qk, per_head;
-  float eps, scale;
-};
-
-__device__ __forceinline__ MlaShape mla_shape(const TaskCtx& ctx) {
-  MlaShape s;
-  s.heads = static_cast<int>(ctx.attr(0));
-  s.nope = static_cast<int>(ctx.attr(1));
-  s.rope = static_cast<int>(ctx.attr(2));
-  s.dv = static_cast<int>(ctx.attr(3));
-  s.rank = static_cast<int>(ctx.attr(4));
-  s.eps = ctx.attr(5);
-  s.latent = s.rank + s.rope;
-  s.qk = s.nope + s.rope;
-  s.per_head = s.nope + s.dv;
-  s.scale = 1.0f / sqrtf(static_cast<float>(s.qk));  // (d_n + d_r)^(−1/2), no mscale
-  return s;
-}
 
 // The step's work items. B items of sequence s: splits(s) × groups(s), split-major (consecutive tickets
 // read the same cache rows for different query groups, from L2). split_rows: the positions of a split,
@@ -171,26 +151,6 @@ __device__ inline void mla_absorb_item(const TaskCtx& ctx, const MlaShape& sh, i
     }
   }
   if (h == 0) mla_append_latents(ctx, sh, r0, n, red);  // ends with __syncthreads
-}
-
-// One cache row, lane-strided from shared memory: x[e] = row[lane + 32e] (0 past the latent width).
-__device__ __forceinline__ void mla_load_row(const float* row, int latent, int lane, float (&x)[kMlaLatentPerLane]) {
-#pragma unroll
-  for (int e = 0; e < kMlaLatentPerLane; ++e) {
-    const int idx = lane + 32 * e;
-    x[e] = idx < latent ? row[idx] : 0.0f;
-  }
-}
-
-// The scaled score of one query against the row in x (every lane gets it).
-__device__ __forceinline__ float mla_score(const float (&x)[kMlaLatentPerLane], const float* qvec, int latent, int lane, float scale) {
-  float partial = 0.0f;
-#pragma unroll
-  for (int e = 0; e < kMlaLatentPerLane; ++e) {
-    const int idx = lane + 32 * e;
-    if (idx < latent) partial += x[e] * qvec[idx];
-  }
-  return warp_sum(partial) * scale;
 }
 
 // Cache rows [r0, r0 + n) (contiguous) into registers, kMlaStagePerThread floats per thread.

@@ -12,33 +12,12 @@
 
 #include "runtime/cuda/ops/common.cuh"
 #include "runtime/cuda/ops/limits.h"
+#include "runtime/cuda/ops/mla_common.cuh"
 
 namespace plow::cuda::mla_heads {
 
-
-inline constexpr int kMlaLatentPerLane = kMlaMaxLatent / 32;
 inline constexpr int kMlaRankPerLane = kMlaMaxRank / 32;
 inline constexpr int kMlaQueries = 4;      // (token, head) queries per sweep: u accumulators live in registers
-
-struct MlaShape {
-  int heads, nope, rope, dv, rank, latent, qk, per_head;
-  float eps, scale;
-};
-
-__device__ __forceinline__ MlaShape mla_shape(const TaskCtx& ctx) {
-  MlaShape s;
-  s.heads = static_cast<int>(ctx.attr(0));
-  s.nope = static_cast<int>(ctx.attr(1));
-  s.rope = static_cast<int>(ctx.attr(2));
-  s.dv = static_cast<int>(ctx.attr(3));
-  s.rank = static_cast<int>(ctx.attr(4));
-  s.eps = ctx.attr(5);
-  s.latent = s.rank + s.rope;
-  s.qk = s.nope + s.rope;
-  s.per_head = s.nope + s.dv;
-  s.scale = 1.0f / sqrtf(static_cast<float>(s.qk));  // (d_n + d_r)^(−1/2), no mscale
-  return s;
-}
 
 // Writes rows [context, context + tokens) of the cache: c = act(w ⊙ act(c̃·rsqrt(mean(c̃²)+ε))), k_r raw.
 __device__ inline void mla_append_latents(const TaskCtx& ctx, const MlaShape& sh, int first, int tokens, int context, float* cache, float* red) {
@@ -80,25 +59,6 @@ __device__ inline void mla_absorb_queries(const TaskCtx& ctx, const MlaShape& sh
   __syncthreads();
 }
 
-// One cache row, lane-strided: x[e] = row[lane + 32e] (0 past the latent width).
-__device__ __forceinline__ void mla_load_row(const float* row, int latent, int lane, float (&x)[kMlaLatentPerLane]) {
-#pragma unroll
-  for (int e = 0; e < kMlaLatentPerLane; ++e) {
-    const int idx = lane + 32 * e;
-    x[e] = idx < latent ? row[idx] : 0.0f;
-  }
-}
-
-// The scaled score of one query against the row in x (every lane gets it).
-__device__ __forceinline__ float mla_score(const float (&x)[kMlaLatentPerLane], const float* qvec, int latent, int lane, float scale) {
-  float partial = 0.0f;
-#pragma unroll
-  for (int e = 0; e < kMlaLatentPerLane; ++e) {
-    const int idx = lane + 32 * e;
-    if (idx < latent) partial += x[e] * qvec[idx];
-  }
-  return warp_sum(partial) * scale;
-}
 
 // One sweep over the positions a tile can see: warps split the positions, each cache row is loaded once
 // and scored against every query; fn(j, visible, score, row) runs per (position, query), visible =
