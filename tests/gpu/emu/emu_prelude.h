@@ -16,6 +16,7 @@
 #include <vector>
 #include <ucontext.h>
 #include "core/dtype.h"
+#define PLOW_CUDA_EMU 1  // bodies with inline PTX take their host stand-ins
 #define __device__
 #define __host__
 #define __global__
@@ -102,16 +103,21 @@ inline void emu_wait(EmuBlock::Wait kind) {
 }
 inline void __syncthreads() { emu_wait(EmuBlock::kBlock); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_wait(EmuBlock::kWarp); }
+// Lane `src` of this warp's value v (every lane of the warp must call it).
 template <typename T>
-inline T __shfl_xor_sync(unsigned, T v, int o) {
+inline T emu_shuffle(T v, unsigned src) {
   static_assert(sizeof(T) == 4);
-  const unsigned t = threadIdx.x, lane = t % 32, base = t - lane;
+  const unsigned t = threadIdx.x, base = t - t % 32;
   emu_block->xch[t] = std::bit_cast<uint32_t>(v);
   __syncwarp();
-  const uint32_t other = emu_block->xch[base + (lane ^ static_cast<unsigned>(o))];
+  const uint32_t other = emu_block->xch[base + (src & 31u)];
   __syncwarp();
   return std::bit_cast<T>(other);
 }
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int o) { return emu_shuffle(v, (threadIdx.x % 32) ^ static_cast<unsigned>(o)); }
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src) { return emu_shuffle(v, static_cast<unsigned>(src)); }
 // One OS thread runs every block: plain read-modify-writes are atomic, fences are no-ops.
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
   const unsigned old = *p;
@@ -124,6 +130,10 @@ inline unsigned atomicExch(unsigned* p, unsigned v) {
   return old;
 }
 inline void __threadfence() {}
+inline void __threadfence_system() {}
+struct float4 { float x, y, z, w; };
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
 inline float __ldcg(const float* p) { return *p; }
 inline int atomicCAS(int* p, int expected, int desired) {
   const int old = *p;

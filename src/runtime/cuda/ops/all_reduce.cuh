@@ -14,6 +14,7 @@ namespace plow::cuda {
 
 inline constexpr unsigned long long kPeerTimeoutNs = 20ull * 1000 * 1000 * 1000;
 
+#ifndef PLOW_CUDA_EMU
 __device__ __forceinline__ void store_release_sys(unsigned* p, unsigned v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -27,6 +28,11 @@ __device__ __forceinline__ unsigned long long global_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+#else  // the host emulation (tests/gpu/emu): one OS thread, no peers
+inline void store_release_sys(unsigned* p, unsigned v) { *p = v; }
+inline unsigned load_acquire_sys(const unsigned* p) { return *p; }
+inline unsigned long long global_ns() { return 0; }
+#endif
 
 __device__ inline void op_all_reduce(const TaskCtx& ctx) {
   const PeerTable* pt = ctx.step->peers;
