@@ -122,6 +122,7 @@ struct OpCase {
   Bound bound;
   bool f32_out = false;  // the op's output is fp32 whatever the activation dtype
   int64_t exact_from = -1;  // columns from here on must be bit-identical and stay out of the scale (expert ids)
+  std::vector<std::vector<SequenceStep>> steps = {};  // the steps run; empty: script()
 };
 
 // ---- case builders ---------------------------------------------------------------------------------
@@ -183,18 +184,30 @@ OpCase kda_gate(int64_t heads, int64_t d, bool bounded, float f_std) {
           Op::kKdaGate, [=](CaseGraph& g) { kda_gate_node(g, heads, d, bounded, f_std, true); }, {64, 64, 1.0, 1.0}, true};
 }
 
-OpCase kda_delta_rule(int64_t heads, int64_t d, bool bounded) {
-  return {"kda_delta_rule_h" + std::to_string(heads) + "_d" + std::to_string(d) + (bounded ? "_bounded" : ""), Op::kKdaDeltaRule,
+OpCase kda_delta_rule(int64_t heads, int64_t d, bool bounded, float gate_std = 1.0f) {
+  return {"kda_delta_rule_h" + std::to_string(heads) + "_d" + std::to_string(d) + (bounded ? "_bounded" : "") + (gate_std > 4 ? "_strong" : ""),
+          Op::kKdaDeltaRule,
           [=](CaseGraph& g) {
             const int q = g.embed(heads * d), k = g.embed(heads * d), v = g.embed(heads * d);
-            const int gate = kda_gate_node(g, heads, d, bounded, 1.0f, false);
+            const int gate = kda_gate_node(g, heads, d, bounded, gate_std, false);
             const int beta = g.graph.add(Op::kSigmoid, {g.embed(heads)}, {}, {}, "beta");
             const int state = g.graph.add_state({StateKind::kKdaRecurrent, heads * d, heads, "state"});
             g.op(Op::kKdaDeltaRule, {q, k, v, gate, beta}, {}, {{"heads", double(heads)}, {"head_dim", double(d)}}, state);
           },
-          // fp32: recurrent (GPU) vs chunked (CPU) forms agree to ~1e-6 of the scale (host emulation of the
-          // bodies: ≤ 11 units); bf16: one rounding of that (emulation: ≤ 0.2).
+          // fp32: the GPU's recurrent (short sequences) or chunked form vs the CPU's chunked form agree to
+          // ~1e-6 of the scale (host emulation of the bodies: recurrent ≤ 11 units, chunked ≤ 11); bf16: one
+          // rounding of that (emulation: ≤ 0.9).
           {128, 2, 1.0, 0.01}};
+}
+
+// Prefill-sized sequences (the GPU's chunked form, C = 64) beside short and decode ones in the same
+// steps: 65 = a chunk and one, 130 = two and two, 300 = four and 44, 16 and 15 either side of the
+// chunked threshold (kKdaChunkedMinTokens), 3 and 1 token by token; decode steps read the chunked states.
+OpCase kda_prefill(int64_t heads, int64_t d, bool bounded, float gate_std = 1.0f) {
+  OpCase c = kda_delta_rule(heads, d, bounded, gate_std);
+  c.name = "kda_prefill" + c.name.substr(std::string("kda_delta_rule").size());
+  c.steps = {{{0, 65}}, {{0, 3}, {1, 130}, {2, 17}}, {{0, 1}, {1, 1}, {2, 1}}, {{2, 300}, {1, 16}}, {{0, 1}, {1, 15}, {2, 1}}, {{0, 1}, {1, 1}, {2, 1}}};
+  return c;
 }
 
 OpCase mla(int64_t heads, int64_t nope, int64_t rope, int64_t dv, int64_t rank) {
@@ -301,6 +314,10 @@ std::vector<OpCase> cases() {
   for (auto [heads, d] : {std::pair{1, 16}, {2, 32}, {3, 64}, {2, 128}, {4, 128}}) all.push_back(kda_delta_rule(heads, d, false));
   all.push_back(kda_delta_rule(2, 64, true));
   all.push_back(kda_delta_rule(1, 24, false));  // a head dim that is no power of two (padded to 32)
+  for (auto [heads, d, bounded] : {std::tuple{2, 32, false}, {1, 32, true}, {3, 64, false}, {2, 64, true}, {1, 128, false}, {2, 128, true}, {1, 24, true}}) {
+    all.push_back(kda_prefill(heads, d, bounded));
+  }
+  all.push_back(kda_prefill(2, 64, false, 12.0f));  // strong decays: γ in the thousands within a chunk
   all.push_back(mla(1, 16, 8, 16, 16));
   all.push_back(mla(2, 16, 8, 16, 32));
   all.push_back(mla(3, 32, 8, 24, 64));
@@ -338,6 +355,25 @@ std::vector<std::vector<SequenceStep>> script() {
   return {{{0, 33}}, {{0, 1}, {1, 3}}, {{0, 1}, {1, 1}, {2, 1}}, {{1, 70}}, {{0, 1}, {1, 1}, {2, 5}}, {{0, 1}, {1, 1}, {2, 1}}, {{2, 1}}};
 }
 
+// The steps a case runs, the prefill bucket that holds its largest step and the context its slots reach.
+std::vector<std::vector<SequenceStep>> steps_of(const OpCase& c) { return c.steps.empty() ? script() : c.steps; }
+int64_t prefill_bucket(const OpCase& c) {
+  int64_t most = kPrefillTokens;
+  for (const auto& step : steps_of(c)) {
+    int64_t rows = 0;
+    for (const SequenceStep& seq : step) rows += seq.query_tokens;
+    most = std::max(most, rows);
+  }
+  return most;
+}
+int64_t max_context(const OpCase& c) {
+  std::vector<int64_t> context(kSlots, 0);
+  for (const auto& step : steps_of(c)) {
+    for (const SequenceStep& seq : step) context[size_t(seq.slot)] += seq.query_tokens;
+  }
+  return std::max(kMaxContext, *std::max_element(context.begin(), context.end()));
+}
+
 StepInputs make_step(const std::vector<SequenceStep>& sequences, std::mt19937& rng) {
   StepInputs inputs;
   inputs.sequences = sequences;
@@ -363,7 +399,7 @@ std::unique_ptr<Prepared> prepare(const OpCase& c, DType act, int workers) {
   p->g.graph.verify();
   p->checkpoint = p->g.checkpoint(act == DType::F32 ? DType::F32 : DType::BF16, 1234);
   p->bound = std::make_unique<BoundWeights>(p->g.graph, p->checkpoint);
-  for (auto [phase, tokens] : {std::pair{PlanPhase::kDecode, kDecodeTokens}, {PlanPhase::kPrefill, kPrefillTokens}}) {
+  for (auto [phase, tokens] : {std::pair{PlanPhase::kDecode, kDecodeTokens}, {PlanPhase::kPrefill, prefill_bucket(c)}}) {
     LowerOptions options;
     options.phase = phase;
     options.max_tokens = tokens;
@@ -440,7 +476,7 @@ TEST_P(CudaOpTest, MatchesReference) {
     cuda::CudaOptions options;
     options.act_dtype = act;
     options.num_slots = kSlots;
-    options.max_context_tokens = kMaxContext;
+    options.max_context_tokens = max_context(c);
     options.eager = eager;
     options.poison_arena = true;  // a column no task writes reads back as NaN
     cuda::CudaBackend gpu(p->g.graph, device_weights, p->plans, options);
@@ -448,7 +484,7 @@ TEST_P(CudaOpTest, MatchesReference) {
     std::mt19937 rng(99);
     int index = 0;
     double worst_error = 0;
-    for (const auto& sequences : script()) {
+    for (const auto& sequences : steps_of(c)) {
       const StepInputs inputs = make_step(sequences, rng);
       const StepOutput expected = ref.step(inputs);
       const StepOutput got = gpu.step(inputs);

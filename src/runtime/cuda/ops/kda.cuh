@@ -1,7 +1,7 @@
 // KDA op bodies (spec/MODEL.md §4.2, §5; cpu: ops/kda.cpp): the causal short conv + SiLU over the conv
-// window, the forget gate (both forms), and the gated delta rule run token by token for every sequence
-// of the step. The CPU runs multi-token sequences in the chunked form (§6); the recurrent form equals
-// it to fp32 rounding (MODEL.md §6 derivation, tests/unit/kda_test.cpp).
+// window, the forget gate (both forms), and the gated delta rule: token by token for sequences of fewer
+// than kKdaChunkedMinTokens tokens of the step, in the chunked form (§6, kda_chunked.cuh) for longer ones.
+// The two forms agree to fp32 rounding (MODEL.md §6 derivation, tests/unit/kda_test.cpp).
 #pragma once
 
 #include "runtime/cuda/ops/common.cuh"
@@ -68,6 +68,12 @@ struct KdaLayout {
   static_assert(kThreads / kPerCol >= D, "every value column needs its threads");
 };
 
+}  // namespace plow::cuda
+
+#include "runtime/cuda/ops/kda_chunked.cuh"  // uses KdaLayout
+
+namespace plow::cuda {
+
 // Stages tokens [t0, t0 + n) of head h (rows first + t): q̂ = l2n(q)/√d, k̂ = l2n(k) (ε = 1e−6 on the
 // SUM, inside the root; divide then scale as the CPU), exp(g), v, β. One warp per (token, q|k) norm.
 template <int D>
@@ -95,18 +101,59 @@ __device__ void kda_stage(const TaskCtx& ctx, int first, int t0, int n, int64_t 
   __syncthreads();
 }
 
+// Tokens [0, tokens) of one head's sequence token by token (§4.2 K6), state S in registers (KdaLayout).
+// Block-uniform.
+template <int D>
+__device__ __forceinline__ void kda_recurrent(const TaskCtx& ctx, int first, int tokens, int64_t h, int64_t d, float (&S)[KdaLayout<D>::kRows]) {
+  using L = KdaLayout<D>;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int c = tid / L::kPerCol, r = tid % L::kPerCol;
+  float* sq = smem_floats(ctx);
+  float* sk = sq + L::kTile * D;
+  float* sdecay = sk + L::kTile * D;
+  float* sv = sdecay + L::kTile * D;
+  float* sbeta = sv + L::kTile * D;
+  for (int t0 = 0; t0 < tokens; t0 += L::kTile) {
+    const int n = tokens - t0 < L::kTile ? tokens - t0 : L::kTile;
+    kda_stage<D>(ctx, first, t0, n, h, d, sq, sk, sdecay, sv, sbeta);
+    if (c < D) {  // whole warps: kPerCol divides 32
+      for (int t = 0; t < n; ++t) {
+        const float* q = sq + t * D;
+        const float* k = sk + t * D;
+        const float* decay = sdecay + t * D;
+        // S ← diag(exp g)·S; prediction Sᵀk with the decayed S (§4.2 K6, §9.8).
+        float predicted = 0.0f;
+#pragma unroll
+        for (int i = 0; i < L::kRows; ++i) {
+          const int j = r + L::kPerCol * i;
+          S[i] *= decay[j];
+          predicted += S[i] * k[j];
+        }
+        for (int o = 1; o < L::kPerCol; o <<= 1) predicted += __shfl_xor_sync(0xffffffffu, predicted, o);
+        const float error = (sv[t * D + c] - predicted) * sbeta[t];
+        // S ← S + k ⊗ β·e; o = Sᵀq reads the updated S.
+        float out = 0.0f;
+#pragma unroll
+        for (int i = 0; i < L::kRows; ++i) {
+          const int j = r + L::kPerCol * i;
+          S[i] += k[j] * error;
+          out += S[i] * q[j];
+        }
+        for (int o = 1; o < L::kPerCol; o <<= 1) out += __shfl_xor_sync(0xffffffffu, out, o);
+        if (r == 0 && c < d) ctx.out(first + t0 + t)[h * d + c] = round_out(ctx, out);
+      }
+    }
+    __syncthreads();  // the staged tile is overwritten next
+  }
+}
+
 template <int D>
 __device__ void kda_delta_rule(const TaskCtx& ctx) {
   using L = KdaLayout<D>;
   const auto d = static_cast<int64_t>(ctx.attr(0));
   const int tid = static_cast<int>(threadIdx.x);
   const int c = tid / L::kPerCol, r = tid % L::kPerCol;
-  const bool active = c < D;  // whole warps: kPerCol divides 32
-  float* sq = smem_floats(ctx);
-  float* sk = sq + L::kTile * D;
-  float* sdecay = sk + L::kTile * D;
-  float* sv = sdecay + L::kTile * D;
-  float* sbeta = sv + L::kTile * D;
+  const bool active = c < D;
   const StepView& step = *ctx.step;
   for (int s = 0; s < step.num_seqs; ++s) {
     const int first = step.seq_first_row[s], tokens = step.seq_tokens[s];
@@ -119,37 +166,10 @@ __device__ void kda_delta_rule(const TaskCtx& ctx) {
         const int j = r + L::kPerCol * i;
         S[i] = active && j < d && c < d ? S_global[j * d + c] : 0.0f;
       }
-      for (int t0 = 0; t0 < tokens; t0 += L::kTile) {
-        const int n = tokens - t0 < L::kTile ? tokens - t0 : L::kTile;
-        kda_stage<D>(ctx, first, t0, n, h, d, sq, sk, sdecay, sv, sbeta);
-        if (active) {
-          for (int t = 0; t < n; ++t) {
-            const float* q = sq + t * D;
-            const float* k = sk + t * D;
-            const float* decay = sdecay + t * D;
-            // S ← diag(exp g)·S; prediction Sᵀk with the decayed S (§4.2 K6, §9.8).
-            float predicted = 0.0f;
-#pragma unroll
-            for (int i = 0; i < L::kRows; ++i) {
-              const int j = r + L::kPerCol * i;
-              S[i] *= decay[j];
-              predicted += S[i] * k[j];
-            }
-            for (int o = 1; o < L::kPerCol; o <<= 1) predicted += __shfl_xor_sync(0xffffffffu, predicted, o);
-            const float error = (sv[t * D + c] - predicted) * sbeta[t];
-            // S ← S + k ⊗ β·e; o = Sᵀq reads the updated S.
-            float out = 0.0f;
-#pragma unroll
-            for (int i = 0; i < L::kRows; ++i) {
-              const int j = r + L::kPerCol * i;
-              S[i] += k[j] * error;
-              out += S[i] * q[j];
-            }
-            for (int o = 1; o < L::kPerCol; o <<= 1) out += __shfl_xor_sync(0xffffffffu, out, o);
-            if (r == 0 && c < d) ctx.out(first + t0 + t)[h * d + c] = round_out(ctx, out);
-          }
-        }
-        __syncthreads();  // the staged tile is overwritten next
+      if (tokens >= kKdaChunkedMinTokens) {
+        kda_chunked<D>(ctx, first, tokens, h, d, S);
+      } else {
+        kda_recurrent<D>(ctx, first, tokens, h, d, S);
       }
 #pragma unroll
       for (int i = 0; i < L::kRows; ++i) {
