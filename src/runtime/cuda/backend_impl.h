@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <nvtx3/nvToolsExt.h>
+
 #include "core/error.h"
 #include "runtime/cuda/backend.h"
 #include "runtime/cuda/device_memory.h"
@@ -180,10 +182,14 @@ struct CudaBackend::Impl {
   }
 
   // One op's tasks in one launch, after its host part (p.instrs: the task order of the chosen path).
+  // Each op is an NVTX range named by its opcode (`ncu --nvtx --nvtx-include "moe_topk/"` picks its
+  // launches); without a tool attached a push costs a null check.
   void launch_op(const PreparedPlan& prepared, size_t op_index, const KernelParams& p, bool gemm = false) {
+    nvtxRangePushA(op_name(prepared.plan.ops[op_index].op()).data());
     run_host_op(prepared, static_cast<int32_t>(op_index), p, gemm);
     const auto [first, end] = prepared.op_tasks[op_index];
     if (end > first) launch_eager(p, first, end - first, stream);
+    nvtxRangePop();
   }
 
   void launch(PreparedPlan& prepared, const KernelParams& p, bool eager) {

@@ -34,7 +34,7 @@ inline unsigned load_acquire_sys(const unsigned* p) { return *p; }
 inline unsigned long long global_ns() { return 0; }
 #endif
 
-__device__ inline void op_all_reduce(const TaskCtx& ctx) {
+__device__ __noinline__ void op_all_reduce(const TaskCtx& ctx) {
   const PeerTable* pt = ctx.step->peers;
   if (pt == nullptr) {
     op_all_reduce_round(ctx);

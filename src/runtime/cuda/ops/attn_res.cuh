@@ -59,7 +59,7 @@ __device__ __forceinline__ int attn_res_tile_rows(const TaskCtx& ctx) {
 
 // kAttnResMix: out = act(Σ_j softmax_j(s)·V_j) over the slice. attrs: [0] eps. Weights w_n [H], w_q [1,H].
 // Inputs: the J values [T, H] (variadic).
-__device__ inline void op_attn_res_mix(const TaskCtx& ctx) {
+__device__ __noinline__ void op_attn_res_mix(const TaskCtx& ctx) {
   float* alpha = smem_floats(ctx);
   const int tile = attn_res_tile_rows(ctx), rows = ctx.rows(), values = ctx.op->num_inputs;
   const int64_t cols = ctx.col_end - ctx.col_begin;
@@ -78,7 +78,7 @@ __device__ inline void op_attn_res_mix(const TaskCtx& ctx) {
 // kAttnResNorm: rms_norm(attn_res_mix(values; w_n, w_q); w) over the slice; the mix is rounded to the
 // activation dtype (the unfused mix's output) and its whole row is reduced for the norm.
 // attrs: [0] eps (the mix), [1] norm_eps. Weights w_n [H], w_q [1,H], w [H].
-__device__ inline void op_attn_res_norm(const TaskCtx& ctx) {
+__device__ __noinline__ void op_attn_res_norm(const TaskCtx& ctx) {
   const DeviceWeight& w = ctx.weight(2);
   const int32_t act = ctx.op->act;
   const float norm_eps = ctx.attr(1);

@@ -243,7 +243,7 @@ __device__ __forceinline__ void stage_rms_norm(const TaskCtx& ctx, const DeviceW
 // ---- op bodies --------------------------------------------------------------------------------------
 
 // kEmbedding: out[t, c] = table[id_t, c]. attrs: none.
-__device__ void op_embedding(const TaskCtx& ctx) {
+__device__ __noinline__ void op_embedding(const TaskCtx& ctx) {
   const DeviceWeight& table = ctx.weight(0);
   for (int t = 0; t < ctx.rows(); ++t) {
     const float idf = ctx.in(0, t)[0];
@@ -265,18 +265,18 @@ __device__ __forceinline__ auto store_rounded(const TaskCtx& ctx) {
 }
 
 // kLinear: out = x·Wᵀ.
-__device__ void op_linear(const TaskCtx& ctx) {
+__device__ __noinline__ void op_linear(const TaskCtx& ctx) {
   gemv_task<1, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; }, store_rounded(ctx));
 }
 
 // kRouterLogits: logits = x·Wᵀ in fp32, never rounded (moe_topk reads them). attrs: none.
-__device__ void op_router_logits(const TaskCtx& ctx) {
+__device__ __noinline__ void op_router_logits(const TaskCtx& ctx) {
   gemv_task<1, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; },
                       [&ctx](int t, int64_t c, const float* dots) { ctx.out(t)[c] = dots[0]; });
 }
 
 // kNormLinear: linear(rms_norm(x; w); W). attr0 = ε.
-__device__ void op_norm_linear(const TaskCtx& ctx) {
+__device__ __noinline__ void op_norm_linear(const TaskCtx& ctx) {
   gemv_task<1, false>(
       ctx, static_cast<int>(ctx.in_width(0)),
       [&ctx](float* xs, int ld, int t0, int count) { stage_rms_norm(ctx, ctx.weight(0), ctx.attr(0), xs, ld, t0, count); },
@@ -294,13 +294,13 @@ __device__ __forceinline__ RowRef multi_row(const TaskCtx& ctx, int first, int64
 }
 
 // kMultiLinear: concat_i linear(x; W_i).
-__device__ void op_multi_linear(const TaskCtx& ctx) {
+__device__ __noinline__ void op_multi_linear(const TaskCtx& ctx) {
   gemv_task<1, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [&ctx](int, int64_t c, int) { return multi_row(ctx, 0, c); },
                       store_rounded(ctx));
 }
 
 // kNormMultiLinear: multi_linear(rms_norm(x; w); W_1..W_n). attr0 = ε.
-__device__ void op_norm_multi_linear(const TaskCtx& ctx) {
+__device__ __noinline__ void op_norm_multi_linear(const TaskCtx& ctx) {
   gemv_task<1, false>(
       ctx, static_cast<int>(ctx.in_width(0)),
       [&ctx](float* xs, int ld, int t0, int count) { stage_rms_norm(ctx, ctx.weight(0), ctx.attr(0), xs, ld, t0, count); },
@@ -308,7 +308,7 @@ __device__ void op_norm_multi_linear(const TaskCtx& ctx) {
 }
 
 // kLinearAdd: r + linear(y; W), inputs y, r: round(r + round(y·Wᵀ)).
-__device__ void op_linear_add(const TaskCtx& ctx) {
+__device__ __noinline__ void op_linear_add(const TaskCtx& ctx) {
   gemv_task<1, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; },
                       [&ctx](int t, int64_t c, const float* dots) {
                         ctx.out(t)[c] = round_out(ctx, ctx.in(1, t)[c] + round_act(ctx.op->act, dots[0]));
@@ -327,7 +327,7 @@ __device__ __forceinline__ float fused_act(const TaskCtx& ctx, float a, float b)
 }
 
 // kGateUpAct: act(round(x·W_gᵀ), round(x·W_uᵀ)). attrs as fused_act.
-__device__ void op_gate_up_act(const TaskCtx& ctx) {
+__device__ __noinline__ void op_gate_up_act(const TaskCtx& ctx) {
   gemv_task<2, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int j, int64_t c, int) { return RowRef{j, 0, c}; },
                       [&ctx](int t, int64_t c, const float* dots) {
                         const int32_t act = ctx.op->act;
@@ -336,7 +336,7 @@ __device__ void op_gate_up_act(const TaskCtx& ctx) {
 }
 
 // kActLinear: linear(act(a, b); W). attrs as fused_act.
-__device__ void op_act_linear(const TaskCtx& ctx) {
+__device__ __noinline__ void op_act_linear(const TaskCtx& ctx) {
   const int n = static_cast<int>(ctx.in_width(0));
   gemv_task<1, false>(
       ctx, n,
@@ -353,7 +353,7 @@ __device__ void op_act_linear(const TaskCtx& ctx) {
 
 // kGatedNormLinear: linear(gated_rms_norm(o, z; w); W), per head of d = attr1 columns:
 // round(w_j · (o_j · rsqrt(mean o² + ε)) · σ(z_j)) in fp32. attr0 = ε, attr1 = head_dim.
-__device__ void op_gated_norm_linear(const TaskCtx& ctx) {
+__device__ __noinline__ void op_gated_norm_linear(const TaskCtx& ctx) {
   const int n = static_cast<int>(ctx.in_width(0));
   const int d = static_cast<int>(ctx.attr(1));
   const float eps = ctx.attr(0);
@@ -386,7 +386,7 @@ __device__ void op_gated_norm_linear(const TaskCtx& ctx) {
 // kMoeGateUp: inputs x [T, io], routes [T, 2k]; weights w1, w3 stacks [I, io]; output column
 // k·I + i = act(round(x·w1_e[i]), round(x·w3_e[i])) for e = the k-th routed expert of the token.
 // attr0 = top_k, attr1 = SiTU (1) or SiLU·mul (0), attr2 = β, attr3 = β_lin.
-__device__ void op_moe_gate_up(const TaskCtx& ctx) {
+__device__ __noinline__ void op_moe_gate_up(const TaskCtx& ctx) {
   const int64_t top_k = static_cast<int64_t>(ctx.attr(0));
   const int64_t inter = ctx.weight(0).rows;
   gemv_task<2, true>(
@@ -408,7 +408,7 @@ __device__ void op_moe_gate_up(const TaskCtx& ctx) {
 // round(h_k · w2_{e_k}[o])) (+ shared, rounded again), k in order; a tensor-parallel partial sum
 // (round_out 0) rounds neither. attr0 = top_k.
 template <bool ADD>
-__device__ void op_moe_down_impl(const TaskCtx& ctx) {
+__device__ __noinline__ void op_moe_down_impl(const TaskCtx& ctx) {
   const int top_k = static_cast<int>(ctx.attr(0));
   const DeviceWeight& w2 = ctx.weight(0);
   const int inter = static_cast<int>(w2.cols);

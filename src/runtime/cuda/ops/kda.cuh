@@ -12,7 +12,7 @@ namespace plow::cuda {
 // kShortConvSilu: out[t,c] = act(SiLU(Σ_j C[c,0,j]·hist[t+j])), hist = window[c] ++ this step's inputs of
 // channel c, per sequence. attrs: [0] kernel K. Weight C [P,1,K]. State: window [P, K−1] per slot,
 // oldest column first (the last K−1 pre-conv inputs), updated for the slice's channels only.
-__device__ inline void op_short_conv_silu(const TaskCtx& ctx) {
+__device__ __noinline__ void op_short_conv_silu(const TaskCtx& ctx) {
   const DeviceWeight& taps = ctx.weight(0);
   const int kernel = static_cast<int>(ctx.attr(0)), keep = kernel - 1;
   const int64_t cols = ctx.col_end - ctx.col_begin;
@@ -40,7 +40,7 @@ __device__ inline void op_short_conv_silu(const TaskCtx& ctx) {
 // kKdaGate, fp32 output: g = −exp(A_log[h])·softplus(f + dt_bias) (softplus returns z above 20), or
 // with a lower bound lb (K3, §7.5) g = lb·σ(exp(A_log[h])·(f + dt_bias)). attrs: [0] head_dim,
 // [1] bounded (0/1), [2] lower_bound. Weights A_log [heads], dt_bias [P] (fp32 in checkpoints).
-__device__ inline void op_kda_gate(const TaskCtx& ctx) {
+__device__ __noinline__ void op_kda_gate(const TaskCtx& ctx) {
   const DeviceWeight& a_log = ctx.weight(0);
   const DeviceWeight& dt_bias = ctx.weight(1);
   const auto d = static_cast<int64_t>(ctx.attr(0));
@@ -147,34 +147,46 @@ __device__ __forceinline__ void kda_recurrent(const TaskCtx& ctx, int first, int
   }
 }
 
-template <int D>
-__device__ void kda_delta_rule(const TaskCtx& ctx) {
+// One head of one sequence: load its state S (KdaLayout<D>) into registers, run the tokens chunked or
+// token by token, store S back. Not inlined, and each path in its own function, so the register
+// allocation of the 32-float state is not shared with the other path's temporaries (the single
+// inlined body spilled ~1.6 KB per thread under -Xptxas -v).
+template <int D, bool CHUNKED>
+__device__ __noinline__ void kda_head(const TaskCtx& ctx, int first, int tokens, int64_t h, int64_t d, float* S_global) {
   using L = KdaLayout<D>;
-  const auto d = static_cast<int64_t>(ctx.attr(0));
   const int tid = static_cast<int>(threadIdx.x);
   const int c = tid / L::kPerCol, r = tid % L::kPerCol;
-  const bool active = c < D;
+  const bool active = c < D && c < d;
+  float S[L::kRows];
+#pragma unroll
+  for (int i = 0; i < L::kRows; ++i) {
+    const int j = r + L::kPerCol * i;
+    S[i] = active && j < d ? S_global[j * d + c] : 0.0f;
+  }
+  if constexpr (CHUNKED) {
+    kda_chunked<D>(ctx, first, tokens, h, d, S);
+  } else {
+    kda_recurrent<D>(ctx, first, tokens, h, d, S);
+  }
+#pragma unroll
+  for (int i = 0; i < L::kRows; ++i) {
+    const int j = r + L::kPerCol * i;
+    if (active && j < d) S_global[j * d + c] = S[i];
+  }
+}
+
+template <int D>
+__device__ void kda_delta_rule(const TaskCtx& ctx) {
+  const auto d = static_cast<int64_t>(ctx.attr(0));
   const StepView& step = *ctx.step;
   for (int s = 0; s < step.num_seqs; ++s) {
     const int first = step.seq_first_row[s], tokens = step.seq_tokens[s];
     float* state = state_of(ctx, step.seq_slot[s]);  // [heads, d, d]: S[j][c] = row key j, column value c
     for (int64_t h = ctx.col_begin / d; h < ctx.col_end / d; ++h) {
-      float* S_global = state + h * d * d;
-      float S[L::kRows];
-#pragma unroll
-      for (int i = 0; i < L::kRows; ++i) {
-        const int j = r + L::kPerCol * i;
-        S[i] = active && j < d && c < d ? S_global[j * d + c] : 0.0f;
-      }
       if (tokens >= kKdaChunkedMinTokens) {
-        kda_chunked<D>(ctx, first, tokens, h, d, S);
+        kda_head<D, true>(ctx, first, tokens, h, d, state + h * d * d);
       } else {
-        kda_recurrent<D>(ctx, first, tokens, h, d, S);
-      }
-#pragma unroll
-      for (int i = 0; i < L::kRows; ++i) {
-        const int j = r + L::kPerCol * i;
-        if (active && j < d && c < d) S_global[j * d + c] = S[i];
+        kda_head<D, false>(ctx, first, tokens, h, d, state + h * d * d);
       }
     }
   }
@@ -182,7 +194,7 @@ __device__ void kda_delta_rule(const TaskCtx& ctx) {
 
 // kKdaDeltaRule (heads): q, k, v [T, P] (act), g [T, P] fp32 log-decay, β [T, heads] fp32 → o [T, P].
 // attrs: [0] head_dim (≤ 128; pack_misc_attrs refuses larger). State fp32 [heads, d, d] per slot.
-__device__ inline void op_kda_delta_rule(const TaskCtx& ctx) {
+__device__ __noinline__ void op_kda_delta_rule(const TaskCtx& ctx) {
   const int d = static_cast<int>(ctx.attr(0));
   if (d <= 16) {
     kda_delta_rule<16>(ctx);

@@ -358,7 +358,7 @@ __device__ inline bool mla_step_fits(const TaskCtx& ctx, const MlaShape& sh, con
 // [max_context, rank+rope] per slot (DeviceState.depth = max_context rows; past it: kErrContext, the step
 // is refused). attrs: [0] heads, [1] nope, [2] rope, [3] v, [4] rank, [5] eps (kv_a norm). Requires
 // rank ≤ 512 and rank + rope ≤ 576 (pack_misc_attrs refuses others), OpDesc workspace and sync.
-__device__ inline void op_mla_attention(const TaskCtx& ctx) {
+__device__ __noinline__ void op_mla_attention(const TaskCtx& ctx) {
   // Steps of few rows over short contexts: one task per head slice, no cross-block phases
   // (mla_heads.cuh). Step-uniform.
   bool short_step = ctx.rows() <= kMlaHeadsMaxRows;

@@ -125,7 +125,7 @@ __device__ inline void router_select_row(const TaskCtx& ctx, const RouterArgs& a
 // kMoeTopK (whole): logits [T, E] fp32 → [T, 2k] fp32: k weights, then k expert ids (exact in fp32).
 // attrs: [0] experts, [1] top_k, [2] groups, [3] topk_groups, [4] renormalize, [5] scale, [6] softmax.
 // Weight: bias [E]. Requires E ≤ 1024, top_k ≤ 64, groups | E (pack_misc_attrs checks).
-__device__ inline void op_moe_topk(const TaskCtx& ctx) {
+__device__ __noinline__ void op_moe_topk(const TaskCtx& ctx) {
   RouterArgs a;
   a.experts = static_cast<int>(ctx.attr(0));
   a.top_k = static_cast<int>(ctx.attr(1));

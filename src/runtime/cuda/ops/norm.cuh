@@ -9,7 +9,7 @@
 namespace plow::cuda {
 
 // kRmsNorm: out = act(w ⊙ act(x · rsqrt(mean(x²) + ε))). attrs: [0] eps. Weight w [F].
-__device__ inline void op_rms_norm(const TaskCtx& ctx) {
+__device__ __noinline__ void op_rms_norm(const TaskCtx& ctx) {
   const DeviceWeight& w = ctx.weight(0);
   const int64_t n = ctx.op->width;
   const float eps = ctx.attr(0);
@@ -32,7 +32,7 @@ __device__ inline void op_rms_norm(const TaskCtx& ctx) {
 
 // kGatedRmsNorm (KDA output norm, §4.2 K7): per head of d channels, out = act(w ⊙ (o·rsqrt(mean(o²)+ε)) ⊙ σ(z)),
 // fp32 throughout, one rounding. attrs: [0] head_dim, [1] eps. Inputs o, z [T, heads·d]; weight w [d].
-__device__ inline void op_gated_rms_norm(const TaskCtx& ctx) {
+__device__ __noinline__ void op_gated_rms_norm(const TaskCtx& ctx) {
   const DeviceWeight& w = ctx.weight(0);
   const auto d = static_cast<int64_t>(ctx.attr(0));
   const float eps = ctx.attr(1);
@@ -52,7 +52,7 @@ __device__ inline void op_gated_rms_norm(const TaskCtx& ctx) {
 }
 
 // kAddNorm: [T, 2F] = concat(s, rms_norm(s; w)) with s = act(a + b). attrs: [0] eps. Weight w [F].
-__device__ inline void op_add_norm(const TaskCtx& ctx) {
+__device__ __noinline__ void op_add_norm(const TaskCtx& ctx) {
   const DeviceWeight& w = ctx.weight(0);
   const int64_t half = ctx.op->width / 2;
   const float eps = ctx.attr(0);

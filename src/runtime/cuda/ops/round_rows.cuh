@@ -6,7 +6,7 @@
 
 namespace plow::cuda {
 
-__device__ void op_round_rows(const TaskCtx& ctx) {
+__device__ __noinline__ void op_round_rows(const TaskCtx& ctx) {
   if (!ctx.op->round_out || ctx.op->act == kAF32) return;
   const int64_t cols = ctx.col_end - ctx.col_begin;
   const int64_t n = static_cast<int64_t>(ctx.rows()) * cols;
