@@ -527,6 +527,9 @@ std::vector<std::pair<MlaLongCase, DType>> mla_long_params() {
       {3, 32, 8, 24, 64, 4097, 1, 132},   {3, 32, 8, 24, 64, 20000, 1, 132},  {3, 32, 8, 24, 64, 20000, 3, 7},
       {5, 16, 8, 16, 32, 700, 3, 7},      {5, 16, 8, 16, 32, 4097, 3, 132},   // 5 heads: query groups of 16 straddle tokens
       {2, 128, 64, 128, 512, 700, 3, 3},  {2, 128, 64, 128, 512, 4097, 1, 132},  // the real head shape
+      {2, 128, 64, 128, 512, 4097, 3, 132},
+      // rank 128: the smallest the tensor-core B item takes (bf16); 5 heads straddle its query groups
+      {5, 32, 16, 32, 128, 4097, 3, 132}, {5, 32, 16, 32, 128, 20000, 3, 7}, {5, 32, 16, 32, 128, 33, 3, 132},
   };
   std::vector<std::pair<MlaLongCase, DType>> all;
   for (const MlaLongCase& c : shapes) {

@@ -126,7 +126,7 @@ __device__ inline void mla_append_latents(const TaskCtx& ctx, const MlaShape& sh
 }
 
 // A item: q_abs[row][h] = [q_nope·W_UK,h | q_rope] for the block's rows (one read of W_UK,h).
-__device__ inline void mla_absorb_item(const TaskCtx& ctx, const MlaShape& sh, int item, float* qabs, float* red) {
+__device__ __noinline__ void mla_absorb_item(const TaskCtx& ctx, const MlaShape& sh, int item, float* qabs, float* red) {
   const DeviceWeight& kv_b = ctx.weight(1);  // [heads·(nope+v), rank]
   const int h = item % sh.heads, r0 = item / sh.heads * kMlaRowBlock;
   const int n = ctx.rows() - r0 < kMlaRowBlock ? ctx.rows() - r0 : kMlaRowBlock;
@@ -191,7 +191,7 @@ __device__ inline void mla_tile_softmax(const MlaSplitSmem& sm, int nq, int n) {
 
 // B item ib: positions [k·split_rows, …) of one sequence against query group gq (queries q0 + j, token
 // q / heads, head q % heads). Writes (max, sum) and u = Σ exp(s − max)·c of each query.
-__device__ inline void mla_split_item(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched, int ib, const MlaWorkspace& ws, float* smem) {
+__device__ __noinline__ void mla_split_item(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched, int ib, const MlaWorkspace& ws, float* smem) {
   const StepView& step = *ctx.step;
   int s = 0;
   MlaSeqItems si = mla_seq_items(step, sh, sched.split_rows, 0);
@@ -264,7 +264,7 @@ __device__ inline void mla_split_item(const TaskCtx& ctx, const MlaShape& sh, co
 
 // C item: for each row of the block, head h: u = Σ_k e^(m_k − M)·u_k / Σ_k e^(m_k − M)·l_k over the
 // query's splits, then out[row][h·dv + i] = act(W_UV,h[i]·u) (one read of W_UV,h for the block).
-__device__ inline void mla_combine_item(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched, int item, const MlaWorkspace& ws, float* smem) {
+__device__ __noinline__ void mla_combine_item(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched, int item, const MlaWorkspace& ws, float* smem) {
   const StepView& step = *ctx.step;
   const int h = item % sh.heads, r0 = item / sh.heads * kMlaRowBlock;
   const int n = ctx.rows() - r0 < kMlaRowBlock ? ctx.rows() - r0 : kMlaRowBlock;
@@ -317,6 +317,14 @@ __device__ inline void mla_combine_item(const TaskCtx& ctx, const MlaShape& sh, 
     }
   }
 }
+
+}  // namespace plow::cuda
+
+#ifndef PLOW_CUDA_EMU
+#include "runtime/cuda/ops/mla_mma.cuh"  // the B item on tensor cores (uses the schedule and workspace above)
+#endif
+
+namespace plow::cuda {
 
 // Cross-block hand-offs of the op (see the file comment). Block-uniform.
 __device__ __forceinline__ void mla_arrive(unsigned* counter) {
@@ -388,7 +396,15 @@ __device__ __noinline__ void op_mla_attention(const TaskCtx& ctx) {
       mla_arrive(sync + 1);
     } else if (item < a_items + b_items) {
       mla_wait(sync + 1, a_items);
+#ifndef PLOW_CUDA_EMU
+      if (mla_mma_fits(ctx, sh)) {
+        mla_split_item_mma(ctx, sh, sched, item - a_items, ws, smem);
+      } else {
+        mla_split_item(ctx, sh, sched, item - a_items, ws, smem);
+      }
+#else
       mla_split_item(ctx, sh, sched, item - a_items, ws, smem);
+#endif
       mla_arrive(sync + 2);
     } else {
       mla_wait(sync + 2, b_items);

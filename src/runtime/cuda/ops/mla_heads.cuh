@@ -163,7 +163,7 @@ __device__ inline void mla_project_out(const TaskCtx& ctx, const MlaShape& sh, i
 // rank+rope] per slot (DeviceState.depth = max_context rows; past it: kErrContext, sequence skipped).
 // attrs: [0] heads, [1] nope, [2] rope, [3] v, [4] rank, [5] eps (kv_a norm). Requires rank ≤ 512 and
 // rank + rope ≤ 576 (pack_misc_attrs refuses others).
-__device__ inline void run(const TaskCtx& ctx) {
+__device__ __noinline__ void run(const TaskCtx& ctx) {
   const MlaShape sh = mla_shape(ctx);
   const DeviceState& state = ctx.step->states[ctx.op->state];
   const int first_head = static_cast<int>(ctx.col_begin / sh.dv), hs = static_cast<int>((ctx.col_end - ctx.col_begin) / sh.dv);
