@@ -1,9 +1,10 @@
 // `plow bench prefill`: time to first token of a P-token prompt on the GPU, run in chunks through
 // prefill plans compiled without fusion (their linears run as cuBLAS GEMMs, prefill_gemm.h, their routed
-// experts as grouped expert GEMMs, moe_gemm.h), on random device weights; the FLOPs it must do (dense
-// projections, the experts actually routed, attention's QK/PV) over that time; the routed experts' own
-// stream time; and, measured in the same run, our GEMM and cuBLAS alone at each projection shape of
-// the chunk. Records are appended to a JSON array (bench/results/prefill.json).
+// experts as grouped expert GEMMs, moe_gemm.h, their MLA attention as cuBLAS GEMMs, mla_gemm.h), on
+// random device weights; the FLOPs it must do (dense projections, the experts actually routed,
+// attention's QK/PV) over that time; the routed experts' and the MLA ops' own stream time; and,
+// measured in the same run, our GEMM and cuBLAS alone at each projection shape of the chunk. Records
+// are appended to a JSON array (bench/results/prefill.json).
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -108,9 +109,10 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// A backend over `weights` with a decode plan (a one-token tail) and one prefill plan per chunk size.
+// A backend over `weights` with a decode plan (a one-token tail) and one prefill plan per chunk size;
+// `gemm`: the GEMM path (else fused plans on the GEMV bodies); `mla_gemm`: MLA on it as GEMMs too.
 std::unique_ptr<cuda::CudaBackend> make_backend(const LoadedModel& model, std::shared_ptr<cuda::DeviceWeightSet> weights, const std::set<int64_t>& chunks,
-                                                int workers, int64_t max_context, DType dtype, bool gemm) {
+                                                int workers, int64_t max_context, DType dtype, bool gemm, bool mla_gemm = true) {
   std::vector<Plan> plans;
   plans.push_back(compile_plan(model, PlanPhase::kDecode, 1, workers, max_context));
   // The GEMM path runs plain linears: prefill plans are compiled without fusion. The GEMV path keeps
@@ -121,6 +123,7 @@ std::unique_ptr<cuda::CudaBackend> make_backend(const LoadedModel& model, std::s
   options.num_slots = 1;
   options.max_context_tokens = max_context;
   options.prefill_gemm = gemm;
+  options.prefill_mla_gemm = mla_gemm;
   return std::make_unique<cuda::CudaBackend>(model.graph, std::move(weights), std::move(plans), options);
 }
 
@@ -135,6 +138,7 @@ void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
   cmd->add_option("--reps", args.reps, "timed runs per prompt (after a one-chunk warm-up); the median is reported");
   cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
   cmd->add_flag("--gemv-peer", args.gemv_peer, "also time today's path (fused prefill plans, GEMV bodies) on the same weights");
+  cmd->add_flag("--mla-body-peer", args.mla_body_peer, "also time the GEMM path with mla_attention on its op body (split-KV, absorbed) instead of GEMMs");
   cmd->add_flag("--flops-only", args.flops_only, "print the FLOPs each prompt must do (TFLOP/s's numerator) and stop; needs no GPU");
   cmd->add_option("-o,--output", args.output, "JSON array the records are appended to");
 }
@@ -170,12 +174,21 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
   auto weights = cuda::random_device_weights(model->graph, args.seed, dtype);
   auto backend = make_backend(*model, weights, chunks, workers, max_context, dtype, true);
   backend->set_expert_timing(true);  // two event records per MoE op: the routed experts' share of TTFT
+  backend->set_mla_timing(true);     // and per MLA op: attention's share
   // Today's path on the same weights (its own plans and arena), timed after ours at each prompt.
   auto gemv = args.gemv_peer ? make_backend(*model, weights, chunks, workers, max_context, dtype, false) : nullptr;
+  // The GEMM path with MLA on its op body, to see what the MLA GEMMs changed.
+  auto mla_body = args.mla_body_peer ? make_backend(*model, weights, chunks, workers, max_context, dtype, true, false) : nullptr;
   for (int64_t p : args.prompts) {
     const int64_t chunk = chunk_of(p);
-    const std::vector<double> runs = time_prompt(*backend, prompt_ids(p, model->config.vocab_size), chunk, args.reps, [&] { backend->reset_expert_ms(); });
+    const int64_t mla_ops_before = backend->prefill_mla_ops();
+    const std::vector<double> runs = time_prompt(*backend, prompt_ids(p, model->config.vocab_size), chunk, args.reps, [&] {
+      backend->reset_expert_ms();
+      backend->reset_mla_ms();
+    });
     const double expert_ms = backend->expert_ms() / args.reps;
+    const double mla_ms = backend->mla_ms() / args.reps;
+    const bool mla_gemm = backend->prefill_mla_ops() > mla_ops_before;
     const double ttft = median(runs);
     const PrefillFlops flops = prefill_flops(*model, p);
     const Plan* plan = &backend->plan(1);  // plans: decode, then the prefill chunks in ascending order
@@ -194,7 +207,10 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
     json record = {{"kind", "prefill"},
                    {"config", args.config_path},
                    {"backend", "cuda"},
-                   {"path", "unfused prefill plans, plain linears as cuBLAS GEMMs and routed experts as grouped expert GEMMs between megakernel segments"},
+                   {"path", mla_gemm ? "unfused prefill plans, plain linears as cuBLAS GEMMs, routed experts as grouped expert GEMMs and MLA as cuBLAS GEMMs "
+                                       "(expanded form) between megakernel segments"
+                                     : "unfused prefill plans, plain linears as cuBLAS GEMMs and routed experts as grouped expert GEMMs between megakernel "
+                                       "segments; MLA on its op body"},
                    {"dtype", std::string(dtype_name(dtype))},
                    {"prompt_tokens", p},
                    {"chunk", chunk},
@@ -206,18 +222,26 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"gemm_ms_estimate", gemm_ms_per_chunk * static_cast<double>(p) / static_cast<double>(chunk)},
                    {"expert_ops_ms", expert_ms},
                    {"expert_gemm_grouped", backend->last_expert_gemm_grouped()},
+                   {"mla_ops_ms", mla_ms},
+                   {"mla_gemm", mla_gemm},
                    {"workers", workers},
                    {"plan", {{"max_tokens", plan->max_tokens}, {"ops", plan->ops.size()}, {"tasks", plan->tasks.size()}, {"fusion", false}}},
                    {"device", device},
                    {"git_rev", rev},
                    {"command", args.command_line},
                    {"peers", {{"gemm_shapes", shapes}}}};
-    std::cerr << fmt::format("prompt {:6d} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s; routed experts {:8.1f} ms\n", p, chunk, ttft,
-                             static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9), expert_ms);
+    std::cerr << fmt::format("prompt {:6d} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s; routed experts {:8.1f} ms; MLA {:8.1f} ms{}\n", p,
+                             chunk, ttft, static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9), expert_ms, mla_ms, mla_gemm ? "" : " (op body: not timed)");
     if (gemv) {
       const double ms = median(time_prompt(*gemv, prompt_ids(p, model->config.vocab_size), chunk, 1));
       record["peers"]["gemv_path"] = {{"ttft_ms", ms}, {"tflops", flops.total() / (ms * 1e9)}, {"plans", "fused prefill plans, GEMV bodies (one run after a one-chunk warm-up)"}};
       std::cerr << fmt::format("  today's path (fused plans, GEMV bodies): TTFT {:9.1f} ms\n", ms);
+    }
+    if (mla_body) {
+      const double ms = median(time_prompt(*mla_body, prompt_ids(p, model->config.vocab_size), chunk, 1));
+      record["peers"]["mla_body"] = {{"ttft_ms", ms}, {"tflops", flops.total() / (ms * 1e9)},
+                                     {"plans", "the same GEMM path with mla_attention on its op body (one run after a one-chunk warm-up)"}};
+      std::cerr << fmt::format("  MLA on its op body: TTFT {:9.1f} ms\n", ms);
     }
     append_records(args.output, json::array({record}));  // each prompt's record as soon as it is measured
     std::cout << record.dump() << "\n";

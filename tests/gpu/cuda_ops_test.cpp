@@ -471,14 +471,19 @@ TEST_P(CudaOpTest, MatchesReference) {
   const double bound = f32_unit ? c.bound.f32 : c.bound.bf16;
   const double floor = f32_unit ? c.bound.floor_f32 : c.bound.floor_bf16;
   const double eps = f32_unit ? 0x1p-23 : 0x1p-7;
-  for (bool eager : {true, false}) {
-    SCOPED_TRACE(eager ? "eager" : "megakernel");
+  // (eager, MLA GEMMs): MLA's steps of ≥ 32 rows run as MLA GEMMs (runtime/cuda/mla_gemm.h) by
+  // default; MLA cases also run with them off, so the op body keeps its prefill steps.
+  std::vector<std::pair<bool, bool>> runs = {{true, true}, {false, true}};
+  if (c.op == Op::kMlaAttention) runs.insert(runs.end(), {{true, false}, {false, false}});
+  for (const auto& [eager, mla_gemm] : runs) {
+    SCOPED_TRACE(std::string(eager ? "eager" : "megakernel") + (mla_gemm ? "" : ", MLA on its op body"));
     cuda::CudaOptions options;
     options.act_dtype = act;
     options.num_slots = kSlots;
     options.max_context_tokens = max_context(c);
     options.eager = eager;
     options.poison_arena = true;  // a column no task writes reads back as NaN
+    options.prefill_mla_gemm = mla_gemm;
     cuda::CudaBackend gpu(p->g.graph, device_weights, p->plans, options);
     ReferenceBackend ref(p->g.graph, *p->bound, act, kSlots);
     std::mt19937 rng(99);
@@ -495,7 +500,7 @@ TEST_P(CudaOpTest, MatchesReference) {
       ++index;
     }
     // The observed error next to its bound, for tuning bounds from real runs.
-    std::printf("  %s %s: max error %.3g (bound %.3g)\n", c.name.c_str(), eager ? "eager" : "megakernel", worst_error, bound);
+    std::printf("  %s %s%s: max error %.3g (bound %.3g)\n", c.name.c_str(), eager ? "eager" : "megakernel", mla_gemm ? "" : " (MLA op body)", worst_error, bound);
     for (int slot = 0; slot < kSlots; ++slot) EXPECT_EQ(gpu.context_tokens(slot), ref.context_tokens(slot));
   }
 }

@@ -4,7 +4,10 @@
 // within cuda_model_test's bound and 16 greedy tokens after it identical to the reference's; the GEMM
 // path alone on odd shapes (rows 33 and 100, out 97, in 200), chained and side by side; and the expert
 // GEMMs alone (router, top-k, gate/up, down, down + shared) with routings where some experts get no
-// token and some get every token; fp32 and bf16, megakernel and eager, against the CPU ops.
+// token and some get every token; MLA as GEMMs (mla_gemm.h) over first chunks, chunks with a cached
+// prefix and several sequences of different contexts in one step, against the op body and under a
+// scores budget small enough to split every sequence; fp32 and bf16, megakernel and eager, against the
+// CPU ops.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -22,6 +25,7 @@
 #include "plan/lower.h"
 #include "runtime/cpu/reference.h"
 #include "runtime/cuda/backend.h"
+#include "runtime/cuda/mla_gemm.h"
 #include "gpu_test_util.h"
 
 namespace plow {
@@ -74,6 +78,9 @@ TEST_P(CudaPrefillFixtureTest, PromptLogitsAndGreedyTokensMatchTheReference) {
   if (act != DType::F32) options.forced_tokens = want.generated;
   const GenerateResult have = generate(gpu, 0, options);
   EXPECT_GT(gpu.prefill_gemms(), 0) << "the prompt never took the GEMM path";
+  // Both chunks (64 and 36 rows, one sequence) run MLA as GEMMs: kv_b is of the activation dtype.
+  const bool has_mla = std::any_of(model->graph.nodes().begin(), model->graph.nodes().end(), [](const Node& n) { return n.op == Op::kMlaAttention; });
+  EXPECT_EQ(gpu.prefill_mla_ops() > 0, has_mla) << "MLA layers vs MLA ops run as GEMMs: " << gpu.prefill_mla_ops();
   // Dense routed experts take the expert GEMMs; MXFP4 ones (tiny-k3) keep the GEMV bodies by design.
   bool mxfp4_experts = false;
   for (const WeightDecl& w : model->graph.weights()) mxfp4_experts = mxfp4_experts || w.mxfp4;
@@ -136,15 +143,18 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, CudaPrefillFixtureTest, ::testing::ValuesIn(g
 //  siblings: y = linear(x; [out, in]) + linear(x; [out, in]) (two GEMMs in one host group).
 enum class Shape { kSingle, kChain, kSiblings };
 
+// A one-part weight `name` of shape `dims` declared in `g`.
+int declare_weight(Graph& g, const std::string& name, std::vector<int64_t> dims) {
+  WeightDecl decl;
+  decl.name = name;
+  decl.parts = {name};
+  decl.shape = std::move(dims);
+  return g.add_weight(std::move(decl));
+}
+
 Graph linear_graph(Shape shape, int64_t in, int64_t out) {
   Graph g;
-  auto weight = [&](const std::string& name, std::vector<int64_t> dims) {
-    WeightDecl decl;
-    decl.name = name;
-    decl.parts = {name};
-    decl.shape = std::move(dims);
-    return g.add_weight(std::move(decl));
-  };
+  auto weight = [&](const std::string& name, std::vector<int64_t> dims) { return declare_weight(g, name, std::move(dims)); };
   const int tokens = g.add(Op::kTokens, {}, {}, {}, "tokens");
   const int x = g.add(Op::kEmbedding, {tokens}, {weight("model.embed_tokens.weight", {50, in})}, {}, "embed");
   const int a = g.add(Op::kLinear, {x}, {weight("a", {out, in})}, {}, "a");
@@ -325,5 +335,190 @@ TEST(CudaPrefillGemm, RoutedExpertsMatchTheCpuOps) {
   }
 }
 
+// ---- MLA as GEMMs (mla_gemm.h) ---------------------------------------------------------------------
+
+// tokens → embedding [50, hidden] → q = linear(x; [heads·(nope+rope), hidden]), kv_a = linear(x;
+// [rank+rope, hidden]) → mla_attention (kv_a_layernorm [rank], kv_b [heads·(nope+v), rank]) → output.
+struct MlaCase {
+  const char* name;
+  int64_t hidden, heads, nope, rope, dv, rank;
+};
+
+Graph mla_graph(const MlaCase& c) {
+  Graph g;
+  auto weight = [&](const std::string& name, std::vector<int64_t> dims) { return declare_weight(g, name, std::move(dims)); };
+  const int tokens = g.add(Op::kTokens, {}, {}, {}, "tokens");
+  const int x = g.add(Op::kEmbedding, {tokens}, {weight("model.embed_tokens.weight", {50, c.hidden})}, {}, "embed");
+  const int q = g.add(Op::kLinear, {x}, {weight("self_attn.q_proj.weight", {c.heads * (c.nope + c.rope), c.hidden})}, {}, "q_proj");
+  const int kv_a = g.add(Op::kLinear, {x}, {weight("self_attn.kv_a_proj_with_mqa.weight", {c.rank + c.rope, c.hidden})}, {}, "kv_a");
+  const int cache = g.add_state({StateKind::kMlaLatent, c.rank + c.rope, 0, "latent"});
+  const Attrs attrs = {{"heads", static_cast<double>(c.heads)}, {"nope", static_cast<double>(c.nope)}, {"rope", static_cast<double>(c.rope)},
+                       {"v", static_cast<double>(c.dv)},       {"rank", static_cast<double>(c.rank)}, {"eps", 1e-6}};
+  const int o = g.add(Op::kMlaAttention, {q, kv_a},
+                      {weight("self_attn.kv_a_layernorm.weight", {c.rank}), weight("self_attn.kv_b_proj.weight", {c.heads * (c.nope + c.dv), c.rank})}, attrs,
+                      "attention", cache);
+  g.set_output(o);
+  g.verify();
+  return g;
+}
+
+// `random` with tensor `name` multiplied by `factor`, a power of two (exact in fp32 and bf16).
+Checkpoint scaled(const Checkpoint& random, const std::string& name, float factor) {
+  Checkpoint out = Checkpoint::in_memory("prefill-mla");
+  for (const auto& [tensor, view] : random.tensors()) {
+    std::vector<uint8_t> bytes(view->data, view->data + view->nbytes);
+    if (tensor == name) {
+      EXPECT_TRUE(view->dtype == DType::F32 || view->dtype == DType::BF16) << tensor;
+      const size_t size = dtype_size(view->dtype);
+      for (size_t i = 0; i < bytes.size() / size; ++i) {
+        if (view->dtype == DType::F32) {
+          float v = 0;
+          std::memcpy(&v, bytes.data() + 4 * i, 4);
+          v *= factor;
+          std::memcpy(bytes.data() + 4 * i, &v, 4);
+        } else {
+          uint16_t b = 0;
+          std::memcpy(&b, bytes.data() + 2 * i, 2);
+          b = f32_to_bf16(bf16_to_f32(b) * factor);
+          std::memcpy(bytes.data() + 2 * i, &b, 2);
+        }
+      }
+    }
+    out.add_tensor(tensor, view->dtype, view->shape, std::move(bytes));
+  }
+  return out;
+}
+
+// One step of the MLA script and whether its MLA must run as GEMMs (a sequence of ≥ 32 tokens).
+struct MlaStep {
+  std::vector<SequenceStep> seqs;
+  bool gemm;
+};
+
+enum class MlaMode { kGemm, kGemmSmallBudget, kBody };
+
+// Steps over three slots: a first chunk (45 rows); a second chunk over its 45 cached positions; 3 rows
+// (GEMV bodies and MLA's op body); three sequences of 83, 3 and 0 cached positions in one step; decode
+// (the op body reads rows the GEMMs appended); a chunk of 40 beside 2 rows of another sequence; 20 + 20
+// rows (the GEMM path, but no sequence brings 32 tokens: MLA on its op body). The outputs are the MLA
+// op's rows [T, heads·v], compared with cpu/reference after every step: fp32 within 1e-5 of the step's
+// largest output (reassociation); bf16 within 3 output ulps of it as GEMMs (kv, P and the output are
+// rounded where the CPU rounds them: one ulp where a sum lands next to a rounding boundary, through
+// two roundings) and 4 on the op body (absorbed form: it does not round kv, as cuda_ops_test bounds
+// it), and every output a bf16 value. q's weights are scaled by 8 so the softmax is far from uniform
+// (a wrong causal bound or a missing position moves outputs by a large part of the scale).
+TEST(CudaPrefillMla, GemmFormMatchesTheCpuOverChunksAndSequences) {
+  const std::vector<MlaCase> cases = {
+      {"3 heads, odd head dims", 72, 3, 13, 7, 11, 36},
+      {"2 heads of the real head shape", 64, 2, 128, 64, 128, 512},
+  };
+  const std::vector<MlaStep> steps = {
+      {{{0, 45}}, true},         {{{0, 38}}, true},         {{{1, 3}}, false}, {{{0, 7}, {1, 33}, {2, 12}}, true},
+      {{{0, 1}, {1, 1}, {2, 1}}, false}, {{{2, 40}, {0, 2}}, true}, {{{0, 20}, {1, 20}}, false},
+  };
+  for (const MlaCase& c : cases) {
+    for (DType dtype : {DType::F32, DType::BF16}) {
+      const Graph graph = mla_graph(c);
+      const Checkpoint checkpoint = scaled(random_checkpoint(graph, 21, dtype, "prefill-mla"), "self_attn.q_proj.weight", 8.0f);
+      const BoundWeights bound_weights(graph, checkpoint);
+      auto weights = cuda::upload_weights(graph, bound_weights);
+      for (int workers : {7, 132}) {
+        for (bool eager : {false, true}) {
+          for (MlaMode mode : {MlaMode::kGemm, MlaMode::kGemmSmallBudget, MlaMode::kBody}) {
+            const char* mode_name = mode == MlaMode::kGemm ? "GEMMs" : mode == MlaMode::kBody ? "op body" : "GEMMs, 4 KiB scores";
+            const std::string where = std::string(c.name) + " " + std::string(dtype_name(dtype)) + " workers " + std::to_string(workers) +
+                                      (eager ? " eager " : " megakernel ") + mode_name;
+            std::vector<Plan> plans = {lower_to_plan(graph, {PlanPhase::kDecode, 4, workers, 0, 0}), lower_to_plan(graph, {PlanPhase::kPrefill, 64, workers, 0, 0})};
+            cuda::CudaOptions options;
+            options.act_dtype = dtype;
+            options.num_slots = 3;
+            options.max_context_tokens = 128;
+            options.eager = eager;
+            options.poison_arena = true;
+            options.prefill_mla_gemm = mode != MlaMode::kBody;
+            if (mode == MlaMode::kGemmSmallBudget) options.mla_scores_bytes = 4096;  // 1,024 floats: a few query rows of one head per block
+            cuda::CudaBackend gpu(graph, weights, std::move(plans), options);
+            ReferenceBackend cpu(graph, bound_weights, dtype, 3);
+            for (size_t k = 0; k < steps.size(); ++k) {
+              const std::string at = where + " step " + std::to_string(k);
+              StepInputs in;
+              in.all_logits = true;
+              in.sequences = steps[k].seqs;
+              for (const SequenceStep& seq : in.sequences) {
+                for (int64_t t = 0; t < seq.query_tokens; ++t) in.token_ids.push_back(static_cast<int32_t>((t * 13 + seq.slot * 7 + static_cast<int64_t>(k) * 5) % 50));
+              }
+              const int64_t ops_before = gpu.prefill_mla_ops(), blocks_before = gpu.prefill_mla_blocks();
+              const StepOutput want = cpu.step(in);
+              const StepOutput have = gpu.step(in);
+              const bool gemm = steps[k].gemm && mode != MlaMode::kBody;
+              ASSERT_EQ(gpu.prefill_mla_ops() - ops_before, gemm ? 1 : 0) << at;
+              const int64_t blocks = gpu.prefill_mla_blocks() - blocks_before;
+              if (gemm) {
+                // One block per sequence when the scores fit; the small budget splits every sequence.
+                const auto seqs = static_cast<int64_t>(in.sequences.size());
+                if (mode == MlaMode::kGemm) {
+                  EXPECT_EQ(blocks, seqs) << at;
+                } else {
+                  EXPECT_GT(blocks, 2 * seqs) << at;
+                }
+              }
+              ASSERT_EQ(have.logits.size(), want.logits.size()) << at;
+              float scale = 0;
+              for (float v : want.logits) scale = std::max(scale, std::fabs(v));
+              ASSERT_GT(scale, 0.0f) << at << ": the reference output is all zero, the step cannot fail";
+              const float limit = dtype == DType::F32 ? 1e-5f * scale : (mode == MlaMode::kBody ? 4.0f : 3.0f) * 0.0079f * scale;
+              for (size_t i = 0; i < want.logits.size(); ++i) {
+                const int64_t row = static_cast<int64_t>(i) / have.vocab, col = static_cast<int64_t>(i) % have.vocab;
+                ASSERT_FALSE(std::isnan(have.logits[i])) << at << " row " << row << " col " << col;
+                ASSERT_LE(std::fabs(have.logits[i] - want.logits[i]), limit)
+                    << at << " row " << row << " col " << col << ": gpu " << have.logits[i] << " cpu " << want.logits[i];
+                if (dtype == DType::BF16) {
+                  ASSERT_TRUE(exact_bf16(have.logits[i])) << at << " row " << row << " col " << col << " was not rounded";
+                }
+              }
+            }
+            for (int slot = 0; slot < 3; ++slot) EXPECT_EQ(gpu.context_tokens(slot), cpu.context_tokens(slot)) << where;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The blocks of one sequence's scores (host arithmetic): every block within the budget, never more
+// than 256 query rows, all heads at once unless fewer than 64 rows would fit, and the whole step when
+// it fits. Padded rows: visible positions rounded up to 8.
+TEST(CudaPrefillMla, ScoreBlocksStayWithinTheBudget) {
+  for (int64_t tokens : {1, 5, 33, 64, 100, 257, 1024}) {
+    for (int64_t context : {0, 7, 1000, 32768}) {
+      for (int64_t heads : {1, 3, 32}) {
+        for (int64_t floats : {int64_t{40000}, int64_t{1} << 20, int64_t{128} << 20}) {
+          const int64_t visible = context + tokens, ld = (visible + 7) / 8 * 8;
+          const cuda::MlaBlocking b = cuda::mla_blocking(tokens, visible, heads, floats);
+          const std::string at = "tokens " + std::to_string(tokens) + " context " + std::to_string(context) + " heads " + std::to_string(heads) + " floats " +
+                                 std::to_string(floats);
+          ASSERT_GE(b.query_rows, 1) << at;
+          ASSERT_GE(b.head_group, 1) << at;
+          EXPECT_LE(b.query_rows, std::min<int64_t>(tokens, 256)) << at;
+          EXPECT_LE(b.head_group, heads) << at;
+          EXPECT_LE(b.query_rows * b.head_group * ld, floats) << at;
+          if (b.head_group < heads) {
+            EXPECT_EQ(b.query_rows, std::min<int64_t>({tokens, 64, floats / ld})) << at;
+          }
+          if (heads * std::min<int64_t>(tokens, 256) * ld <= floats) {
+            EXPECT_EQ(b.query_rows, std::min<int64_t>(tokens, 256)) << at;
+            EXPECT_EQ(b.head_group, heads) << at;
+          }
+        }
+      }
+    }
+  }
+  // The 48B shape at 32K positions in 512 MiB of scores: 4,096 (head, row) pairs, 128 rows of 32 heads.
+  const cuda::MlaBlocking big = cuda::mla_blocking(1024, 32768, 32, int64_t{128} << 20);
+  EXPECT_EQ(big.query_rows, 128);
+  EXPECT_EQ(big.head_group, 32);
+}
+
 }  // namespace
 }  // namespace plow
+

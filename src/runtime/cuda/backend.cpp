@@ -227,6 +227,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
   // Decode each plan: OpDescs with resolved pointers, instructions in queue order and in task order.
   int64_t max_gemm_input = 0;
   MoeGemmCapacity moe_capacity;
+  MlaGemmCapacity mla_capacity;
   int peer_ops = 0;
   int64_t peer_slot = 0;
   for (auto& prepared_ptr : m.plans) {
@@ -337,15 +338,20 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
         if (op.op() == Op::kAllReduce) peer_slot = std::max(peer_slot, plan.max_tokens * op.width);
       }
     }
-    if (options.prefill_gemm) prepared.gemm = plan_gemm_path(plan, plan_weights, by_task, reduce, act);
+    if (options.prefill_gemm) prepared.gemm = plan_gemm_path(plan, plan_weights, by_task, reduce, act, options.prefill_mla_gemm);
     max_gemm_input = std::max(max_gemm_input, prepared.gemm.max_input_elems);
     moe_capacity.merge(prepared.gemm.moe_capacity);
+    mla_capacity.merge(prepared.gemm.mla_capacity);
     prepared.signals = upload(signals, "signals");
     prepared.counters = DeviceBuffer(static_cast<size_t>(std::max(plan.counters, 1)) * sizeof(unsigned), "counters");
     check(cudaMemset(prepared.counters.ptr, 0, prepared.counters.bytes), "counters");
   }
   if (max_gemm_input > 0) m.gemm_runner = std::make_unique<GemmRunner>(max_gemm_input, m.stream);
   if (moe_capacity.pairs > 0) m.moe_runner = std::make_unique<MoeGemmRunner>(moe_capacity, m.stream);
+  if (mla_capacity.rows > 0) {
+    if (options.mla_scores_bytes < 1) fail("cuda: an MLA scores budget of {} bytes, expected at least 1", options.mla_scores_bytes);
+    m.mla_runner = std::make_unique<MlaGemmRunner>(mla_capacity, options.max_context_tokens, options.mla_scores_bytes, m.stream);
+  }
   if (peer_ops > 0 && options.comm->size() <= kMaxPeerRanks) m.peer_area = std::make_unique<PeerReduceArea>(options.device, options.comm->size(), peer_ops, peer_slot);
 }
 
@@ -355,6 +361,7 @@ CudaBackend::~CudaBackend() {
     cudaStreamSynchronize(impl_->stream);
     impl_->gemm_runner.reset();  // its cuBLAS handle works on the stream
     impl_->moe_runner.reset();
+    impl_->mla_runner.reset();
     cudaStreamDestroy(impl_->stream);
   }
 }
@@ -531,6 +538,24 @@ double CudaBackend::expert_ms() {
 void CudaBackend::reset_expert_ms() {
   impl_->use_device();
   if (impl_->moe_runner) impl_->moe_runner->reset_timed_ms();
+}
+
+int64_t CudaBackend::prefill_mla_ops() const { return impl_->mla_runner ? impl_->mla_runner->calls() : 0; }
+
+int64_t CudaBackend::prefill_mla_blocks() const { return impl_->mla_runner ? impl_->mla_runner->blocks() : 0; }
+
+void CudaBackend::set_mla_timing(bool on) {
+  if (impl_->mla_runner) impl_->mla_runner->set_timing(on);
+}
+
+double CudaBackend::mla_ms() {
+  impl_->use_device();
+  return impl_->mla_runner ? impl_->mla_runner->timed_ms() : 0.0;
+}
+
+void CudaBackend::reset_mla_ms() {
+  impl_->use_device();
+  if (impl_->mla_runner) impl_->mla_runner->reset_timed_ms();
 }
 
 void CudaBackend::set_eager(bool eager) { impl_->options.eager = eager; }

@@ -52,6 +52,12 @@ struct CudaOptions {
   // Prefill steps of ≥ 32 rows run the plan's plain linear ops as cuBLAS GEMMs between megakernel
   // segments (prefill_gemm.h); false: every op on its plan body (the GEMV path, for comparison).
   bool prefill_gemm = true;
+  // On that path, mla_attention ops run as cuBLAS GEMMs in the expanded form too (mla_gemm.h), in steps
+  // where a sequence brings ≥ 32 tokens; false: their op body (split-KV, absorbed), for comparison.
+  bool prefill_mla_gemm = true;
+  // The fp32 scores of one MLA GEMM block stay within this many bytes (tests make it small to force
+  // blocks of few query rows and heads).
+  int64_t mla_scores_bytes = int64_t{512} << 20;
 };
 
 // Per-opcode time of one step (profile mode): measured by running the step's ops one launch each
@@ -123,6 +129,15 @@ class CudaBackend : public Backend {
   void set_expert_timing(bool on);
   double expert_ms();
   void reset_expert_ms();
+  // mla_attention ops run as MLA GEMMs since construction (mla_gemm.h), and the score blocks they ran
+  // (more than ops × sequences when the scores budget split a sequence's queries or heads).
+  int64_t prefill_mla_ops() const;
+  int64_t prefill_mla_blocks() const;
+  // Benchmarks: stream time of the MLA GEMM ops (append, expansion, scores, softmax, P·V) summed while
+  // on; mla_ms() waits for the stream.
+  void set_mla_timing(bool on);
+  double mla_ms();
+  void reset_mla_ms();
 
  private:
   struct Impl;

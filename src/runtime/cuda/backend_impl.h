@@ -3,6 +3,7 @@
 // diagnosis).
 #pragma once
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -14,6 +15,7 @@
 #include "runtime/cuda/backend.h"
 #include "runtime/cuda/device_memory.h"
 #include "runtime/cuda/kernels.h"
+#include "runtime/cuda/mla_gemm.h"
 #include "runtime/cuda/moe_gemm.h"
 #include "runtime/cuda/nccl_comm.h"
 #include "runtime/cuda/peer_reduce.h"
@@ -43,6 +45,8 @@ struct CudaBackend::Impl {
   std::vector<std::unique_ptr<PreparedPlan>> plans;
   std::unique_ptr<GemmRunner> gemm_runner;  // when a plan has a GEMM path
   std::unique_ptr<MoeGemmRunner> moe_runner;  // when a plan's GEMM path has routed-expert ops (moe_gemm.h)
+  std::unique_ptr<MlaGemmRunner> mla_runner;  // when a plan's GEMM path has MLA ops (mla_gemm.h)
+  std::vector<MlaSequence> step_seqs;         // the current step's sequences, as uploaded (the MLA host ops)
   DeviceBuffer arena, scratch, state_table, step_ints, error_flag, argmax_ids, profile, op_profile, fold_cands;
   DeviceBuffer workspace;  // shared by the ops whose tasks cooperate (OpDesc::workspace: MLA)
   std::vector<int32_t> last_folded;  // tensor parallelism: the last step's folded argmax per sequence
@@ -80,12 +84,14 @@ struct CudaBackend::Impl {
     ints.insert(ints.end(), tokens.begin(), tokens.end());
     std::vector<int32_t> row_seq, row_pos, slot, first_row, count, context;
     int32_t row = 0;
+    step_seqs.clear();
     for (int32_t s = 0; s < n; ++s) {
       const SequenceStep& seq = seqs[static_cast<size_t>(s)];
       slot.push_back(seq.slot);
       first_row.push_back(row);
       count.push_back(static_cast<int32_t>(seq.query_tokens));
       context.push_back(static_cast<int32_t>(contexts[static_cast<size_t>(seq.slot)]));
+      step_seqs.push_back({seq.slot, row, seq.query_tokens, contexts[static_cast<size_t>(seq.slot)]});
       for (int64_t t = 0; t < seq.query_tokens; ++t) {
         row_seq.push_back(s);
         row_pos.push_back(static_cast<int32_t>(contexts[static_cast<size_t>(seq.slot)] + t));
@@ -171,22 +177,34 @@ struct CudaBackend::Impl {
     options.comm->all_reduce_sum(arena.as<float>() + input.offset, arena.as<float>() + op.offset, static_cast<int64_t>(p.step.tokens) * op.width, stream);
   }
 
-  // The host's part of an op: its NCCL all-reduce, or its GEMM or routed-expert GEMMs (`gemm`: this
-  // step takes the GEMM path). All on the stream, after the segments before the op.
-  void run_host_op(const PreparedPlan& prepared, int32_t op_index, const KernelParams& p, bool gemm) {
+  // The host's part of an op: its NCCL all-reduce, or its GEMM, routed-expert GEMMs or MLA GEMMs
+  // (`gemm`: this step takes the GEMM path; `mla`: and its MLA ops theirs). All on the stream, after
+  // the segments before the op.
+  void run_host_op(const PreparedPlan& prepared, int32_t op_index, const KernelParams& p, bool gemm, bool mla = false) {
     if (prepared.plan.op(op_index).op() == Op::kAllReduce && p.step.peers == nullptr) all_reduce(prepared, op_index, p);
     if (!gemm) return;
     const auto i = static_cast<size_t>(op_index);
     if (prepared.gemm.ops[i]) gemm_runner->run(*prepared.gemm.ops[i], arena.as<float>(), p.step.tokens);
     if (prepared.gemm.moe_ops[i]) moe_runner->run(*prepared.gemm.moe_ops[i], arena.as<float>(), p.step.tokens);
+    if (mla && prepared.gemm.mla_ops[i]) {
+      const MlaGemmOp& op = *prepared.gemm.mla_ops[i];
+      mla_runner->run(op, arena.as<float>(), states[static_cast<size_t>(op.state)], step_seqs);
+    }
+  }
+
+  // Whether this GEMM step runs its MLA ops as GEMMs: one of its sequences brings enough tokens to pay
+  // for expanding its cache (mla_gemm.h); else the op body, which reads the latents as they are.
+  bool mla_gemm_step() const {
+    if (!mla_runner) return false;
+    return std::any_of(step_seqs.begin(), step_seqs.end(), [](const MlaSequence& s) { return s.tokens >= kMlaGemmMinTokens; });
   }
 
   // One op's tasks in one launch, after its host part (p.instrs: the task order of the chosen path).
   // Each op is an NVTX range named by its opcode (`ncu --nvtx --nvtx-include "moe_topk/"` picks its
   // launches); without a tool attached a push costs a null check.
-  void launch_op(const PreparedPlan& prepared, size_t op_index, const KernelParams& p, bool gemm = false) {
+  void launch_op(const PreparedPlan& prepared, size_t op_index, const KernelParams& p, bool gemm = false, bool mla = false) {
     nvtxRangePushA(op_name(prepared.plan.ops[op_index].op()).data());
-    run_host_op(prepared, static_cast<int32_t>(op_index), p, gemm);
+    run_host_op(prepared, static_cast<int32_t>(op_index), p, gemm, mla);
     const auto [first, end] = prepared.op_tasks[op_index];
     if (end > first) launch_eager(p, first, end - first, stream);
     nvtxRangePop();
@@ -194,22 +212,25 @@ struct CudaBackend::Impl {
 
   void launch(PreparedPlan& prepared, const KernelParams& p, bool eager) {
     const bool gemm = prepared.gemm.active(p.step.tokens);
+    const bool mla = gemm && mla_gemm_step();
     if (gemm && moe_runner) moe_runner->new_step();  // the last step's routing is stale
+    if (mla) mla_runner->new_step();
+    const GemmSchedule& schedule = prepared.gemm.schedule(mla);
     if (eager) {
       KernelParams tasks = p;
-      if (gemm) tasks.instrs = prepared.gemm.task_instrs.as<Instr>();
-      for (size_t i = 0; i < prepared.plan.ops.size(); ++i) launch_op(prepared, i, tasks, gemm);
+      if (gemm) tasks.instrs = schedule.task_instrs.as<Instr>();
+      for (size_t i = 0; i < prepared.plan.ops.size(); ++i) launch_op(prepared, i, tasks, gemm, mla);
       return;
     }
     // In-kernel all_reduces need no cuts (a GEMM step keeps its GEMM cuts).
     static const std::vector<Segment> kUncut;
-    const std::vector<Segment>& segments = gemm ? prepared.gemm.segments : p.step.peers != nullptr ? kUncut : prepared.segments;
+    const std::vector<Segment>& segments = gemm ? schedule.segments : p.step.peers != nullptr ? kUncut : prepared.segments;
     if (segments.empty()) {
       launch_megakernel(p, prepared.plan.workers, stream);
       return;
     }
     for (const Segment& segment : segments) {
-      for (int32_t op : segment.host_ops) run_host_op(prepared, op, p, gemm);
+      for (int32_t op : segment.host_ops) run_host_op(prepared, op, p, gemm, mla);
       KernelParams part = p;
       part.instrs = segment.instrs.as<Instr>();
       part.queue_begin = segment.queue_begin.as<int32_t>();

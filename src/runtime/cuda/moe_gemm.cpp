@@ -102,17 +102,14 @@ MoeGemmRunner::MoeGemmRunner(const MoeGemmCapacity& capacity, cudaStream_t strea
       lists_(static_cast<size_t>(2 * capacity.pairs + 2 * capacity.experts) * sizeof(int32_t), "MoE routing lists"),
       pointers_(static_cast<size_t>(3 * 2 * capacity.experts) * sizeof(void*), "MoE GEMM pointers"),
       in_(static_cast<size_t>(std::max<int64_t>(capacity.in_bytes, 16)), "MoE GEMM inputs"),
-      out_(static_cast<size_t>(std::max<int64_t>(capacity.out_bytes, 16)), "MoE GEMM outputs") {
+      out_(static_cast<size_t>(std::max<int64_t>(capacity.out_bytes, 16)), "MoE GEMM outputs"),
+      timer_(stream) {
   check_cublas(cublasCreate(&handle_), "handle");
   check_cublas(cublasSetStream(handle_, stream_), "stream");
   check_cublas(cublasSetWorkspace(handle_, workspace_.ptr, workspace_.bytes), "workspace");  // after SetStream, which resets it
 }
 
 MoeGemmRunner::~MoeGemmRunner() {
-  for (auto& [start, stop] : events_) {
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-  }
   if (handle_ != nullptr) cublasDestroy(handle_);
 }
 
@@ -126,7 +123,7 @@ void MoeGemmRunner::read_routing(const MoeGemmOp& op, const float* arena, int64_
                           cudaMemcpyDeviceToHost, stream_),
         "MoE routing read");
   check(cudaStreamSynchronize(stream_), "MoE routing read");
-  harvest_events();
+  timer_.harvest();
 }
 
 // A counting sort of the pairs by expert (ascending token order within an expert), and the lists
@@ -180,16 +177,8 @@ void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
   const bool reuse = !op.gate_up() && routing_.valid && routing_.routes_offset == op.routes_offset && routing_.rows == rows &&
                      routing_.top_k == op.top_k && static_cast<int64_t>(routing_.counts.size()) == op.experts;
   if (!reuse) read_routing(op, arena, rows);
-  std::pair<cudaEvent_t, cudaEvent_t>* timed = nullptr;
-  if (timing_) {
-    if (pending_ == events_.size()) {
-      events_.emplace_back();
-      check(cudaEventCreate(&events_.back().first), "event");
-      check(cudaEventCreate(&events_.back().second), "event");
-    }
-    timed = &events_[pending_++];
-    check(cudaEventRecord(timed->first, stream_), "event");  // the stream is idle after a routing read: the sort counts
-  }
+  const bool timed = timing_;
+  if (timed) timer_.start();  // the stream is idle after a routing read: the sort counts
   if (!reuse) sort_routing(op, rows);
   const int64_t pairs = rows * op.top_k;
   const int32_t* perm = lists_.as<int32_t>();
@@ -208,7 +197,7 @@ void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
     launch_moe_combine(out_.ptr, ld_out, op.out_type(), inv, rows, op.top_k, op.gemm_out, arena + op.routes_offset, op.routes_stride, shared,
                        op.shared_stride, arena + op.out_offset, op.act, op.round_out, stream_);
   }
-  if (timed != nullptr) check(cudaEventRecord(timed->second, stream_), "event");
+  if (timed) timer_.stop();
 }
 
 // Row-major y[n, out] = x[n, in]·W_eᵀ per expert is column-major yᵀ = W_e·xᵀ (as GemmRunner::run):
@@ -268,24 +257,8 @@ void MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs) {
   }
 }
 
-void MoeGemmRunner::harvest_events() {
-  for (size_t i = 0; i < pending_; ++i) {
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, events_[i].first, events_[i].second), "event");
-    total_ms_ += static_cast<double>(ms);
-  }
-  pending_ = 0;
-}
+double MoeGemmRunner::timed_ms() { return timer_.total_ms(); }
 
-double MoeGemmRunner::timed_ms() {
-  check(cudaStreamSynchronize(stream_), "MoE timing");
-  harvest_events();
-  return total_ms_;
-}
-
-void MoeGemmRunner::reset_timed_ms() {
-  timed_ms();
-  total_ms_ = 0;
-}
+void MoeGemmRunner::reset_timed_ms() { timer_.reset(); }
 
 }  // namespace plow::cuda

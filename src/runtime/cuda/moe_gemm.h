@@ -16,6 +16,7 @@
 
 #include "plan/plan.h"
 #include "runtime/cuda/device_memory.h"
+#include "runtime/cuda/stream_timer.h"
 
 namespace plow::cuda {
 
@@ -92,7 +93,6 @@ class MoeGemmRunner {
   void read_routing(const MoeGemmOp& op, const float* arena, int64_t rows);
   void sort_routing(const MoeGemmOp& op, int64_t rows);
   void gemms(const MoeGemmOp& op, int64_t pairs);
-  void harvest_events();
 
   cudaStream_t stream_ = nullptr;
   cublasHandle_t handle_ = nullptr;
@@ -112,9 +112,7 @@ class MoeGemmRunner {
   bool last_grouped_ = false;
   int64_t calls_ = 0;
   bool timing_ = false;
-  double total_ms_ = 0;
-  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> events_;  // recorded, not yet read: [0, pending_)
-  size_t pending_ = 0;
+  StreamTimer timer_;
 };
 
 // ---- device side (moe_gemm.cu) ------------------------------------------------------------------------

@@ -65,40 +65,64 @@ std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& 
   return segments;
 }
 
+namespace {
+
+// The tasks of the ops marked in `host` only round; segments cut at those ops.
+GemmSchedule gemm_schedule(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host, const std::vector<bool>& reduce) {
+  std::vector<Instr> tasks = by_task;
+  for (Instr& ins : tasks) {
+    const auto op = static_cast<size_t>(ins.op);
+    if (!host[op] || reduce[op]) continue;
+    ins.opcode = kOpRoundRows;
+    ins.prefetch = nullptr;  // reads no weights
+    ins.prefetch_bytes = 0;
+  }
+  GemmSchedule schedule;
+  schedule.task_instrs = upload(tasks, "instructions");
+  schedule.segments = build_segments(plan, tasks, host);
+  return schedule;
+}
+
+}  // namespace
+
 GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weights, const std::vector<Instr>& by_task, const std::vector<bool>& reduce,
-                        int32_t act) {
+                        int32_t act, bool mla) {
   GemmPath path;
   if (plan.phase != PlanPhase::kPrefill || plan.max_tokens < kGemmMinRows) return path;
   path.ops.resize(plan.ops.size());
   path.moe_ops.resize(plan.ops.size());
+  path.mla_ops.resize(plan.ops.size());
   std::vector<bool> host = reduce;
+  bool any_mla = false;
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
+    std::vector<DeviceWeight> op_weights;
+    for (int32_t w : op.weights) op_weights.push_back(weights[static_cast<size_t>(w)]);
     if (reads_routed_experts(op.op())) {
-      std::vector<DeviceWeight> stacks;
-      for (int32_t w : op.weights) stacks.push_back(weights[static_cast<size_t>(w)]);
-      path.moe_ops[i] = moe_gemm_form(plan, op, stacks, act);
+      path.moe_ops[i] = moe_gemm_form(plan, op, op_weights, act);
       if (!path.moe_ops[i]) continue;
       host[i] = true;
       path.moe_capacity.add(*path.moe_ops[i], plan.max_tokens);
       continue;
     }
+    if (op.op() == Op::kMlaAttention) {
+      if (mla) path.mla_ops[i] = mla_gemm_form(plan, op, op_weights, act);
+      if (!path.mla_ops[i]) continue;
+      any_mla = true;
+      path.mla_capacity.add(*path.mla_ops[i], plan.max_tokens);
+      continue;  // a host op in the all_host schedule only (below)
+    }
     if (op.weights.size() != 1) continue;
-    path.ops[i] = gemm_form(plan, op, weights[static_cast<size_t>(op.weights.front())], act);
+    path.ops[i] = gemm_form(plan, op, op_weights.front(), act);
     if (!path.ops[i]) continue;
     host[i] = true;
     path.max_input_elems = std::max(path.max_input_elems, plan.max_tokens * path.ops[i]->in);
   }
-  if (path.max_input_elems == 0 && path.moe_capacity.pairs == 0) return {};
-  std::vector<Instr> tasks = by_task;
-  for (Instr& ins : tasks) {
-    if (!path.ops[static_cast<size_t>(ins.op)] && !path.moe_ops[static_cast<size_t>(ins.op)]) continue;
-    ins.opcode = kOpRoundRows;
-    ins.prefetch = nullptr;  // reads no weights
-    ins.prefetch_bytes = 0;
-  }
-  path.task_instrs = upload(tasks, "instructions");
-  path.segments = build_segments(plan, tasks, host);
+  if (path.max_input_elems == 0 && path.moe_capacity.pairs == 0 && !any_mla) return {};
+  std::vector<bool> with_mla = host;
+  for (size_t i = 0; i < plan.ops.size(); ++i) with_mla[i] = with_mla[i] || path.mla_ops[i].has_value();
+  path.all_host = gemm_schedule(plan, by_task, with_mla, reduce);
+  if (any_mla) path.mla_body = gemm_schedule(plan, by_task, host, reduce);
   return path;
 }
 

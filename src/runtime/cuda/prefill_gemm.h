@@ -12,6 +12,7 @@
 
 #include "plan/plan.h"
 #include "runtime/cuda/device_memory.h"
+#include "runtime/cuda/mla_gemm.h"
 #include "runtime/cuda/moe_gemm.h"
 
 namespace plow::cuda {
@@ -41,22 +42,34 @@ struct Segment {
 };
 std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host_op);
 
-// The GEMM path of one plan: per plan op its GEMM form or its routed-expert GEMM form (moe_gemm.h), or
-// none; the segments cut at those ops and the all_reduces; the task-order instructions where their
-// tasks only round (a no-op on the MoE ops' outputs, which the host's kernels wrote rounded).
+// One way to run a GEMM step: the segments cut at its host ops and the all_reduces, and the task-order
+// instructions (eager) where the host ops' tasks only round (a no-op on the MoE and MLA ops' outputs,
+// which the host's kernels wrote rounded).
+struct GemmSchedule {
+  std::vector<Segment> segments;
+  DeviceBuffer task_instrs;
+};
+
+// The GEMM path of one plan: per plan op its GEMM form, its routed-expert GEMM form (moe_gemm.h) or its
+// MLA GEMM form (mla_gemm.h), or none; two schedules: every form a host op, and the MLA ops on their
+// op body (steps where no sequence brings kMlaGemmMinTokens tokens; empty without MLA forms).
 struct GemmPath {
   std::vector<std::optional<GemmOp>> ops;
   std::vector<std::optional<MoeGemmOp>> moe_ops;
-  std::vector<Segment> segments;
-  DeviceBuffer task_instrs;
+  std::vector<std::optional<MlaGemmOp>> mla_ops;
+  GemmSchedule all_host, mla_body;
   int64_t max_input_elems = 0;  // the largest GEMM input (rows × in) the plan can bring
   MoeGemmCapacity moe_capacity;  // what its MoE ops need at max_tokens rows
-  bool active(int64_t rows) const { return !segments.empty() && rows >= kGemmMinRows; }
+  MlaGemmCapacity mla_capacity;  // what its MLA ops need at max_tokens rows
+  bool active(int64_t rows) const { return !all_host.segments.empty() && rows >= kGemmMinRows; }
+  // The schedule of a GEMM step; `mla`: its MLA ops run as GEMMs.
+  const GemmSchedule& schedule(bool mla) const { return mla || mla_body.segments.empty() ? all_host : mla_body; }
 };
-// Empty for decode plans, plans of fewer than kGemmMinRows rows and plans without GEMM or MoE GEMM forms.
-// `weights`: the plan's weights on the device; `reduce`: its all_reduce ops (host ops on every path).
+// Empty for decode plans, plans of fewer than kGemmMinRows rows and plans without any GEMM form.
+// `weights`: the plan's weights on the device; `reduce`: its all_reduce ops (host ops on every path);
+// `mla`: whether mla_attention ops may take their GEMM form.
 GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weights, const std::vector<Instr>& by_task, const std::vector<bool>& reduce,
-                        int32_t act);
+                        int32_t act, bool mla);
 
 // cuBLAS on one stream: a handle, its workspace, and the bf16/f16 copy of a GEMM's input.
 class GemmRunner {

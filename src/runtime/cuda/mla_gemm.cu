@@ -1,0 +1,175 @@
+// Device side of the MLA prefill GEMMs (mla_gemm.h): the latent append (the op body's rounding), the
+// exact copies of cache rows and queries into the GEMMs' input type, the causal softmax (fp32, P rounded
+// to the activation dtype as cpu/ops/mla.cpp rounds it) and the scatter of the head outputs into the
+// op's output rows. One block per row, threads over its columns: coalesced on both sides.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "runtime/cuda/ops/common.cuh"
+#include "runtime/cuda/kernels.h"  // declared in mla_gemm.h (host headers nvcc need not see)
+
+namespace plow::cuda {
+
+namespace {
+
+constexpr int kBlock = 256;
+constexpr int kBlockWarps = kBlock / 32;
+
+int grid_for(int64_t rows) { return static_cast<int>(rows < 65535 ? (rows > 0 ? rows : 1) : 65535); }
+
+void check_launch(const char* what) {
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) cuda_failure(what, error);
+}
+
+// Stores of values exact in T (rounded activations, raw kv_a outputs, P already rounded): no loss.
+__device__ __forceinline__ void store_f(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_f(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store_f(__half* p, float v) { *p = __float2half_rn(v); }
+
+// Block-wide reductions over kBlock threads (block_sum in device.cuh assumes kThreads); every thread
+// gets the result. `red`: kBlockWarps floats of shared memory, free again after the call.
+__device__ __forceinline__ float block_reduce_sum(float v, float* red) {
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane_id() == 0) red[warp_id()] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < kBlockWarps; ++w) total += red[w];
+  __syncthreads();
+  return total;
+}
+__device__ __forceinline__ float block_reduce_max(float v, float* red) {
+  v = warp_max(v);
+  __syncthreads();
+  if (lane_id() == 0) red[warp_id()] = v;
+  __syncthreads();
+  float top = -INFINITY;
+  for (int w = 0; w < kBlockWarps; ++w) top = fmaxf(top, red[w]);
+  __syncthreads();
+  return top;
+}
+
+__global__ void append_kernel(const float* kv_a, int64_t kv_stride, int64_t tokens, DeviceWeight norm, float eps, int64_t rank, int64_t rope, int32_t act,
+                              float* cache) {
+  __shared__ float red[kBlockWarps];
+  const int64_t latent = rank + rope;
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+    const float* kv = kv_a + t * kv_stride;
+    float sum = 0.0f;
+    for (int64_t i = threadIdx.x; i < rank; i += kBlock) sum += kv[i] * kv[i];
+    const float inv = inv_rms(block_reduce_sum(sum, red), rank, eps);
+    float* row = cache + t * latent;
+    for (int64_t i = threadIdx.x; i < latent; i += kBlock) row[i] = i < rank ? round_act(act, weight_flat(norm, i) * round_act(act, kv[i] * inv)) : kv[i];
+  }
+}
+
+template <typename T>
+__global__ void inputs_kernel(const float* cache, int64_t visible, int64_t rank, int64_t rope, int64_t heads, int64_t nope, T* latents, int64_t ld_c, T* keys,
+                              int64_t ld_k) {
+  const int64_t latent = rank + rope;
+  for (int64_t tau = blockIdx.x; tau < visible; tau += gridDim.x) {
+    const float* row = cache + tau * latent;
+    for (int64_t i = threadIdx.x; i < rank; i += kBlock) store_f(latents + tau * ld_c + i, row[i]);
+    for (int64_t i = threadIdx.x; i < heads * rope; i += kBlock) {
+      const int64_t h = i / rope, j = i % rope;
+      store_f(keys + (h * visible + tau) * ld_k + nope + j, row[rank + j]);
+    }
+  }
+}
+
+template <typename T>
+__global__ void queries_kernel(const float* q, int64_t q_stride, int64_t tokens, int64_t heads, int64_t qk, T* queries, int64_t ld_q) {
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+    for (int64_t i = threadIdx.x; i < heads * qk; i += kBlock) store_f(queries + (t * heads + i / qk) * ld_q + i % qk, q[t * q_stride + i]);
+  }
+}
+
+// As cpu_mla_attention: the max over the visible scores, Σ exp(s − max), then P = act(exp(s − max) /
+// total); three passes over the row (the scores stay in L2 at the block sizes used).
+template <typename T>
+__global__ void softmax_kernel(const float* scores, int64_t ld, int64_t rows, int64_t query_rows, int64_t first_visible, int64_t length, T* probs,
+                               int32_t act) {
+  __shared__ float red[kBlockWarps];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* s = scores + r * ld;
+    T* p = probs + r * ld;
+    const int64_t visible = first_visible + r % query_rows;
+    float top = -INFINITY;
+    for (int64_t tau = threadIdx.x; tau < visible; tau += kBlock) top = fmaxf(top, s[tau]);
+    top = block_reduce_max(top, red);
+    float sum = 0.0f;
+    for (int64_t tau = threadIdx.x; tau < visible; tau += kBlock) sum += expf(s[tau] - top);
+    const float total = block_reduce_sum(sum, red);
+    for (int64_t tau = threadIdx.x; tau < length; tau += kBlock) store_f(p + tau, tau < visible ? round_act(act, expf(s[tau] - top) / total) : 0.0f);
+  }
+}
+
+__global__ void scatter_kernel(const float* o, int64_t ld_o, int64_t group, int64_t rows, int64_t dv, float* out, int64_t width, int32_t act, bool round_out) {
+  for (int64_t t = blockIdx.x; t < rows; t += gridDim.x) {
+    for (int64_t i = threadIdx.x; i < group * dv; i += kBlock) {
+      const float v = o[((i / dv) * rows + t) * ld_o + i % dv];  // head g's rows are [g·rows, (g+1)·rows)
+      out[t * width + i] = round_out ? round_act(act, v) : v;
+    }
+  }
+}
+
+}  // namespace
+
+void launch_mla_append(const float* kv_a, int64_t kv_stride, int64_t tokens, const DeviceWeight& norm, float eps, int64_t rank, int64_t rope, int32_t act,
+                       float* cache, cudaStream_t stream) {
+  if (tokens == 0) return;
+  append_kernel<<<grid_for(tokens), kBlock, 0, stream>>>(kv_a, kv_stride, tokens, norm, eps, rank, rope, act, cache);
+  check_launch("MLA latent append");
+}
+
+void launch_mla_inputs(const float* cache, int64_t visible, int64_t rank, int64_t rope, int64_t heads, int64_t nope, void* latents, int64_t ld_c, void* keys,
+                       int64_t ld_k, int32_t type, cudaStream_t stream) {
+  if (visible == 0) return;
+  if (type == kWBF16) {
+    inputs_kernel<<<grid_for(visible), kBlock, 0, stream>>>(cache, visible, rank, rope, heads, nope, static_cast<__nv_bfloat16*>(latents), ld_c,
+                                                            static_cast<__nv_bfloat16*>(keys), ld_k);
+  } else if (type == kWF16) {
+    inputs_kernel<<<grid_for(visible), kBlock, 0, stream>>>(cache, visible, rank, rope, heads, nope, static_cast<__half*>(latents), ld_c,
+                                                            static_cast<__half*>(keys), ld_k);
+  } else {
+    inputs_kernel<<<grid_for(visible), kBlock, 0, stream>>>(cache, visible, rank, rope, heads, nope, static_cast<float*>(latents), ld_c,
+                                                            static_cast<float*>(keys), ld_k);
+  }
+  check_launch("MLA GEMM inputs");
+}
+
+void launch_mla_queries(const float* q, int64_t q_stride, int64_t tokens, int64_t heads, int64_t qk, void* queries, int64_t ld_q, int32_t type,
+                        cudaStream_t stream) {
+  if (tokens == 0) return;
+  if (type == kWBF16) {
+    queries_kernel<<<grid_for(tokens), kBlock, 0, stream>>>(q, q_stride, tokens, heads, qk, static_cast<__nv_bfloat16*>(queries), ld_q);
+  } else if (type == kWF16) {
+    queries_kernel<<<grid_for(tokens), kBlock, 0, stream>>>(q, q_stride, tokens, heads, qk, static_cast<__half*>(queries), ld_q);
+  } else {
+    queries_kernel<<<grid_for(tokens), kBlock, 0, stream>>>(q, q_stride, tokens, heads, qk, static_cast<float*>(queries), ld_q);
+  }
+  check_launch("MLA queries");
+}
+
+void launch_mla_softmax(const float* scores, int64_t ld, int64_t rows, int64_t query_rows, int64_t first_visible, int64_t length, void* probs, int32_t type,
+                        int32_t act, cudaStream_t stream) {
+  if (rows == 0) return;
+  if (type == kWBF16) {
+    softmax_kernel<<<grid_for(rows), kBlock, 0, stream>>>(scores, ld, rows, query_rows, first_visible, length, static_cast<__nv_bfloat16*>(probs), act);
+  } else if (type == kWF16) {
+    softmax_kernel<<<grid_for(rows), kBlock, 0, stream>>>(scores, ld, rows, query_rows, first_visible, length, static_cast<__half*>(probs), act);
+  } else {
+    softmax_kernel<<<grid_for(rows), kBlock, 0, stream>>>(scores, ld, rows, query_rows, first_visible, length, static_cast<float*>(probs), act);
+  }
+  check_launch("MLA softmax");
+}
+
+void launch_mla_scatter(const float* o, int64_t ld_o, int64_t group, int64_t rows, int64_t dv, float* out, int64_t width, int32_t act, bool round_out,
+                        cudaStream_t stream) {
+  if (rows == 0) return;
+  scatter_kernel<<<grid_for(rows), kBlock, 0, stream>>>(o, ld_o, group, rows, dv, out, width, act, round_out);
+  check_launch("MLA output scatter");
+}
+
+}  // namespace plow::cuda
