@@ -139,6 +139,7 @@ void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
   cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
   cmd->add_flag("--gemv-peer", args.gemv_peer, "also time today's path (fused prefill plans, GEMV bodies) on the same weights");
   cmd->add_flag("--mla-body-peer", args.mla_body_peer, "also time the GEMM path with mla_attention on its op body (split-KV, absorbed) instead of GEMMs");
+  cmd->add_flag("--profile", args.profile, "also run each prompt once more one launch per op with events: per-opcode time (GEMMs and host ops included)");
   cmd->add_flag("--flops-only", args.flops_only, "print the FLOPs each prompt must do (TFLOP/s's numerator) and stop; needs no GPU");
   cmd->add_option("-o,--output", args.output, "JSON array the records are appended to");
 }
@@ -242,6 +243,23 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
       record["peers"]["mla_body"] = {{"ttft_ms", ms}, {"tflops", flops.total() / (ms * 1e9)},
                                      {"plans", "the same GEMM path with mla_attention on its op body (one run after a one-chunk warm-up)"}};
       std::cerr << fmt::format("  MLA on its op body: TTFT {:9.1f} ms\n", ms);
+    }
+    if (args.profile) {
+      // One more run, every op its own launch between events: where the time goes (slower than the
+      // timed runs: no megakernel, a host wait per step).
+      backend->set_op_timing(true);
+      backend->reset_op_times();
+      const double ms = median(time_prompt(*backend, prompt_ids(p, model->config.vocab_size), chunk, 1, [&] { backend->reset_op_times(); }));
+      backend->set_op_timing(false);
+      json rows = json::array();
+      double total = 0;
+      for (const cuda::OpcodeProfile& o : backend->op_times()) total += o.ms;
+      std::cerr << fmt::format("  profile (one launch per op, {:.1f} ms in all, {:.1f} ms of ops):\n", ms, total);
+      for (const cuda::OpcodeProfile& o : backend->op_times()) {
+        rows.push_back({{"op", o.op}, {"ms", o.ms}, {"tasks", o.tasks}, {"share", o.ms / total}});
+        std::cerr << fmt::format("    {:<22} {:9.2f} ms {:5.1f}%  {:9d} tasks\n", o.op, o.ms, 100.0 * o.ms / total, o.tasks);
+      }
+      record["profile"] = {{"ttft_ms_one_launch_per_op", ms}, {"rows", rows}};
     }
     append_records(args.output, json::array({record}));  // each prompt's record as soon as it is measured
     std::cout << record.dump() << "\n";

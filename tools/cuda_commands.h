@@ -97,6 +97,7 @@ struct BenchPrefillArgs {
   int workers = 0;
   bool gemv_peer = false;  // also time today's path: fused prefill plans on the GEMV bodies
   bool mla_body_peer = false;  // also time the GEMM path with mla_attention on its op body (split-KV)
+  bool profile = false;        // one more run per prompt, one launch per op between events: per-opcode time
   bool flops_only = false;  // print the FLOP model per prompt and stop (no GPU)
   std::string output = "bench/results/prefill.json";
   std::string command_line;

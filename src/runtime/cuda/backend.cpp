@@ -362,6 +362,7 @@ CudaBackend::~CudaBackend() {
     impl_->gemm_runner.reset();  // its cuBLAS handle works on the stream
     impl_->moe_runner.reset();
     impl_->mla_runner.reset();
+    for (cudaEvent_t e : impl_->timing_events) cudaEventDestroy(e);
     cudaStreamDestroy(impl_->stream);
   }
 }

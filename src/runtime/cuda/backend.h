@@ -138,6 +138,13 @@ class CudaBackend : public Backend {
   void set_mla_timing(bool on);
   double mla_ms();
   void reset_mla_ms();
+  // Profiling: while on, every step runs one launch per op (eager order) with an event pair around each
+  // op and its host part (GEMMs, expert GEMMs, MLA GEMMs, NCCL), waited for at the step's end; per
+  // opcode the summed stream time and tasks, largest first. Steps are slower while on (a host wait per
+  // step, no megakernel): for finding where a step's time goes, not for timing it.
+  void set_op_timing(bool on);
+  std::vector<OpcodeProfile> op_times() const;
+  void reset_op_times();
 
  private:
   struct Impl;

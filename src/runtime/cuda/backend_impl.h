@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -199,6 +200,12 @@ struct CudaBackend::Impl {
     return std::any_of(step_seqs.begin(), step_seqs.end(), [](const MlaSequence& s) { return s.tokens >= kMlaGemmMinTokens; });
   }
 
+  // set_op_timing: the step's ops one launch each between events, added to op_times (backend_tools.cpp).
+  bool op_timing = false;
+  std::map<std::string, OpcodeProfile> op_times;
+  std::vector<cudaEvent_t> timing_events;  // destroyed with the stream (~CudaBackend)
+  void launch_timed(const PreparedPlan& prepared, const KernelParams& p, bool gemm, bool mla);
+
   // One op's tasks in one launch, after its host part (p.instrs: the task order of the chosen path).
   // Each op is an NVTX range named by its opcode (`ncu --nvtx --nvtx-include "moe_topk/"` picks its
   // launches); without a tool attached a push costs a null check.
@@ -216,9 +223,13 @@ struct CudaBackend::Impl {
     if (gemm && moe_runner) moe_runner->new_step();  // the last step's routing is stale
     if (mla) mla_runner->new_step();
     const GemmSchedule& schedule = prepared.gemm.schedule(mla);
-    if (eager) {
+    if (eager || op_timing) {
       KernelParams tasks = p;
       if (gemm) tasks.instrs = schedule.task_instrs.as<Instr>();
+      if (op_timing) {
+        launch_timed(prepared, tasks, gemm, mla);
+        return;
+      }
       for (size_t i = 0; i < prepared.plan.ops.size(); ++i) launch_op(prepared, i, tasks, gemm, mla);
       return;
     }

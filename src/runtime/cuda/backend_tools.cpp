@@ -179,4 +179,47 @@ std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
   return out;
 }
 
+// Events before every op and after the last, one host wait at the end; each op's time (its host part
+// and its launch) added to its opcode's entry. Ops that run nothing take no events.
+void CudaBackend::Impl::launch_timed(const PreparedPlan& prepared, const KernelParams& p, bool gemm, bool mla) {
+  const size_t n = prepared.plan.ops.size();
+  while (timing_events.size() < n + 1) {
+    cudaEvent_t e = nullptr;
+    check(cudaEventCreate(&e), "event");
+    timing_events.push_back(e);
+  }
+  std::vector<size_t> timed;
+  for (size_t i = 0; i < n; ++i) {
+    const bool host_part = prepared.plan.ops[i].op() == Op::kAllReduce || (gemm && (prepared.gemm.ops[i] || prepared.gemm.moe_ops[i])) ||
+                           (mla && prepared.plan.ops[i].op() == Op::kMlaAttention);
+    if (prepared.op_tasks[i].second > prepared.op_tasks[i].first || host_part) {
+      check(cudaEventRecord(timing_events[timed.size()], stream), "event");
+      timed.push_back(i);
+    }
+    launch_op(prepared, i, p, gemm, mla);
+  }
+  check(cudaEventRecord(timing_events[timed.size()], stream), "event");
+  check(cudaEventSynchronize(timing_events[timed.size()]), "op timing");
+  for (size_t j = 0; j < timed.size(); ++j) {
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, timing_events[j], timing_events[j + 1]), "event");
+    const size_t i = timed[j];
+    OpcodeProfile& entry = op_times[std::string(op_name(prepared.plan.ops[i].op()))];
+    entry.op = op_name(prepared.plan.ops[i].op());
+    entry.tasks += prepared.op_tasks[i].second - prepared.op_tasks[i].first;
+    entry.ms += ms;
+  }
+}
+
+void CudaBackend::set_op_timing(bool on) { impl_->op_timing = on; }
+
+std::vector<OpcodeProfile> CudaBackend::op_times() const {
+  std::vector<OpcodeProfile> out;
+  for (const auto& [name, entry] : impl_->op_times) out.push_back(entry);
+  std::sort(out.begin(), out.end(), [](const OpcodeProfile& a, const OpcodeProfile& b) { return a.ms > b.ms; });
+  return out;
+}
+
+void CudaBackend::reset_op_times() { impl_->op_times.clear(); }
+
 }  // namespace plow::cuda
