@@ -25,6 +25,9 @@
 #include "runtime/cuda/ops/limits.h"
 #include "runtime/cuda/ops/mla_common.cuh"
 #include "runtime/cuda/ops/mla_heads.cuh"
+#ifndef PLOW_CUDA_EMU
+#include "runtime/cuda/ops/gemv.cuh"  // load_stream, unpack8 (W_UV rows)
+#endif
 
 namespace plow::cuda {
 
@@ -130,18 +133,23 @@ __device__ __noinline__ void mla_absorb_item(const TaskCtx& ctx, const MlaShape&
   const DeviceWeight& kv_b = ctx.weight(1);  // [heads·(nope+v), rank]
   const int h = item % sh.heads, r0 = item / sh.heads * kMlaRowBlock;
   const int n = ctx.rows() - r0 < kMlaRowBlock ? ctx.rows() - r0 : kMlaRowBlock;
+  // The block's q_nope rows of head h in shared memory (after `red`): the loop below reads each n times.
+  float* qs = red + 32;
+  for (int idx = static_cast<int>(threadIdx.x); idx < n * sh.nope; idx += kThreads) qs[idx] = ctx.in(0, r0 + idx / sh.nope)[h * sh.qk + idx % sh.nope];
+  __syncthreads();
   for (int e = static_cast<int>(threadIdx.x); e < sh.latent; e += kThreads) {
     float acc[kMlaRowBlock];
 #pragma unroll
     for (int r = 0; r < kMlaRowBlock; ++r) acc[r] = r < n && e >= sh.rank ? ctx.in(0, r0 + r)[h * sh.qk + sh.nope + e - sh.rank] : 0.0f;
     if (e < sh.rank) {
       const int64_t base = static_cast<int64_t>(h) * sh.per_head * sh.rank + e;
-#pragma unroll 8
+      // 16 weight loads in flight per thread (8 left the item latency-bound on W_UK: ~16 µs a head).
+#pragma unroll 16
       for (int i = 0; i < sh.nope; ++i) {
         const float w = weight_flat(kv_b, base + static_cast<int64_t>(i) * sh.rank);
 #pragma unroll
         for (int r = 0; r < kMlaRowBlock; ++r) {
-          if (r < n) acc[r] += ctx.in(0, r0 + r)[h * sh.qk + i] * w;
+          if (r < n) acc[r] += qs[r * sh.nope + i] * w;
         }
       }
     }
@@ -262,6 +270,58 @@ __device__ __noinline__ void mla_split_item(const TaskCtx& ctx, const MlaShape& 
   }
 }
 
+#ifndef PLOW_CUDA_EMU
+// W_UV with 16-byte weight loads (bf16/f16 kv_b, rank a multiple of 256: two chunks of 8 per lane):
+// warp w takes value rows two at a time with all their loads in flight (the scalar loop
+// read 2 bytes a lane per load, ~30 µs a head at batch 1).
+__device__ __forceinline__ bool mla_uv_vector(const DeviceWeight& kv_b, const MlaShape& sh) {
+  return (kv_b.type == kWBF16 || kv_b.type == kWF16) && sh.rank % 256 == 0 && sh.rank <= kMlaMaxRank;
+}
+
+__device__ __noinline__ void mla_uv_rows(const TaskCtx& ctx, const MlaShape& sh, int h, int r0, int n, const float* usum) {
+  const DeviceWeight& kv_b = ctx.weight(1);
+  const int lane = lane_id(), chunks = sh.rank / 8 / 32;  // 16-byte chunks per lane and row (≤ 2)
+  constexpr int kRowsAtOnce = 2, kMaxChunks = kMlaMaxRank / 8 / 32;
+  for (int i0 = warp_id() * kRowsAtOnce; i0 < sh.dv; i0 += kWarps * kRowsAtOnce) {
+    uint4 v[kRowsAtOnce][kMaxChunks];
+#pragma unroll
+    for (int q = 0; q < kRowsAtOnce; ++q) {
+#pragma unroll
+      for (int c = 0; c < kMaxChunks; ++c) {
+        const int64_t row = static_cast<int64_t>(h) * sh.per_head + sh.nope + i0 + q;
+        if (i0 + q < sh.dv && c < chunks) v[q][c] = load_stream(kv_b.data + (row * sh.rank + (lane + 32 * c) * 8) * 2);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kRowsAtOnce; ++q) {
+      if (i0 + q >= sh.dv) break;  // warp-uniform
+      float acc[kMlaRowBlock];
+#pragma unroll
+      for (int r = 0; r < kMlaRowBlock; ++r) acc[r] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kMaxChunks; ++c) {
+        if (c >= chunks) break;
+        float f[8];
+        unpack8(v[q][c], kv_b.type, f);
+        const int e = (lane + 32 * c) * 8;
+#pragma unroll
+        for (int r = 0; r < kMlaRowBlock; ++r) {
+          if (r >= n) break;
+          const float* u = usum + r * sh.rank + e;
+          acc[r] += f[0] * u[0] + f[1] * u[1] + f[2] * u[2] + f[3] * u[3] + f[4] * u[4] + f[5] * u[5] + f[6] * u[6] + f[7] * u[7];
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kMlaRowBlock; ++r) {
+        if (r >= n) break;
+        const float total = warp_sum(acc[r]);
+        if (lane == 0) ctx.out(r0 + r)[static_cast<int64_t>(h) * sh.dv + i0 + q] = round_out(ctx, total);
+      }
+    }
+  }
+}
+#endif
+
 // C item: for each row of the block, head h: u = Σ_k e^(m_k − M)·u_k / Σ_k e^(m_k − M)·l_k over the
 // query's splits, then out[row][h·dv + i] = act(W_UV,h[i]·u) (one read of W_UV,h for the block).
 __device__ __noinline__ void mla_combine_item(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched, int item, const MlaWorkspace& ws, float* smem) {
@@ -290,6 +350,7 @@ __device__ __noinline__ void mla_combine_item(const TaskCtx& ctx, const MlaShape
     const float total = block_sum(lsum, red);  // its barriers also publish wts
     for (int e = tid; e < sh.rank; e += kThreads) {
       float acc = 0.0f;
+#pragma unroll 8
       for (int k = 0; k < si.splits; ++k) acc += wts[k] * __ldcg(ws.part_u + record(k) * sh.rank + e);
       usum[r * sh.rank + e] = acc / total;
     }
@@ -297,6 +358,12 @@ __device__ __noinline__ void mla_combine_item(const TaskCtx& ctx, const MlaShape
   }
   const DeviceWeight& kv_b = ctx.weight(1);
   const int lane = lane_id();
+#ifndef PLOW_CUDA_EMU
+  if (mla_uv_vector(kv_b, sh)) {
+    mla_uv_rows(ctx, sh, h, r0, n, usum);
+    return;
+  }
+#endif
   for (int i = warp_id(); i < sh.dv; i += kWarps) {
     const int64_t row = static_cast<int64_t>(h) * sh.per_head + sh.nope + i;
     float acc[kMlaRowBlock];
