@@ -1,5 +1,6 @@
 #include "graph/op_table.h"
 
+#include <algorithm>
 #include <array>
 #include <limits>
 
@@ -277,6 +278,12 @@ OutDType out_dtype_of(Op op, const Attrs& attrs) {
 bool reads_routed_experts(Op op) { return op == Op::kMoeGateUp || op == Op::kMoeDown || op == Op::kMoeDownAdd; }
 
 bool spreads_over_workers(Op op) { return op == Op::kMlaAttention; }
+
+int64_t spread_tasks(Op op, int64_t workers, int64_t max_tokens) {
+  if (spreads_over_workers(op)) return workers;
+  if (op == Op::kMoeTopK) return std::min(workers, (max_tokens + kMoeTopkRowsPerTask - 1) / kMoeTopkRowsPerTask);
+  return 0;
+}
 
 int64_t slice_granularity(const Node& node) {
   const OpInfo& info = op_info(node.op);

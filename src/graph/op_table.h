@@ -106,9 +106,16 @@ bool reads_routed_experts(Op op);
 // Output columns per indivisible unit of work: 1 for column-sliced ops, a head's width for per-head
 // ops, the whole width for ops that run as one task.
 int64_t slice_granularity(const Node& node);
-// Whether a plan gives the op one task per worker even past its slice units (those tasks own no
-// columns): MLA, whose GPU body splits the latent cache over all of its tasks (split-KV).
+// Whether the op's tasks cooperate across blocks (one task per worker, a shared workspace): MLA, whose
+// GPU body splits the latent cache over all of its tasks (split-KV).
 bool spreads_over_workers(Op op);
+// Rows per moe_topk task: its GPU body runs one warp per row, 16 warps a block.
+inline constexpr int64_t kMoeTopkRowsPerTask = 16;
+// The tasks a plan of `workers` workers and `max_tokens` rows gives the op beyond its column slices, or 0:
+// those tasks own the empty slice [width, width) and divide the op's work otherwise on the GPU. MLA:
+// one per worker (spreads_over_workers); moe_topk (whole): one per kMoeTopkRowsPerTask rows, up to the
+// workers, each taking a share of the step's rows (1 for plans of ≤ 16 rows: decode keeps one task).
+int64_t spread_tasks(Op op, int64_t workers, int64_t max_tokens);
 std::string_view op_name(Op op);
 
 }  // namespace plow

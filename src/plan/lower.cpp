@@ -129,15 +129,16 @@ std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<st
 }
 
 // Tasks of one op: min(workers, units) slices of near-equal whole units (unit = slice granularity). An
-// op that spreads over workers (spreads_over_workers) gets one task per worker: the tasks past its
-// units own the empty slice [width, width), for backends that split its work otherwise (cuda MLA).
+// op that spreads (spread_tasks: MLA one per worker, moe_topk one per 16 rows) gets that many tasks
+// when it has more than its slices: the tasks past its units own the empty slice [width, width), for
+// backends that split its work otherwise (cuda MLA's split-KV, moe_topk's rows).
 void add_tasks(Plan& plan, const Graph& graph, int32_t op_index, std::vector<std::vector<int32_t>>& tasks_of) {
   const Node& node = graph.node(op_index);
   const int64_t unit = slice_granularity(node);
   PLOW_CHECK(unit > 0 && node.width % unit == 0, "{}: width {} is not a multiple of its slice unit {}", node.label, node.width, unit);
   const int64_t units = node.width / unit;
   const int64_t slices = std::min<int64_t>(plan.workers, units);
-  const int64_t tasks = spreads_over_workers(node.op) ? std::max<int64_t>(plan.workers, slices) : slices;
+  const int64_t tasks = std::max<int64_t>(spread_tasks(node.op, plan.workers, plan.max_tokens), slices);
   for (int64_t s = 0; s < tasks; ++s) {
     PlanTask task;
     task.op = op_index;

@@ -189,7 +189,7 @@ class Checker {
       if (op.op() == Op::kTokens) reject("task {}: {} is filled by the backend and has no tasks", t, describe(task.op));
       if (op.is_view()) reject("task {}: {} is a view of its input and has no tasks", t, describe(task.op));
       // A spread op's tasks past its units own the empty slice at its end (lower.cpp add_tasks).
-      const bool spread_past_units = spreads_over_workers(op.op()) && task.col_begin == op.width && task.col_end == op.width;
+      const bool spread_past_units = spread_tasks(op.op(), plan_.workers, plan_.max_tokens) > 0 && task.col_begin == op.width && task.col_end == op.width;
       if (!spread_past_units && (task.col_begin < 0 || task.col_begin >= task.col_end || task.col_end > op.width)) {
         reject("task {} of {}: columns [{}, {}) outside [0, {})", t, describe(task.op), task.col_begin, task.col_end, op.width);
       }
@@ -225,6 +225,11 @@ class Checker {
         covered = end;
       }
       if (covered != plan_.ops[static_cast<size_t>(i)].width) reject("{}: tasks cover {} of {} columns", describe(i), covered, plan_.ops[static_cast<size_t>(i)].width);
+      // Empty slices only up to the op's spread (plans from before moe_topk spread have fewer: valid).
+      const auto tasks = static_cast<int64_t>(slices.size());
+      const int64_t nonempty = std::count_if(slices.begin(), slices.end(), [](const auto& s) { return s.first < s.second; });
+      const int64_t most = std::max(nonempty, spread_tasks(plan_.ops[static_cast<size_t>(i)].op(), plan_.workers, plan_.max_tokens));
+      if (tasks > most) reject("{}: {} tasks, at most {} ({} column slices, spread over {} workers and {} rows)", describe(i), tasks, most, nonempty, plan_.workers, plan_.max_tokens);
     }
   }
 

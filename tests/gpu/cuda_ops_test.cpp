@@ -1,7 +1,7 @@
 // CUDA op bodies vs the CPU reference (label gpu; runs on the GPU machine only), in the style of
 // llama.cpp's test-backend-ops: a table of cases with odd shapes, each a small graph
 // tokens → embedding(s) → the op under test, lowered to a decode and a prefill plan (3 or 7 workers, so
-// slices are exercised) and run step by step — prefill, mixed and decode steps over three slots, so
+// slices are exercised; 132 for the "_rows600" cases, whose tasks share rows) and run step by step — prefill, mixed and decode steps over three slots, so
 // state carries — through ReferenceBackend and CudaBackend (eager and megakernel), f32 and bf16.
 // The op's inputs come straight from embedding tables (exact on both backends), so a difference is the
 // op's own. "_view" cases take every input through a slice of a wider embedding at an odd column offset:
@@ -123,6 +123,7 @@ struct OpCase {
   bool f32_out = false;  // the op's output is fp32 whatever the activation dtype
   int64_t exact_from = -1;  // columns from here on must be bit-identical and stay out of the scale (expert ids)
   std::vector<std::vector<SequenceStep>> steps = {};  // the steps run; empty: script()
+  int workers = 0;  // the plans' workers; 0: 3 or 7 (by the case's index)
 };
 
 // ---- case builders ---------------------------------------------------------------------------------
@@ -288,6 +289,16 @@ OpCase viewed(OpCase c) {
   return c;
 }
 
+// The same case over many rows on 132 workers (the H200's plans): a 600-row step (moe_topk: 38 tasks
+// of ~16 rows; row-reduction norms: each of the 132 tasks owns whole rows, common.cuh row_share), a
+// 200-row step (norms column-sliced: fewer than 2 rows a task) and a mixed step of 7 rows.
+OpCase many_rows(OpCase c) {
+  c.name += "_rows600";
+  c.steps = {{{0, 600}}, {{1, 200}}, {{0, 1}, {1, 1}, {2, 5}}};
+  c.workers = 132;
+  return c;
+}
+
 std::vector<OpCase> cases() {
   // One rounding after CUDA's expf/tanhf (a few fp32 ulps): at most one bf16 ulp. SiLU·mul rounds twice
   // (SiLU, then the product): a flip in the first can reach two ulps of the product.
@@ -337,6 +348,7 @@ std::vector<OpCase> cases() {
     all.push_back(attn_res(values, values == 3 ? 257 : 96, false));
     all.push_back(attn_res(values, 130, true));
   }
+  for (OpCase c : {moe_topk({256, 8}, "e256_k8"), moe_topk({64, 6, 8, 3}, "e64_k6_g8"), rms_norm(1030), add_norm(1030)}) all.push_back(many_rows(std::move(c)));
   // Inputs through views (plan slices read in place): one case per body that reads activations.
   for (OpCase c : {elementwise("add_130", Op::kAdd, 130, 2, {}, exact), elementwise("silu_mul_257", Op::kSiluMul, 257, 2, {}, two_roundings),
                    elementwise("sigmoid_96", Op::kSigmoid, 96, 1, {}, transcendental, true), rms_norm(257), add_norm(96), gated_rms_norm(3, 32),
@@ -452,9 +464,11 @@ std::string param_name(const testing::TestParamInfo<Param>& info) {
 
 std::vector<Param> params() {
   std::vector<Param> all;
-  const size_t n = cases().size();
+  const std::vector<OpCase> table = cases();
+  const size_t n = table.size();
   for (size_t i = 0; i < n; ++i) {
-    for (DType act : {DType::F32, DType::BF16}) all.push_back({i, act, i % 2 == 0 ? 3 : 7});
+    const int workers = table[i].workers > 0 ? table[i].workers : i % 2 == 0 ? 3 : 7;
+    for (DType act : {DType::F32, DType::BF16}) all.push_back({i, act, workers});
   }
   return all;
 }

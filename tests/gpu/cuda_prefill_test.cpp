@@ -2,7 +2,8 @@
 // (label gpu): every checkpoint fixture through an unfused prefill plan (chunks of ≥ 32 rows run their
 // linears as cuBLAS GEMMs and their routed experts as grouped expert GEMMs), logits of every prompt row
 // within cuda_model_test's bound and 16 greedy tokens after it identical to the reference's; the GEMM
-// path alone on odd shapes (rows 33 and 100, out 97, in 200), chained and side by side; and the expert
+// path alone on odd shapes (rows 33 and 100, out 97, in 200), chained and side by side; router logits
+// as an fp32 GEMM (unrounded); and the expert
 // GEMMs alone (router, top-k, gate/up, down, down + shared) with routings where some experts get no
 // token and some get every token; MLA as GEMMs (mla_gemm.h) over first chunks, chunks with a cached
 // prefix and several sequences of different contexts in one step, against the op body and under a
@@ -181,10 +182,11 @@ struct PathCounts {
 // as NaN) against cpu/reference, 7 and 132 workers, megakernel and eager, steps of 33 and 100 rows (the
 // GEMM path) and 5 (the GEMV bodies of the same plan). check(gpu, rows, counts, where) after each step;
 // every output within `fp32_rel` (fp32) or `bf16_ulps` output ulps (bf16) of the largest output, and
-// bf16 outputs bf16 values (the tasks rounded).
+// bf16 outputs bf16 values (the tasks rounded). An fp32 output (`fp32_out`: router logits, never
+// rounded) is held to `fp32_rel` whatever the activation dtype.
 template <typename Check>
 void expect_gpu_matches_cpu(const Graph& graph, const Checkpoint& checkpoint, DType dtype, const std::string& what, float fp32_rel, float bf16_ulps,
-                            Check check) {
+                            Check check, bool fp32_out = false) {
   const BoundWeights bound_weights(graph, checkpoint);
   auto weights = cuda::upload_weights(graph, bound_weights);
   for (int workers : {7, 132}) {
@@ -210,11 +212,11 @@ void expect_gpu_matches_cpu(const Graph& graph, const Checkpoint& checkpoint, DT
         ASSERT_EQ(have.logits.size(), want.logits.size());
         float scale = 0;
         for (float v : want.logits) scale = std::max(scale, std::fabs(v));
-        const float limit = (dtype == DType::F32 ? fp32_rel : bf16_ulps * 0.0079f) * std::max(1.0f, scale);
+        const float limit = (dtype == DType::F32 || fp32_out ? fp32_rel : bf16_ulps * 0.0079f) * std::max(1.0f, scale);
         for (size_t i = 0; i < want.logits.size(); ++i) {
           ASSERT_FALSE(std::isnan(have.logits[i])) << where << " rows " << rows << " element " << i;
           ASSERT_LE(std::fabs(have.logits[i] - want.logits[i]), limit) << where << " rows " << rows << " element " << i;
-          if (dtype == DType::BF16) {
+          if (dtype == DType::BF16 && !fp32_out) {
             ASSERT_TRUE(exact_bf16(have.logits[i])) << where << " rows " << rows << " element " << i << " was not rounded";
           }
         }
@@ -237,6 +239,22 @@ TEST(CudaPrefillGemm, OddShapesMatchTheCpuLinear) {
                                EXPECT_EQ(ran.gemms, rows >= 32 ? gemms : 0) << where;
                              });
     }
+  }
+}
+
+// Router logits on the GEMM path: tokens → embedding [50, 200] → router_logits ([97, 200]) as the
+// output, fp32 and never rounded. Bound: fp32 reassociation for both activation dtypes (bf16 inputs
+// are exact, so a logit rounded to bf16, ~2⁻⁹ of the scale, fails it); one GEMM a step of ≥ 32 rows.
+TEST(CudaPrefillGemm, RouterLogitsMatchTheCpuUnrounded) {
+  Graph g;
+  const int tokens = g.add(Op::kTokens, {}, {}, {}, "tokens");
+  const int x = g.add(Op::kEmbedding, {tokens}, {declare_weight(g, "model.embed_tokens.weight", {50, 200})}, {}, "embed");
+  g.set_output(g.add(Op::kRouterLogits, {x}, {declare_weight(g, "block_sparse_moe.gate.weight", {97, 200})}, {}, "router_logits"));
+  g.verify();
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    expect_gpu_matches_cpu(
+        g, random_checkpoint(g, 7, dtype, "prefill-router"), dtype, "router logits", 1e-5f, 0.0f,
+        [&](const cuda::CudaBackend&, int64_t rows, PathCounts ran, const std::string& where) { EXPECT_EQ(ran.gemms, rows >= 32 ? 1 : 0) << where; }, true);
   }
 }
 
@@ -314,6 +332,7 @@ TEST(CudaPrefillGemm, RoutedExpertsMatchTheCpuOps) {
       const Graph graph = moe_graph(c);
       auto check = [&](const cuda::CudaBackend& gpu, int64_t rows, PathCounts ran, const std::string& where) {
         ASSERT_EQ(ran.expert_ops, rows >= 32 ? 2 : 0) << where;
+        EXPECT_EQ(ran.gemms, rows >= 32 ? (c.add ? 2 : 1) : 0) << where << ": the router logits (and the shared linear) as GEMMs";
         if (rows < 32) return;
         const std::vector<int32_t> tokens = gpu.last_expert_tokens();
         ASSERT_EQ(static_cast<int64_t>(tokens.size()), c.experts) << where;

@@ -229,6 +229,56 @@ TEST(ValidatePlan, QueuesAndSlices) {
   expect_rejected(plan, "splits a unit");
 }
 
+// moe_topk spreads over rows: min(workers, ⌈max_tokens / 16⌉) tasks, the first whole, the others the
+// empty slice at its end (the GPU body shares rows by task; the CPU runs the whole one). A plan with
+// more empty tasks than its spread is rejected; one with fewer (files from before the spread) passes.
+TEST(ValidatePlan, MoeTopkSpreadsOverRows) {
+  struct Case {
+    int workers;
+    int64_t tokens;
+    size_t tasks;
+  };
+  for (const Case& c : {Case{8, 2, 1}, Case{8, 16, 1}, Case{8, 17, 2}, Case{8, 64, 4}, Case{3, 64, 3}, Case{132, 1024, 64}}) {
+    const Plan plan = tiny_plan(c.workers, c.tokens);
+    const int32_t topk = first_op(plan, Op::kMoeTopK);
+    const std::vector<int32_t> tasks = tasks_of(plan, topk);
+    ASSERT_EQ(tasks.size(), c.tasks) << c.workers << " workers, " << c.tokens << " rows";
+    const int64_t width = plan.ops[static_cast<size_t>(topk)].width;
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      const PlanTask& task = plan.tasks[static_cast<size_t>(tasks[i])];
+      EXPECT_EQ(task.col_begin, i == 0 ? 0 : width) << i;
+      EXPECT_EQ(task.col_end, width) << i;
+    }
+  }
+  Plan plan = tiny_plan(8, 64);
+  plan.max_tokens = 16;  // a spread of 1: the 3 empty tasks are too many
+  expect_rejected(plan, "4 tasks, at most 1");
+  plan = tiny_plan(8, 64);  // a plan file from before the spread: one task for the whole op
+  const int32_t topk = first_op(plan, Op::kMoeTopK);
+  const std::vector<int32_t> tasks = tasks_of(plan, topk);
+  std::vector<PlanTask> kept;
+  std::vector<int32_t> renumber(plan.tasks.size(), -1);
+  std::vector<int64_t> dropped_signals(static_cast<size_t>(plan.counters), 0);  // per counter, from the dropped tasks
+  for (int32_t t = 0; t < static_cast<int32_t>(plan.tasks.size()); ++t) {
+    if (std::find(tasks.begin() + 1, tasks.end(), t) != tasks.end()) {
+      for (int32_t counter : plan.tasks[static_cast<size_t>(t)].signals) dropped_signals[static_cast<size_t>(counter)] += 1;
+      continue;
+    }
+    renumber[static_cast<size_t>(t)] = static_cast<int32_t>(kept.size());
+    kept.push_back(plan.tasks[static_cast<size_t>(t)]);
+  }
+  for (PlanTask& task : kept) task.wait_threshold -= dropped_signals[static_cast<size_t>(task.wait_counter)];
+  for (auto& queue : plan.queues) {
+    std::vector<int32_t> renumbered;
+    for (int32_t t : queue) {
+      if (renumber[static_cast<size_t>(t)] >= 0) renumbered.push_back(renumber[static_cast<size_t>(t)]);
+    }
+    queue = renumbered;
+  }
+  plan.tasks = kept;
+  EXPECT_NO_THROW(validate_plan(plan, PlanInterpreter::has_op));
+}
+
 TEST(ValidatePlan, ShapesAndStatesAreRederived) {
   Plan plan = tiny_plan();
   plan.ops[static_cast<size_t>(first_op(plan, Op::kLinear))].width += 1;

@@ -58,9 +58,10 @@ struct OpDesc {
   const int64_t* in_stride = nullptr;  // [num_inputs] floats between rows
   const DeviceWeight* weights = nullptr;  // [num_weights]
   float attr[kMaxAttrs] = {};     // packed by pack_attrs (attrs.cpp): op-specific order
-  // Tasks that cooperate across blocks within one op (MLA split-KV, ops/mla.cuh): the op's task count,
-  // a global workspace its tasks share during one step, and kOpSyncCounters counters that are 0
-  // whenever the op is not running (its last task to leave resets them). Null / 0 for other ops.
+  // The op's task count (every op: moe_topk and the row-reduction norms share rows by it). Tasks that
+  // cooperate across blocks within one op (MLA split-KV, ops/mla.cuh) also get a global workspace they
+  // share during one step, and kOpSyncCounters counters that are 0 whenever the op is not running (its
+  // last task to leave resets them). Null / 0 for other ops.
   int32_t tasks = 1;
   float* workspace = nullptr;
   int64_t workspace_floats = 0;

@@ -22,7 +22,7 @@ cudaDataType half_type(int32_t type) { return type == kWBF16 ? CUDA_R_16BF : CUD
 }  // namespace
 
 std::optional<GemmOp> gemm_form(const Plan& plan, const PlanOp& op, const DeviceWeight& weight, int32_t act) {
-  if (op.op() != Op::kLinear || op.inputs.size() != 1 || weight.parts != 1 || weight.type == kWMXFP4) return std::nullopt;
+  if ((op.op() != Op::kLinear && op.op() != Op::kRouterLogits) || op.inputs.size() != 1 || weight.parts != 1 || weight.type == kWMXFP4) return std::nullopt;
   const PlanOp& input = plan.op(op.inputs.front());
   if (weight.cols != input.width || weight.rows != op.width) return std::nullopt;
   const bool exact_input = input.dtype == OutDType::kAct && ((weight.type == kWBF16 && act == kABF16) || (weight.type == kWF16 && act == kAF16));

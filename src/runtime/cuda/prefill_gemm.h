@@ -1,5 +1,5 @@
-// Prefill on tensor cores (issue H, first slice): a prefill plan's plain linear ops run as one cuBLAS
-// GEMM each, between megakernel segments, when a step has ≥ kGemmMinRows rows; the op's own tasks then
+// Prefill on tensor cores (issue H, first slice): a prefill plan's plain linear and router_logits ops
+// run as one cuBLAS GEMM each, between megakernel segments, when a step has ≥ kGemmMinRows rows; the op's own tasks then
 // only round the fp32 GEMM output to the activation dtype (ops/round_rows.cuh), as the GEMV body
 // rounds its dots. Internal to src/runtime/cuda (backend.cpp).
 #pragma once
@@ -27,8 +27,9 @@ struct GemmOp {
   int64_t x_stride = 0;  // floats between input rows: the input's width, or its source's for a slice view
 };
 
-// The GEMM form of `op`, when it has one: a plain kLinear over one dense matrix whose input values are
-// exact in the GEMM's input type. fp32 weights: an fp32 GEMM (no TF32) over the arena as is; bf16 or
+// The GEMM form of `op`, when it has one: a plain kLinear or kRouterLogits over one dense matrix whose
+// input values are exact in the GEMM's input type. The GEMM's fp32 output is what the op's rounding
+// tasks leave as it is where the op's dtype is fp32 (router logits: never rounded, OpDesc::round_out 0). fp32 weights: an fp32 GEMM (no TF32) over the arena as is; bf16 or
 // f16 weights: activations of that dtype (input op rounded to it), converted exactly; else nullopt.
 std::optional<GemmOp> gemm_form(const Plan& plan, const PlanOp& op, const DeviceWeight& weight, int32_t act);
 

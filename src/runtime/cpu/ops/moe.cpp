@@ -42,6 +42,7 @@ void cpu_moe_topk(OpContext& ctx) {
   const Attrs& a = ctx.node.attrs;
   const int64_t experts = a.i("experts"), top_k = a.i("top_k"), groups = a.i("groups"), keep_groups = a.i("topk_groups");
   const int64_t per_group = experts / groups;
+  if (ctx.end() <= ctx.begin()) return;  // a task of a plan's spread over rows (the GPU's share): no columns, the whole task does every row
   PLOW_CHECK(ctx.begin() == 0 && ctx.end() == ctx.node.width, "{}: moe_topk runs whole (top-k spans all experts)", ctx.node.label);
   PLOW_CHECK(ctx.inputs[0].width == experts, "{}: {} logits for {} experts", ctx.node.label, ctx.inputs[0].width, experts);
   std::vector<float> scores(static_cast<size_t>(experts)), choice(static_cast<size_t>(experts));

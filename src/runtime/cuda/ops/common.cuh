@@ -35,25 +35,42 @@ __device__ __forceinline__ float weight_flat(const DeviceWeight& w, int64_t i) {
   }
 }
 
-// One reduction per row over `rows` rows. partial(t, first, stride) returns this thread's share of row
-// t's sum (elements first, first+stride, …); emit(t, total, first, stride) uses the row total with the
-// same element split. Few rows: the whole block reduces one row at a time; many rows: one warp per
-// row. Block-uniform; ends with __syncthreads so `red` (32 floats of shared memory) and whatever emit
-// wrote may be reused at once.
+// One reduction per row over rows first_row, first_row + row_stride, … below `rows`. partial(t, first,
+// stride) returns this thread's share of row t's sum (elements first, first+stride, …); emit(t, total,
+// first, stride) uses the row total with the same element split. Few rows (`rows` < 8): the whole block
+// reduces one row at a time; many rows: one warp per row — the split depends on `rows` only, so a row's
+// sum is the same whichever task reduces it. Block-uniform; ends with __syncthreads so `red` (32 floats
+// of shared memory) and whatever emit wrote may be reused at once.
 template <typename Partial, typename Emit>
-__device__ __forceinline__ void for_each_row_sum(int rows, float* red, Partial partial, Emit emit) {
+__device__ __forceinline__ void for_each_row_sum(int rows, float* red, Partial partial, Emit emit, int first_row = 0, int row_stride = 1) {
   if (rows < 8) {
-    for (int t = 0; t < rows; ++t) {
+    for (int t = first_row; t < rows; t += row_stride) {
       const float total = block_sum(partial(t, static_cast<int>(threadIdx.x), kThreads), red);
       emit(t, total, static_cast<int>(threadIdx.x), kThreads);
     }
   } else {
-    for (int t = warp_id(); t < rows; t += kWarps) {
+    for (int t = first_row + warp_id() * row_stride; t < rows; t += kWarps * row_stride) {
       const float total = warp_sum(partial(t, lane_id(), 32));
       emit(t, total, lane_id(), 32);
     }
   }
   __syncthreads();
+}
+
+// What a task of a row-reduction op (rms_norm, add_norm: a whole input row reduced per output row)
+// writes. Few rows (decode): every row, the task's column slice, each task reducing every row. Many rows
+// (≥ 8 and ≥ 2 per task; the same form for every task of the step): rows task, task + tasks, … of all
+// the op's columns, so each row is read and reduced once instead of once per task (132× at 1024 rows ×
+// 2304 on 132 workers) — legal because consumers and the op's overwriters wait for all of its tasks.
+// Both forms reduce a row with for_each_row_sum's split for the step's rows: bit-identical results.
+struct RowShare {
+  int first_row, row_stride;
+  int64_t col_begin, col_end;
+};
+__device__ __forceinline__ RowShare row_share(const TaskCtx& ctx) {
+  const int rows = ctx.rows(), tasks = ctx.op->tasks;
+  if (rows >= 8 && rows >= 2 * tasks) return {ctx.task, tasks, 0, ctx.op->width};
+  return {0, 1, ctx.col_begin, ctx.col_end};
 }
 
 // Calls fn(t, c) for every row t of the step and every column c of the task's slice.

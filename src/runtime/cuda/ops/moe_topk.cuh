@@ -1,5 +1,6 @@
-// MoE top-k (spec/MODEL.md §4.5 R2–R7; cpu: ops/moe.cpp cpu_moe_topk), one task for the whole op, one
-// warp per token row: sigmoid or softmax scores of the fp32 logits (router_logits, a GEMV in gemv.cuh),
+// MoE top-k (spec/MODEL.md §4.5 R2–R7; cpu: ops/moe.cpp cpu_moe_topk), one warp per token row; the
+// op's tasks (one per 16 rows of the plan, up to the workers: graph/op_table spread_tasks) split the
+// step's rows into near-equal shares, whatever columns the plan gave them: sigmoid or softmax scores of the fp32 logits (router_logits, a GEMV in gemv.cuh),
 // selection on score + bias with group-limited top-k (group score = sum of its top-2), weights from the
 // unbiased scores, renormalized then scaled. Ties go to the lower index, as the CPU's stable sort: every
 // top-k here is an iterative argmax whose comparison prefers the lower index on equal values (−∞
@@ -122,7 +123,8 @@ __device__ inline void router_select_row(const TaskCtx& ctx, const RouterArgs& a
   __syncwarp();
 }
 
-// kMoeTopK (whole): logits [T, E] fp32 → [T, 2k] fp32: k weights, then k expert ids (exact in fp32).
+// kMoeTopK (whole, rows shared by its tasks): logits [T, E] fp32 → [T, 2k] fp32: k weights, then k
+// expert ids (exact in fp32). Task i of n writes rows [T·i/n, T·(i+1)/n): consumers wait for all n.
 // attrs: [0] experts, [1] top_k, [2] groups, [3] topk_groups, [4] renormalize, [5] scale, [6] softmax.
 // Weight: bias [E]. Requires E ≤ 1024, top_k ≤ 64, groups | E (pack_misc_attrs checks).
 __device__ __noinline__ void op_moe_topk(const TaskCtx& ctx) {
@@ -139,7 +141,9 @@ __device__ __noinline__ void op_moe_topk(const TaskCtx& ctx) {
   const int warps = min(kWarps, static_cast<int>(kSharedBytes / (per_warp * sizeof(float))));
   if (warp_id() >= warps) return;  // no block barrier follows
   float* buf = smem_floats(ctx) + warp_id() * per_warp;
-  for (int t = warp_id(); t < ctx.rows(); t += warps) router_select_row(ctx, a, ctx.in(0, t), buf, ctx.out(t));
+  const int64_t tasks = ctx.op->tasks, rows = ctx.rows();
+  const auto first = static_cast<int>(rows * ctx.task / tasks), end = static_cast<int>(rows * (ctx.task + 1) / tasks);
+  for (int t = first + warp_id(); t < end; t += warps) router_select_row(ctx, a, ctx.in(0, t), buf, ctx.out(t));
 }
 
 }  // namespace plow::cuda

@@ -1,6 +1,7 @@
 // RMSNorm family (cpu: ops/norm.cpp, fused.cpp cpu_add_norm): kRmsNorm (input row whole, output
 // slice), kGatedRmsNorm (whole heads, one warp per (row, head)) and kAddNorm (the sum's whole row is
-// reduced; the slice covers either half of the [sum | norm(sum)] output).
+// reduced; the slice covers either half of the [sum | norm(sum)] output). kRmsNorm and kAddNorm steps
+// of many rows give each task whole rows instead of its slice (common.cuh row_share).
 // Roundings as the CPU: RMSNorm casts x·scale to the activation dtype before the weight multiply.
 #pragma once
 
@@ -14,6 +15,7 @@ __device__ __noinline__ void op_rms_norm(const TaskCtx& ctx) {
   const int64_t n = ctx.op->width;
   const float eps = ctx.attr(0);
   const int32_t act = ctx.op->act;
+  const RowShare share = row_share(ctx);
   for_each_row_sum(
       ctx.rows(), smem_floats(ctx),
       [&](int t, int first, int stride) {
@@ -26,8 +28,9 @@ __device__ __noinline__ void op_rms_norm(const TaskCtx& ctx) {
         const float scale = inv_rms(total, n, eps);
         const float* x = ctx.in(0, t);
         float* out = ctx.out(t);
-        for (int64_t i = ctx.col_begin + first; i < ctx.col_end; i += stride) out[i] = round_out(ctx, weight_flat(w, i) * round_act(act, x[i] * scale));
-      });
+        for (int64_t i = share.col_begin + first; i < share.col_end; i += stride) out[i] = round_out(ctx, weight_flat(w, i) * round_act(act, x[i] * scale));
+      },
+      share.first_row, share.row_stride);
 }
 
 // kGatedRmsNorm (KDA output norm, §4.2 K7): per head of d channels, out = act(w ⊙ (o·rsqrt(mean(o²)+ε)) ⊙ σ(z)),
@@ -57,6 +60,7 @@ __device__ __noinline__ void op_add_norm(const TaskCtx& ctx) {
   const int64_t half = ctx.op->width / 2;
   const float eps = ctx.attr(0);
   const int32_t act = ctx.op->act;
+  const RowShare share = row_share(ctx);
   for_each_row_sum(
       ctx.rows(), smem_floats(ctx),
       [&](int t, int first, int stride) {
@@ -74,12 +78,13 @@ __device__ __noinline__ void op_add_norm(const TaskCtx& ctx) {
         const float* a = ctx.in(0, t);
         const float* b = ctx.in(1, t);
         float* out = ctx.out(t);
-        for (int64_t c = ctx.col_begin + first; c < ctx.col_end; c += stride) {
+        for (int64_t c = share.col_begin + first; c < share.col_end; c += stride) {
           const int64_t i = c < half ? c : c - half;
           const float s = round_act(act, a[i] + b[i]);
           out[c] = c < half ? s : round_act(act, weight_flat(w, i) * round_act(act, s * scale));
         }
-      });
+      },
+      share.first_row, share.row_stride);
 }
 
 }  // namespace plow::cuda
