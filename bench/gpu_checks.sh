@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks on a machine with an H100/H200, from binaries built elsewhere (BIN, default build/bin):
 # the four gpu test binaries, then compute-sanitizer memcheck and racecheck on a small plan (the
-# megakernel and eager). Logs go to OUT (default /tmp/plow-gpu); a summary is printed last.
+# megakernel and eager) and on split-KV MLA at the real head shape. Logs go to OUT (default /tmp/plow-gpu); a summary is printed last.
 set -u
 BIN=${BIN:-build/bin}
 OUT=${OUT:-/tmp/plow-gpu}
@@ -23,5 +23,9 @@ small='Fixtures/CudaModelTest.RunToRunBitIdentical/tiny_kimi_linear_w7_'
 run memcheck_mega 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_model_tests" --gtest_filter="${small}mega"
 run memcheck_eager 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_model_tests" --gtest_filter="${small}eager"
 run racecheck_mega 120 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_model_tests" --gtest_filter="${small}mega"
+# MLA split-KV with the tensor-core B item and the vector W_UV rows (bf16, the real head shape), both modes.
+mla='MlaLong/CudaMlaLongTest.MatchesReference/h2_rank512_ctx700_b3_w3_bf16'
+run memcheck_mla 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$mla"
+run racecheck_mla 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$mla"
 for line in "${summary[@]}"; do echo "$line"; done
 grep -h -E '^\[  FAILED  \]' "$OUT"/*_tests.log | sort -u | head -40

@@ -176,6 +176,7 @@ __device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaSha
       }
       sm.p[j * kMlaMmaRows + r] = p;
       const float sum = warp_sum(p);
+      __syncwarp();  // every lane has read m[j] before lane 0 rewrites it (racecheck)
       if (lane == 0) {
         sm.alpha[j] = alpha;
         if (m_new != -INFINITY) sm.l[j] = sm.l[j] * alpha + sum, sm.m[j] = m_new;
