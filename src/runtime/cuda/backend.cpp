@@ -485,7 +485,10 @@ StepOutput CudaBackend::step(const StepInputs& inputs) {
   Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(chosen)];
   if (m.options.poison_arena) check(cudaMemsetAsync(m.arena.ptr, 0xFF, m.arena.bytes, m.stream), "arena poison");  // 0xFFFFFFFF is a NaN
   const StepView view = m.upload_step(prepared, inputs.token_ids, inputs.sequences);
-  m.launch(prepared, m.params(prepared, view, m.options.eager), m.options.eager);
+  // Op timing runs the step eagerly: its parameters must be eager ones too (task-order instructions,
+  // and no epoch advance, which a megakernel step after it would wait on forever).
+  const bool eager = m.options.eager || m.op_timing;
+  m.launch(prepared, m.params(prepared, view, eager), eager);
   if (m.options.comm) m.fold_argmax(prepared, view, static_cast<int>(inputs.sequences.size()), nullptr);
 
   const PlanOp& head = prepared.plan.op(prepared.plan.output_op);

@@ -223,7 +223,7 @@ struct CudaBackend::Impl {
     if (gemm && moe_runner) moe_runner->new_step();  // the last step's routing is stale
     if (mla) mla_runner->new_step();
     const GemmSchedule& schedule = prepared.gemm.schedule(mla);
-    if (eager || op_timing) {
+    if (eager) {  // step() passes eager while op_timing is on
       KernelParams tasks = p;
       if (gemm) tasks.instrs = schedule.task_instrs.as<Instr>();
       if (op_timing) {
