@@ -197,18 +197,36 @@ __device__ inline void mla_tile_softmax(const MlaSplitSmem& sm, int nq, int n) {
   sm.m[j] = m_new;
 }
 
-// B item ib: positions [k·split_rows, …) of one sequence against query group gq (queries q0 + j, token
-// q / heads, head q % heads). Writes (max, sum) and u = Σ exp(s − max)·c of each query.
-__device__ __noinline__ void mla_split_item(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched, int ib, const MlaWorkspace& ws, float* smem) {
-  const StepView& step = *ctx.step;
+// Where B item ib works: its sequence, the sequence's context and first row, its queries [q0, q0 + nq)
+// of that sequence (query q: token q / heads, head q % heads) and its cache positions [begin, stop),
+// cut at the group's causal bound. Both B bodies (here and mla_mma.cuh) take their item from it.
+struct MlaBItem {
+  int seq, context, first, q0, nq, begin, stop;
+};
+
+__device__ inline MlaBItem mla_b_item(const StepView& step, const MlaShape& sh, const MlaSchedule& sched, int ib) {
   int s = 0;
   MlaSeqItems si = mla_seq_items(step, sh, sched.split_rows, 0);
   while (ib >= si.base + si.groups * si.splits) si = mla_seq_items(step, sh, sched.split_rows, ++s);
   const int k = (ib - si.base) / si.groups, gq = (ib - si.base) % si.groups;
-  const int context = step.seq_context[s], first = step.seq_first_row[s], q0 = gq * kMlaGroup;
-  const int nq = step.seq_tokens[s] * sh.heads - q0 < kMlaGroup ? step.seq_tokens[s] * sh.heads - q0 : kMlaGroup;
-  const int begin = k * sched.split_rows, last_visible = context + (q0 + nq - 1) / sh.heads + 1;  // causal bound of the group
-  const int stop = begin + sched.split_rows < last_visible ? begin + sched.split_rows : last_visible;
+  MlaBItem it;
+  it.seq = s;
+  it.context = step.seq_context[s];
+  it.first = step.seq_first_row[s];
+  it.q0 = gq * kMlaGroup;
+  it.nq = step.seq_tokens[s] * sh.heads - it.q0 < kMlaGroup ? step.seq_tokens[s] * sh.heads - it.q0 : kMlaGroup;
+  it.begin = k * sched.split_rows;
+  const int last_visible = it.context + (it.q0 + it.nq - 1) / sh.heads + 1;  // causal bound of the group
+  it.stop = it.begin + sched.split_rows < last_visible ? it.begin + sched.split_rows : last_visible;
+  return it;
+}
+
+// B item ib: positions [k·split_rows, …) of one sequence against query group gq (queries q0 + j, token
+// q / heads, head q % heads). Writes (max, sum) and u = Σ exp(s − max)·c of each query.
+__device__ __noinline__ void mla_split_item(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched, int ib, const MlaWorkspace& ws, float* smem) {
+  const StepView& step = *ctx.step;
+  const MlaBItem it = mla_b_item(step, sh, sched, ib);
+  const int s = it.seq, context = it.context, first = it.first, q0 = it.q0, nq = it.nq, begin = it.begin, stop = it.stop;
   MlaSplitSmem st;
   st.qvec = smem;                                  // [kMlaGroup][latent]
   st.tile = st.qvec + kMlaGroup * sh.latent;       // [kMlaTileRows][latent]

@@ -69,14 +69,8 @@ static_assert(kMlaGroup == 16 && kWarps == 16, "one m16 tile of queries; four sc
 __device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched, int ib, const MlaWorkspace& ws,
                                                 float* smem) {
   const StepView& step = *ctx.step;
-  int s = 0;
-  MlaSeqItems si = mla_seq_items(step, sh, sched.split_rows, 0);
-  while (ib >= si.base + si.groups * si.splits) si = mla_seq_items(step, sh, sched.split_rows, ++s);
-  const int k = (ib - si.base) / si.groups, gq = (ib - si.base) % si.groups;
-  const int context = step.seq_context[s], first = step.seq_first_row[s], q0 = gq * kMlaGroup;
-  const int nq = step.seq_tokens[s] * sh.heads - q0 < kMlaGroup ? step.seq_tokens[s] * sh.heads - q0 : kMlaGroup;
-  const int begin = k * sched.split_rows, last_visible = context + (q0 + nq - 1) / sh.heads + 1;
-  const int stop = begin + sched.split_rows < last_visible ? begin + sched.split_rows : last_visible;
+  const MlaBItem it = mla_b_item(step, sh, sched, ib);
+  const int s = it.seq, context = it.context, first = it.first, q0 = it.q0, nq = it.nq, begin = it.begin, stop = it.stop;
   const MlaMmaSmem sm = mla_mma_smem(smem);
   const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
   const int g = lane >> 2, c2 = (lane & 3) * 2;  // fragment row (group) and column pair
