@@ -140,6 +140,9 @@ void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
   cmd->add_flag("--gemv-peer", args.gemv_peer, "also time today's path (fused prefill plans, GEMV bodies) on the same weights");
   cmd->add_flag("--mla-body-peer", args.mla_body_peer, "also time the GEMM path with mla_attention on its op body (split-KV, absorbed) instead of GEMMs");
   cmd->add_flag("--profile", args.profile, "also run each prompt once more one launch per op with events: per-opcode time (GEMMs and host ops included)");
+  cmd->add_option("--kda-peer", args.kda_peer,
+                  "command printing fla chunk_kda's times (bench/peers/fla_kda.py); given --tokens, --heads and --dim, run before the engine takes the GPU; "
+                  "compared with kda_delta_rule's time per layer under --profile");
   cmd->add_flag("--flops-only", args.flops_only, "print the FLOPs each prompt must do (TFLOP/s's numerator) and stop; needs no GPU");
   cmd->add_option("-o,--output", args.output, "JSON array the records are appended to");
 }
@@ -171,6 +174,23 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
   for (int64_t p : args.prompts) chunks.insert(chunk_of(p));
   const int64_t max_context = *std::max_element(args.prompts.begin(), args.prompts.end()) + 8;
   std::cerr << fmt::format("bench prefill: {} ({} SMs), {} activations\n", device, sms, dtype_name(dtype));
+
+  // The KDA kernel peer first, on an idle GPU: one layer's shape at each prompt length.
+  const int64_t kda_layers = model->config.num_layers_of(MixerKind::kKda);
+  std::map<int64_t, json> kda_peer;
+  if (!args.kda_peer.empty() && kda_layers > 0) {
+    std::string lengths;
+    for (int64_t p : args.prompts) lengths += (lengths.empty() ? "" : ",") + std::to_string(p);
+    int status = 0;
+    const std::string out = run_and_capture(fmt::format("{} --tokens {} --heads {} --dim {}", args.kda_peer, lengths, model->config.kda.num_heads,
+                                                        model->config.kda.head_dim),
+                                            &status);
+    try {
+      for (const json& r : json::parse(out.substr(out.find('[') == std::string::npos ? 0 : out.find('[')))) kda_peer[r.at("tokens").get<int64_t>()] = r;
+    } catch (const json::exception& e) {
+      std::cerr << fmt::format("bench prefill: the KDA peer printed no JSON array of records (status {}): {}\n", status, e.what());
+    }
+  }
 
   auto weights = cuda::random_device_weights(model->graph, args.seed, dtype);
   auto backend = make_backend(*model, weights, chunks, workers, max_context, dtype, true);
@@ -260,6 +280,26 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
         std::cerr << fmt::format("    {:<22} {:9.2f} ms {:5.1f}%  {:9d} tasks\n", o.op, o.ms, 100.0 * o.ms / total, o.tasks);
       }
       record["profile"] = {{"ttft_ms_one_launch_per_op", ms}, {"rows", rows}};
+    }
+    if (!args.kda_peer.empty()) {
+      // Equal work: the prompt through one KDA layer's delta rule (ours: the profile's kda_delta_rule
+      // time over the prompt's chunks, per layer; fla: one chunk_kda call over the whole prompt).
+      json entry = kda_peer.contains(p) ? kda_peer[p] : json{{"skipped", "the peer did not report this length"}};
+      entry["what"] = fmt::format("fla chunk_kda, one layer: {} tokens x {} heads x {} (bf16 q/k/v, fp32 g and state, l2norm in kernel)", p,
+                                  model->config.kda.num_heads, model->config.kda.head_dim);
+      double ours = -1;
+      if (args.profile) {
+        for (const cuda::OpcodeProfile& o : backend->op_times()) {
+          if (o.op == "kda_delta_rule") ours = o.ms / static_cast<double>(kda_layers);
+        }
+      }
+      if (ours >= 0) entry["ours_ms_per_layer"] = ours;
+      if (ours > 0 && entry.contains("ms")) {
+        entry["speedup_vs_peer"] = entry["ms"].get<double>() / ours;
+        std::cerr << fmt::format("  KDA, one layer: ours {:.3f} ms, fla chunk_kda {:.3f} ms ({:.2f}x)\n", ours, entry["ms"].get<double>(),
+                                 entry["ms"].get<double>() / ours);
+      }
+      record["peers"]["fla_chunk_kda"] = entry;
     }
     append_records(args.output, json::array({record}));  // each prompt's record as soon as it is measured
     std::cout << record.dump() << "\n";

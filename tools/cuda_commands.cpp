@@ -34,18 +34,6 @@ namespace {
 
 using nlohmann::json;
 
-std::string run_and_capture(const std::string& command, int* status = nullptr) {
-  std::string out;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return out;
-  std::array<char, 4096> buffer{};
-  size_t n = 0;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) out.append(buffer.data(), n);
-  const int rc = pclose(pipe);
-  if (status != nullptr) *status = rc;
-  return out;
-}
-
 double weight_bytes(const WeightDecl& decl, DType dtype) {
   double n = 1;
   for (int64_t d : decl.shape) n *= static_cast<double>(d);
@@ -90,6 +78,18 @@ double decode_bytes(const LoadedModel& model, int64_t batch, int64_t context, DT
 }
 
 }  // namespace
+
+std::string run_and_capture(const std::string& command, int* status) {
+  std::string out;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return out;
+  std::array<char, 4096> buffer{};
+  size_t n = 0;
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) out.append(buffer.data(), n);
+  const int rc = pclose(pipe);
+  if (status != nullptr) *status = rc;
+  return out;
+}
 
 std::string git_revision() {
   if (const char* env = std::getenv("PLOW_GIT_REV"); env != nullptr && *env != '\0') return env;

@@ -98,6 +98,7 @@ struct BenchPrefillArgs {
   bool gemv_peer = false;  // also time today's path: fused prefill plans on the GEMV bodies
   bool mla_body_peer = false;  // also time the GEMM path with mla_attention on its op body (split-KV)
   bool profile = false;        // one more run per prompt, one launch per op between events: per-opcode time
+  std::string kda_peer;        // command printing fla chunk_kda's records for --tokens/--heads/--dim (run before the engine takes the GPU)
   bool flops_only = false;  // print the FLOP model per prompt and stop (no GPU)
   std::string output = "bench/results/prefill.json";
   std::string command_line;
@@ -109,6 +110,8 @@ int run_bench_prefill(const BenchPrefillArgs& args);
 // Shared by the benchmarks: the short git revision (−dirty when the tree has changes; PLOW_GIT_REV
 // overrides), and records appended to the JSON array at `path` (created when missing).
 std::string git_revision();
+// Runs a shell command and returns what it printed on stdout; *status gets pclose's status.
+std::string run_and_capture(const std::string& command, int* status = nullptr);
 void append_records(const std::string& path, const nlohmann::json& records);
 
 }  // namespace plow::tools

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <limits>
+#include <numeric>
 
 #include "core/error.h"
 #include "graph/graph.h"
@@ -227,7 +228,7 @@ constexpr std::array<OpInfo, static_cast<size_t>(Op::kCount)> kOps = {{
     {Op::kShortConvSilu, "short_conv_silu", 1, 1, OutDType::kAct, true, short_conv_rule, Slicing::kColumns, ""},
     {Op::kKdaGate, "kda_gate", 1, 2, OutDType::kF32, false, kda_gate_rule, Slicing::kColumns, ""},
     {Op::kSigmoid, "sigmoid", 1, 0, OutDType::kF32, false, same_width_rule, Slicing::kColumns, ""},
-    {Op::kKdaDeltaRule, "kda_delta_rule", 5, 0, OutDType::kAct, true, delta_rule_rule, Slicing::kHeads, "head_dim"},
+    {Op::kKdaDeltaRule, "kda_delta_rule", 5, 0, OutDType::kAct, true, delta_rule_rule, Slicing::kHeadColumns, "head_dim"},
     {Op::kGatedRmsNorm, "gated_rms_norm", 2, 1, OutDType::kAct, false, gated_norm_rule, Slicing::kHeads, "head_dim"},
     {Op::kMlaAttention, "mla_attention", 2, 2, OutDType::kAct, true, mla_rule, Slicing::kHeads, "v"},
     {Op::kSiluMul, "silu_mul", 2, 0, OutDType::kAct, false, same_width_rule, Slicing::kColumns, ""},
@@ -290,6 +291,7 @@ int64_t slice_granularity(const Node& node) {
   switch (info.slicing) {
     case Slicing::kColumns: return 1;
     case Slicing::kHeads: return node.attrs.i(info.head_attr);
+    case Slicing::kHeadColumns: return std::gcd(node.attrs.i(info.head_attr), kHeadColumnGroup);
     case Slicing::kWhole: return node.width;
   }
   PLOW_CHECK(false, "unknown slicing of {}", info.name);

@@ -82,8 +82,11 @@ using ShapeRule = int64_t (*)(const Node& node, std::span<const int64_t> input_w
 enum class OutDType : uint8_t { kAct, kF32 };  // kAct: the model's activation dtype (bf16, f16 or f32)
 
 // How a plan splits an op over workers: by output columns, by whole heads (the columns of one head
-// stay together; `head_attr` names the attribute holding a head's output width), or not at all.
-enum class Slicing : uint8_t { kColumns, kHeads, kWhole };
+// stay together; `head_attr` names the attribute holding a head's output width), by groups of a head's
+// columns (kHeadColumns: gcd(head width, kHeadColumnGroup) columns, for ops whose output columns are
+// independent within a head, as KDA's value columns), or not at all.
+enum class Slicing : uint8_t { kColumns, kHeads, kHeadColumns, kWhole };
+inline constexpr int64_t kHeadColumnGroup = 32;
 
 struct OpInfo {
   Op op;
@@ -104,7 +107,7 @@ OutDType out_dtype_of(Op op, const Attrs& attrs);
 // (input 1) chose: weight traffic counts top_k parts, not all of them.
 bool reads_routed_experts(Op op);
 // Output columns per indivisible unit of work: 1 for column-sliced ops, a head's width for per-head
-// ops, the whole width for ops that run as one task.
+// ops, gcd(head width, 32) for head-column ops, the whole width for ops that run as one task.
 int64_t slice_granularity(const Node& node);
 // Whether the op's tasks cooperate across blocks (one task per worker, a shared workspace): MLA, whose
 // GPU body splits the latent cache over all of its tasks (split-KV).

@@ -329,6 +329,11 @@ std::vector<OpCase> cases() {
     all.push_back(kda_prefill(heads, d, bounded));
   }
   all.push_back(kda_prefill(2, 64, false, 12.0f));  // strong decays: γ in the thousands within a chunk
+  {  // the 48B layer's slicing: one task per 32 value columns (16 tasks of 132 workers), prefill and decode
+    OpCase c = kda_prefill(4, 128, true);
+    c.workers = 132;
+    all.push_back(std::move(c));
+  }
   all.push_back(mla(1, 16, 8, 16, 16));
   all.push_back(mla(2, 16, 8, 16, 32));
   all.push_back(mla(3, 32, 8, 24, 64));

@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
+#include "graph/op_table.h"
 #include "runtime/cpu/op_context.h"
 
 namespace plow {
@@ -31,8 +33,10 @@ Inputs random_inputs(int64_t n, float gate_scale, uint64_t seed) {
   return in;
 }
 
-// Runs the op over rows [begin, begin+count) of `in` as one step of one sequence.
-void run_step(const Inputs& in, int64_t begin, int64_t count, SlotState& slot, std::vector<float>& out) {
+// Runs the op over rows [begin, begin+count) of `in` as one step of one sequence, for output columns
+// [col_begin, col_end) (−1: all).
+void run_step(const Inputs& in, int64_t begin, int64_t count, SlotState& slot, std::vector<float>& out, int64_t col_begin = 0,
+              int64_t col_end = -1) {
   Node node;
   node.op = Op::kKdaDeltaRule;
   node.attrs = {{"heads", kHeads}, {"head_dim", kDim}};
@@ -47,6 +51,8 @@ void run_step(const Inputs& in, int64_t begin, int64_t count, SlotState& slot, s
   step.sequences = {{0, count}};
   std::span<SlotState> slots(&slot, 1);
   OpContext ctx{node, args, {}, out.data() + begin * kWidth, count, DType::F32, step, slots};
+  ctx.col_begin = col_begin;
+  ctx.col_end = col_end;
   cpu_kda_delta_rule(ctx);
 }
 
@@ -90,6 +96,34 @@ TEST_P(KdaChunkedVsRecurrent, AgreesWithTokenByToken) {
 // 0.05: slow decay (state accumulates over many tokens); 5: K3's bounded gate range (−5, 0), where
 // γ reaches about −160 in a chunk; 60: strong Kimi-Linear decays (γ ≈ −2000, far past exp overflow).
 INSTANTIATE_TEST_SUITE_P(GateScales, KdaChunkedVsRecurrent, ::testing::Values(0.05f, 5.0f, 60.0f));
+
+// The plan's unit for the op: gcd(head dim, 32) columns, so the 48B shape (32 heads of 128) gives 128
+// tasks on an H200's 132 workers instead of 32.
+TEST(KdaColumnSlices, UnitIsAGroupOfValueColumns) {
+  for (const auto& [d, unit] : {std::pair<int64_t, int64_t>{128, 32}, {64, 32}, {32, 32}, {24, 8}, {16, 16}}) {
+    Node node;
+    node.op = Op::kKdaDeltaRule;
+    node.attrs = {{"heads", 4}, {"head_dim", d}};
+    node.width = 4 * d;
+    EXPECT_EQ(slice_granularity(node), unit) << "head dim " << d;
+  }
+}
+
+// Plans slice the op by groups of value columns inside a head (slice_granularity): each column of the
+// state evolves on its own, so slices that cut heads anywhere give the whole op's outputs and state bit
+// for bit, token by token and chunked.
+TEST(KdaColumnSlices, MatchTheWholeOpBitForBit) {
+  const Inputs in = random_inputs(90, 5.0f, 11);  // a chunk and 26
+  const std::vector<std::pair<int64_t, int64_t>> slices = {{0, 5}, {5, 16}, {16, 19}, {19, kWidth}};  // cut inside both heads
+  for (const int64_t tokens : {int64_t{1}, int64_t{90}}) {
+    std::vector<float> whole(static_cast<size_t>(tokens * kWidth), NAN), sliced(whole.size(), NAN);
+    SlotState a = fresh_slot(), b = fresh_slot();
+    run_step(in, 0, tokens, a, whole);
+    for (const auto& [begin, end] : slices) run_step(in, 0, tokens, b, sliced, begin, end);
+    EXPECT_EQ(std::memcmp(whole.data(), sliced.data(), whole.size() * sizeof(float)), 0) << tokens << " tokens: outputs";
+    EXPECT_EQ(a.buffers[0], b.buffers[0]) << tokens << " tokens: state";
+  }
+}
 
 }  // namespace
 }  // namespace plow

@@ -1,5 +1,6 @@
 // KDA (spec/MODEL.md §4.2, §5, §6): causal short conv + SiLU over the conv window, the forget gate,
 // and the gated delta rule — recurrent for single-token steps, chunked (C = 64) for longer ones.
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -65,12 +66,15 @@ void cpu_kda_gate(OpContext& ctx) {
 namespace {
 
 // One head of one sequence, in fp32. q,k,v: [n, d] (q already l2-normalized and scaled, k normalized);
-// g: [n, d] log-decay per key channel; beta: [n]; S: [d_k, d_v] updated in place; o: [n, d].
+// g: [n, d] log-decay per key channel; beta: [n]; S: [d_k, d_v] updated in place; o: [n, d]. A task may own
+// only the value columns [c0, c1) of a head (slice_granularity): each value column of S evolves on its
+// own, so the functions below compute and store those columns alone, with the same arithmetic per column
+// as a whole head.
 struct HeadInputs {
   std::vector<float> q, k, v, g, beta;
 };
 
-void recurrent_head(const HeadInputs& in, int64_t n, int64_t d, float* S, std::vector<float>& o) {
+void recurrent_head(const HeadInputs& in, int64_t n, int64_t d, int64_t c0, int64_t c1, float* S, std::vector<float>& o) {
   std::vector<float> error(static_cast<size_t>(d));
   for (int64_t t = 0; t < n; ++t) {
     const float* q = &in.q[static_cast<size_t>(t * d)];
@@ -79,17 +83,17 @@ void recurrent_head(const HeadInputs& in, int64_t n, int64_t d, float* S, std::v
     const float* g = &in.g[static_cast<size_t>(t * d)];
     for (int64_t j = 0; j < d; ++j) {
       const float decay = std::exp(g[j]);
-      for (int64_t c = 0; c < d; ++c) S[j * d + c] *= decay;
+      for (int64_t c = c0; c < c1; ++c) S[j * d + c] *= decay;
     }
-    for (int64_t c = 0; c < d; ++c) {
+    for (int64_t c = c0; c < c1; ++c) {
       float predicted = 0.0f;
       for (int64_t j = 0; j < d; ++j) predicted += S[j * d + c] * k[j];
       error[static_cast<size_t>(c)] = (v[c] - predicted) * in.beta[static_cast<size_t>(t)];
     }
     for (int64_t j = 0; j < d; ++j) {
-      for (int64_t c = 0; c < d; ++c) S[j * d + c] += k[j] * error[static_cast<size_t>(c)];
+      for (int64_t c = c0; c < c1; ++c) S[j * d + c] += k[j] * error[static_cast<size_t>(c)];
     }
-    for (int64_t c = 0; c < d; ++c) {
+    for (int64_t c = c0; c < c1; ++c) {
       float sum = 0.0f;
       for (int64_t j = 0; j < d; ++j) sum += S[j * d + c] * q[j];
       o[static_cast<size_t>(t * d + c)] = sum;
@@ -99,7 +103,7 @@ void recurrent_head(const HeadInputs& in, int64_t n, int64_t d, float* S, std::v
 
 // spec/MODEL.md §6, one chunk of L ≤ 64 positions starting at `r0`. Pairwise decays are computed as
 // exp(γ_r − γ_j), never factored, so the bounded K3 gate cannot overflow.
-void chunk_head(const HeadInputs& in, int64_t r0, int64_t L, int64_t d, float* S, std::vector<float>& o) {
+void chunk_head(const HeadInputs& in, int64_t r0, int64_t L, int64_t d, int64_t c0, int64_t c1, float* S, std::vector<float>& o) {
   auto at = [d](const std::vector<float>& m, int64_t r, int64_t c) { return m[static_cast<size_t>(r * d + c)]; };
   std::vector<float> gamma(static_cast<size_t>(L * d));
   for (int64_t c = 0; c < d; ++c) {
@@ -115,38 +119,38 @@ void chunk_head(const HeadInputs& in, int64_t r0, int64_t L, int64_t d, float* S
   std::vector<float> U(static_cast<size_t>(L * d));
   for (int64_t r = 0; r < L; ++r) {
     const float beta = in.beta[static_cast<size_t>(r0 + r)];
-    for (int64_t c = 0; c < d; ++c) {
+    for (int64_t c = c0; c < c1; ++c) {
       float predicted = 0.0f;
       for (int64_t j = 0; j < d; ++j) predicted += at(in.k, r0 + r, j) * std::exp(gamma[static_cast<size_t>(r * d + j)]) * S[j * d + c];
       U[static_cast<size_t>(r * d + c)] = beta * (at(in.v, r0 + r, c) - predicted);
     }
     for (int64_t j = 0; j < r; ++j) {
       const float a = beta * decayed_dot(in.k, r, j);
-      for (int64_t c = 0; c < d; ++c) U[static_cast<size_t>(r * d + c)] -= a * U[static_cast<size_t>(j * d + c)];
+      for (int64_t c = c0; c < c1; ++c) U[static_cast<size_t>(r * d + c)] -= a * U[static_cast<size_t>(j * d + c)];
     }
   }
   // O = (Q ⊙ e^γ) S₀ + M·U
   for (int64_t r = 0; r < L; ++r) {
-    for (int64_t c = 0; c < d; ++c) {
+    for (int64_t c = c0; c < c1; ++c) {
       float sum = 0.0f;
       for (int64_t j = 0; j < d; ++j) sum += at(in.q, r0 + r, j) * std::exp(gamma[static_cast<size_t>(r * d + j)]) * S[j * d + c];
       o[static_cast<size_t>((r0 + r) * d + c)] = sum;
     }
     for (int64_t j = 0; j <= r; ++j) {
       const float m = decayed_dot(in.q, r, j);
-      for (int64_t c = 0; c < d; ++c) o[static_cast<size_t>((r0 + r) * d + c)] += m * U[static_cast<size_t>(j * d + c)];
+      for (int64_t c = c0; c < c1; ++c) o[static_cast<size_t>((r0 + r) * d + c)] += m * U[static_cast<size_t>(j * d + c)];
     }
   }
   // S_C = diag(e^{γ_L}) S₀ + Σ_j (k_j ⊙ e^{γ_L − γ_j}) ⊗ u_j
   const float* last = &gamma[static_cast<size_t>((L - 1) * d)];
   for (int64_t j = 0; j < d; ++j) {
     const float decay = std::exp(last[j]);
-    for (int64_t c = 0; c < d; ++c) S[j * d + c] *= decay;
+    for (int64_t c = c0; c < c1; ++c) S[j * d + c] *= decay;
   }
   for (int64_t r = 0; r < L; ++r) {
     for (int64_t j = 0; j < d; ++j) {
       const float kj = at(in.k, r0 + r, j) * std::exp(last[j] - gamma[static_cast<size_t>(r * d + j)]);
-      for (int64_t c = 0; c < d; ++c) S[j * d + c] += kj * U[static_cast<size_t>(r * d + c)];
+      for (int64_t c = c0; c < c1; ++c) S[j * d + c] += kj * U[static_cast<size_t>(r * d + c)];
     }
   }
 }
@@ -165,7 +169,8 @@ void cpu_kda_delta_rule(OpContext& ctx) {
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(d));
   for_each_sequence(ctx, [&](int slot, int64_t first, int64_t n) {
     std::vector<float>& state = ctx.state(slot);  // [heads, d, d] fp32
-    for (int64_t h = ctx.begin() / d; h < ctx.end() / d; ++h) {
+    for (int64_t h = ctx.begin() / d; h * d < ctx.end(); ++h) {  // the heads the slice touches, and their columns in it
+      const int64_t c0 = std::max(ctx.begin() - h * d, int64_t{0}), c1 = std::min(ctx.end() - h * d, d);
       HeadInputs in;
       for (auto* m : {&in.q, &in.k, &in.v, &in.g}) m->resize(static_cast<size_t>(n * d));
       in.beta.resize(static_cast<size_t>(n));
@@ -184,12 +189,12 @@ void cpu_kda_delta_rule(OpContext& ctx) {
       float* S = state.data() + h * d * d;
       std::vector<float> o(static_cast<size_t>(n * d));
       if (n == 1) {
-        recurrent_head(in, n, d, S, o);
+        recurrent_head(in, n, d, c0, c1, S, o);
       } else {
-        for (int64_t r0 = 0; r0 < n; r0 += kChunk) chunk_head(in, r0, std::min(kChunk, n - r0), d, S, o);
+        for (int64_t r0 = 0; r0 < n; r0 += kChunk) chunk_head(in, r0, std::min(kChunk, n - r0), d, c0, c1, S, o);
       }
       for (int64_t t = 0; t < n; ++t) {
-        for (int64_t j = 0; j < d; ++j) ctx.out_row(first + t)[h * d + j] = ctx.round_out(o[static_cast<size_t>(t * d + j)]);
+        for (int64_t c = c0; c < c1; ++c) ctx.out_row(first + t)[h * d + c] = ctx.round_out(o[static_cast<size_t>(t * d + c)]);
       }
     }
   });

@@ -54,18 +54,22 @@ __device__ __noinline__ void op_kda_gate(const TaskCtx& ctx) {
   });
 }
 
-// The delta rule for one head over the tokens of one sequence, state on chip. D (16, 32, 64, 128) is
-// the head dim rounded up; padded rows/columns hold zeros and are never stored. Thread layout: thread
-// tid owns value column c = tid / kPerCol and the kRows key rows j = r + kPerCol·i (r = tid mod
-// kPerCol); the kPerCol threads of a column are adjacent lanes, so Σ_j reductions are xor shuffles.
+// The delta rule for one head over the tokens of one sequence, state on chip, one pass per group of at
+// most kCols value columns (the plan slices this op by such groups: slice_granularity, kHeadColumns;
+// each value column of the state evolves on its own). D (16, 32, 64, 128) is the head dim rounded up;
+// padded rows/columns hold zeros and are never stored. Thread layout: thread tid owns the pass's value
+// column c = tid / kPerCol and the kRows key rows j = r + kPerCol·i (r = tid mod kPerCol); the kPerCol
+// threads of a column are adjacent lanes, so Σ_j reductions are xor shuffles. Threads past kCols·kPerCol
+// (D = 16) idle.
 template <int D>
 struct KdaLayout {
-  static constexpr int kRows = D * D >= kThreads ? D * D / kThreads : 1;  // state rows per thread
-  static constexpr int kPerCol = D / kRows;                               // threads per value column
+  static constexpr int kCols = D < 32 ? D : 32;      // value columns per pass (kHeadColumnGroup)
+  static constexpr int kPerCol = D < 16 ? D : 16;    // threads per value column
+  static constexpr int kRows = D / kPerCol;          // state rows per thread
   // Tokens staged per tile in shared memory: q̂, k̂, exp(g), v [D] each and β.
   static constexpr int kTile = (kSharedBytes / 4) / (4 * D + 1) < 64 ? (kSharedBytes / 4) / (4 * D + 1) : 64;
   static_assert(kPerCol <= 32 && 32 % kPerCol == 0, "a column's threads must share a warp");
-  static_assert(kThreads / kPerCol >= D, "every value column needs its threads");
+  static_assert(kCols * kPerCol <= kThreads && kCols * kPerCol % 32 == 0, "a pass's columns take whole warps of the block");
 };
 
 }  // namespace plow::cuda
@@ -101,10 +105,11 @@ __device__ void kda_stage(const TaskCtx& ctx, int first, int t0, int n, int64_t 
   __syncthreads();
 }
 
-// Tokens [0, tokens) of one head's sequence token by token (§4.2 K6), state S in registers (KdaLayout).
-// Block-uniform.
+// Tokens [0, tokens) of one head's sequence token by token (§4.2 K6), for value columns [c0, c0 + cols),
+// state S in registers (KdaLayout). Block-uniform.
 template <int D>
-__device__ __forceinline__ void kda_recurrent(const TaskCtx& ctx, int first, int tokens, int64_t h, int64_t d, float (&S)[KdaLayout<D>::kRows]) {
+__device__ __forceinline__ void kda_recurrent(const TaskCtx& ctx, int first, int tokens, int64_t h, int64_t d, int c0, int cols,
+                                              float (&S)[KdaLayout<D>::kRows]) {
   using L = KdaLayout<D>;
   const int tid = static_cast<int>(threadIdx.x);
   const int c = tid / L::kPerCol, r = tid % L::kPerCol;
@@ -116,7 +121,7 @@ __device__ __forceinline__ void kda_recurrent(const TaskCtx& ctx, int first, int
   for (int t0 = 0; t0 < tokens; t0 += L::kTile) {
     const int n = tokens - t0 < L::kTile ? tokens - t0 : L::kTile;
     kda_stage<D>(ctx, first, t0, n, h, d, sq, sk, sdecay, sv, sbeta);
-    if (c < D) {  // whole warps: kPerCol divides 32
+    if (c < L::kCols) {  // whole warps
       for (int t = 0; t < n; ++t) {
         const float* q = sq + t * D;
         const float* k = sk + t * D;
@@ -130,7 +135,7 @@ __device__ __forceinline__ void kda_recurrent(const TaskCtx& ctx, int first, int
           predicted += S[i] * k[j];
         }
         for (int o = 1; o < L::kPerCol; o <<= 1) predicted += __shfl_xor_sync(0xffffffffu, predicted, o);
-        const float error = (sv[t * D + c] - predicted) * sbeta[t];
+        const float error = ((c < cols ? sv[t * D + c0 + c] : 0.0f) - predicted) * sbeta[t];
         // S ← S + k ⊗ β·e; o = Sᵀq reads the updated S.
         float out = 0.0f;
 #pragma unroll
@@ -140,38 +145,38 @@ __device__ __forceinline__ void kda_recurrent(const TaskCtx& ctx, int first, int
           out += S[i] * q[j];
         }
         for (int o = 1; o < L::kPerCol; o <<= 1) out += __shfl_xor_sync(0xffffffffu, out, o);
-        if (r == 0 && c < d) ctx.out(first + t0 + t)[h * d + c] = round_out(ctx, out);
+        if (r == 0 && c < cols) ctx.out(first + t0 + t)[h * d + c0 + c] = round_out(ctx, out);
       }
     }
     __syncthreads();  // the staged tile is overwritten next
   }
 }
 
-// One head of one sequence: load its state S (KdaLayout<D>) into registers, run the tokens chunked or
-// token by token, store S back. Not inlined, and each path in its own function, so the register
-// allocation of the 32-float state is not shared with the other path's temporaries (the single
-// inlined body spilled ~1.6 KB per thread under -Xptxas -v).
+// Value columns [c0, c0 + cols) (cols ≤ kCols) of one head of one sequence: load their state S
+// (KdaLayout<D>) into registers, run the tokens chunked or token by token, store S back. Not inlined, and
+// each path in its own function, so the register allocation of the state is not shared with the other
+// path's temporaries (the single inlined body spilled ~1.6 KB per thread under -Xptxas -v).
 template <int D, bool CHUNKED>
-__device__ __noinline__ void kda_head(const TaskCtx& ctx, int first, int tokens, int64_t h, int64_t d, float* S_global) {
+__device__ __noinline__ void kda_head(const TaskCtx& ctx, int first, int tokens, int64_t h, int64_t d, int c0, int cols, float* S_global) {
   using L = KdaLayout<D>;
   const int tid = static_cast<int>(threadIdx.x);
   const int c = tid / L::kPerCol, r = tid % L::kPerCol;
-  const bool active = c < D && c < d;
+  const bool active = c < cols;
   float S[L::kRows];
 #pragma unroll
   for (int i = 0; i < L::kRows; ++i) {
     const int j = r + L::kPerCol * i;
-    S[i] = active && j < d ? S_global[j * d + c] : 0.0f;
+    S[i] = active && j < d ? S_global[j * d + c0 + c] : 0.0f;
   }
   if constexpr (CHUNKED) {
-    kda_chunked<D>(ctx, first, tokens, h, d, S);
+    kda_chunked<D>(ctx, first, tokens, h, d, c0, cols, S);
   } else {
-    kda_recurrent<D>(ctx, first, tokens, h, d, S);
+    kda_recurrent<D>(ctx, first, tokens, h, d, c0, cols, S);
   }
 #pragma unroll
   for (int i = 0; i < L::kRows; ++i) {
     const int j = r + L::kPerCol * i;
-    if (active && j < d) S_global[j * d + c] = S[i];
+    if (active && j < d) S_global[j * d + c0 + c] = S[i];
   }
 }
 
@@ -182,17 +187,22 @@ __device__ void kda_delta_rule(const TaskCtx& ctx) {
   for (int s = 0; s < step.num_seqs; ++s) {
     const int first = step.seq_first_row[s], tokens = step.seq_tokens[s];
     float* state = state_of(ctx, step.seq_slot[s]);  // [heads, d, d]: S[j][c] = row key j, column value c
-    for (int64_t h = ctx.col_begin / d; h < ctx.col_end / d; ++h) {
-      if (tokens >= kKdaChunkedMinTokens) {
-        kda_head<D, true>(ctx, first, tokens, h, d, state + h * d * d);
-      } else {
-        kda_head<D, false>(ctx, first, tokens, h, d, state + h * d * d);
+    for (int64_t h = ctx.col_begin / d; h * d < ctx.col_end; ++h) {  // the heads the slice touches
+      const int64_t begin = ctx.col_begin - h * d > 0 ? ctx.col_begin - h * d : 0;
+      const int64_t end = ctx.col_end - h * d < d ? ctx.col_end - h * d : d;
+      for (int64_t c0 = begin; c0 < end; c0 += KdaLayout<D>::kCols) {
+        const int cols = static_cast<int>(end - c0 < KdaLayout<D>::kCols ? end - c0 : KdaLayout<D>::kCols);
+        if (tokens >= kKdaChunkedMinTokens) {
+          kda_head<D, true>(ctx, first, tokens, h, d, static_cast<int>(c0), cols, state + h * d * d);
+        } else {
+          kda_head<D, false>(ctx, first, tokens, h, d, static_cast<int>(c0), cols, state + h * d * d);
+        }
       }
     }
   }
 }
 
-// kKdaDeltaRule (heads): q, k, v [T, P] (act), g [T, P] fp32 log-decay, β [T, heads] fp32 → o [T, P].
+// kKdaDeltaRule (head columns): q, k, v [T, P] (act), g [T, P] fp32 log-decay, β [T, heads] fp32 → o [T, P].
 // attrs: [0] head_dim (≤ 128; pack_misc_attrs refuses larger). State fp32 [heads, d, d] per slot.
 __device__ __noinline__ void op_kda_delta_rule(const TaskCtx& ctx) {
   const int d = static_cast<int>(ctx.attr(0));

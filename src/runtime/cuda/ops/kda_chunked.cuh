@@ -1,9 +1,9 @@
 // KDA's gated delta rule in the chunked form (spec/MODEL.md §6, C = 64; cpu: ops/kda.cpp chunk_head) for
 // the sequences of a step that bring at least kKdaChunkedMinTokens tokens. Per chunk: the pairwise-decayed
 // K·Kᵀ and Q·Kᵀ (A, M), U by forward substitution, the outputs, the state update; the state stays in the
-// registers of the recurrent layout (KdaLayout) across chunks. Pairwise decays are exp(γ_r − γ_j), never
-// factored, as the CPU's: the K3 gate (γ down to −320 in a chunk) and strong Kimi decays cannot overflow.
-// fp32 SIMT math throughout (no tensor cores yet).
+// registers of the recurrent layout (KdaLayout: one pass of at most kCols value columns) across chunks.
+// Pairwise decays are exp(γ_r − γ_j), never factored, as the CPU's: the K3 gate (γ down to −320 in a
+// chunk) and strong Kimi decays cannot overflow. fp32 SIMT math throughout (no tensor cores yet).
 #pragma once
 
 #include "runtime/cuda/ops/common.cuh"
@@ -15,16 +15,17 @@ inline constexpr int kKdaChunkedMinTokens = 16;  // shorter sequences run token 
 
 // Shared memory of one chunk, in floats. Channel-major [c][t] arrays have row stride kLd = C + 1 so that a
 // warp reading one position of 32 channels, or 32 positions of one channel, hits 32 banks; U's rows are
-// padded by 32 / kPerCol so that the lanes of a value column, reading rows j ≡ r (mod kPerCol), do too.
+// padded by 32 / kPerCol so that the lanes of a warp's value columns, reading rows j ≡ r (mod kPerCol),
+// do too.
 //   γ [D][kLd]      cumulative log-decay within the chunk
 //   AM [C][kLd]     A(r, j) = β_r Σ_c k_r k_j e^{γ_r−γ_j} (j < r) at [j][r]; M(r, j) = Σ_c q_r k_j e^{γ_r−γ_j} (j ≤ r) at [r][j]
-//   U [C][kUld]     diag(β)(V − (K⊙e^γ)S₀), then solved in place to (I + A)⁻¹ of that
+//   U [C][kUld]     diag(β)(V − (K⊙e^γ)S₀) of the pass's columns, then solved in place to (I + A)⁻¹ of that
 //   stage           per phase: k̂, q̂ pieces [kPiece][kLd] each; then K⊙e^γ, Q⊙e^γ, K⊙e^{γ_C−γ} in turn, [kTokens][D]
 //   β, |q|, |k| [C] each
 template <int D>
 struct KdaChunkLayout {
   static constexpr int kLd = kKdaChunk + 1;
-  static constexpr int kUld = D + 32 / KdaLayout<D>::kPerCol;
+  static constexpr int kUld = KdaLayout<D>::kCols + 32 / KdaLayout<D>::kPerCol;
   static constexpr int kPiece = D < 16 ? D : 16;  // channels per A/M staging piece
   static constexpr int kStage = 2 * kPiece * kLd;
   static constexpr int kTokens = kStage / D < kKdaChunk ? kStage / D : kKdaChunk;  // positions per [kTokens][D] piece
@@ -40,10 +41,12 @@ struct KdaChunkLayout {
   static_assert(kKdaChunk * kKdaChunk % kThreads == 0, "A/M pairs split evenly over the threads");
 };
 
-// One chunk: positions [0, n) at arena rows row0 + t of head h; d the real head dim, D the padded one.
+// One chunk: positions [0, n) at arena rows row0 + t of head h, value columns [c0, c0 + cols); d the
+// real head dim, D the padded one.
 struct KdaChunk {
   int row0, n;
   int64_t h, d;
+  int c0, cols;
   float q_scale;
   float* sm;
   const float *qnorm, *knorm;  // |q_t|, |k_t| in shared memory
@@ -156,13 +159,13 @@ __device__ __forceinline__ float kda_column_sum(float v) {
   return v;
 }
 
-// Calls fn(t, x) on the value columns' threads (whole warps) for every position t of the chunk, x the
+// Calls fn(t, x) on the pass's column threads (whole warps) for every position t of the chunk, x the
 // staged row [D] of kda_chunk_stage_rows(which, to_end); pieces of kTokens positions, block-synchronized.
 template <int D, typename Fn>
 __device__ __forceinline__ void kda_for_each_staged(const TaskCtx& ctx, const KdaChunk& ch, int which, bool to_end, Fn fn) {
   using CL = KdaChunkLayout<D>;
   float* staged = ch.sm + CL::kStageAt;
-  const bool column = static_cast<int>(threadIdx.x) / KdaLayout<D>::kPerCol < D;
+  const bool column = static_cast<int>(threadIdx.x) / KdaLayout<D>::kPerCol < KdaLayout<D>::kCols;
   for (int p0 = 0; p0 < ch.n; p0 += CL::kTokens) {
     const int np = ch.n - p0 < CL::kTokens ? ch.n - p0 : CL::kTokens;
     kda_chunk_stage_rows<D>(ctx, ch, which, to_end, p0, np, staged);
@@ -183,7 +186,7 @@ __device__ __forceinline__ void kda_chunk_values(const TaskCtx& ctx, const KdaCh
   kda_for_each_staged<D>(ctx, ch, 1, false, [&](int t, const float* k_decayed) {
     const float predicted = kda_column_sum<D>(kda_rows_dot<D>(k_decayed, r, S));
     if (r == 0) {
-      const float v = c < ch.d ? ctx.in(2, ch.row0 + t)[ch.h * ch.d + c] : 0.0f;
+      const float v = c < ch.cols ? ctx.in(2, ch.row0 + t)[ch.h * ch.d + ch.c0 + c] : 0.0f;
       U[t * CL::kUld + c] = ch.sm[CL::kBeta + t] * (v - predicted);
     }
   });
@@ -202,7 +205,7 @@ __device__ __forceinline__ void kda_chunk_outputs(const TaskCtx& ctx, const KdaC
     float sum = kda_rows_dot<D>(q_decayed, r, S);
     for (int j = r; j <= t; j += L::kPerCol) sum += am[t * CL::kLd + j] * U[j * CL::kUld + c];
     sum = kda_column_sum<D>(sum);
-    if (r == 0 && c < ch.d) ctx.out(ch.row0 + t)[ch.h * ch.d + c] = round_out(ctx, sum);
+    if (r == 0 && c < ch.cols) ctx.out(ch.row0 + t)[ch.h * ch.d + ch.c0 + c] = round_out(ctx, sum);
   });
 }
 
@@ -216,7 +219,7 @@ __device__ void kda_chunk_solve(const KdaChunk& ch) {
   const int c = tid / L::kPerCol, r = tid % L::kPerCol;
   const float* am = ch.sm + CL::kAm;
   float* U = ch.sm + CL::kU;
-  if (c < D) {  // whole warps
+  if (c < L::kCols) {  // whole warps
     for (int t = 1; t < ch.n; ++t) {
       float sum = 0.0f;
       for (int j = r; j < t; j += L::kPerCol) sum += am[j * CL::kLd + t] * U[j * CL::kUld + c];
@@ -246,14 +249,15 @@ __device__ __forceinline__ void kda_chunk_update(const TaskCtx& ctx, const KdaCh
   });
 }
 
-// Every chunk of one head's sequence (tokens ≥ kKdaChunkedMinTokens), state S in registers
-// (KdaLayout<D>; padded rows and columns zero). Block-uniform.
+// Every chunk of one head's sequence (tokens ≥ kKdaChunkedMinTokens) for value columns [c0, c0 + cols),
+// state S in registers (KdaLayout<D>; padded rows and columns zero). Block-uniform.
 template <int D>
-__device__ __forceinline__ void kda_chunked(const TaskCtx& ctx, int first, int tokens, int64_t h, int64_t d, float (&S)[KdaLayout<D>::kRows]) {
+__device__ __forceinline__ void kda_chunked(const TaskCtx& ctx, int first, int tokens, int64_t h, int64_t d, int c0, int cols,
+                                            float (&S)[KdaLayout<D>::kRows]) {
   using CL = KdaChunkLayout<D>;
   for (int t0 = 0; t0 < tokens; t0 += kKdaChunk) {
     float* sm = smem_floats(ctx);
-    const KdaChunk ch{first + t0, tokens - t0 < kKdaChunk ? tokens - t0 : kKdaChunk, h, d, 1.0f / sqrtf(static_cast<float>(d)), sm,
+    const KdaChunk ch{first + t0, tokens - t0 < kKdaChunk ? tokens - t0 : kKdaChunk, h, d, c0, cols, 1.0f / sqrtf(static_cast<float>(d)), sm,
                       sm + CL::kQNorm, sm + CL::kKNorm};
     kda_chunk_stage<D>(ctx, ch);
     kda_chunk_pairs<D>(ctx, ch);
