@@ -462,7 +462,15 @@ int main(int argc, char** argv) {
   tools::BenchDecodeArgs bench_decode;
   CLI::App* bench_decode_cmd = bench_cmd->add_subcommand("decode", "decode steps on the GPU: megakernel, cuda-eager, read roofline, HF peer");
   tools::add_bench_decode_options(bench_decode_cmd, bench_decode);
-  for (int i = 0; i < argc; ++i) bench_decode.command_line += (i ? " " : "") + std::string(i == 0 ? "plow" : argv[i]);
+  for (int i = 0; i < argc; ++i) {  // as a shell would take it back: arguments with spaces or quotes in single quotes
+    std::string arg = i == 0 ? "plow" : argv[i];
+    if (arg.find_first_of(" \t'\"$") != std::string::npos) {
+      std::string quoted = "'";
+      for (char ch : arg) quoted += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+      arg = quoted + "'";
+    }
+    bench_decode.command_line += (i ? " " : "") + arg;
+  }
   bench_decode.argv.assign(argv, argv + argc);
   tools::BenchPrefillArgs bench_prefill;
   CLI::App* bench_prefill_cmd = bench_cmd->add_subcommand("prefill", "time to first token on the GPU: prefill GEMMs on tensor cores, cuBLAS peer");
