@@ -152,31 +152,31 @@ __device__ __forceinline__ void kda_recurrent(const TaskCtx& ctx, int first, int
   }
 }
 
-// Value columns [c0, c0 + cols) (cols ≤ kCols) of one head of one sequence: load their state S
-// (KdaLayout<D>) into registers, run the tokens chunked or token by token, store S back. Not inlined, and
-// each path in its own function, so the register allocation of the state is not shared with the other
-// path's temporaries (the single inlined body spilled ~1.6 KB per thread under -Xptxas -v).
+// Value columns [c0, c0 + cols) (cols ≤ kCols) of one head of one sequence: chunked (the state in shared
+// memory), or token by token with the state S in registers (KdaLayout<D>), stored back after. Not
+// inlined, and each path in its own function, so the register allocation of one path is not shared with
+// the other's temporaries (the single inlined body spilled ~1.6 KB per thread under -Xptxas -v).
 template <int D, bool CHUNKED>
 __device__ __noinline__ void kda_head(const TaskCtx& ctx, int first, int tokens, int64_t h, int64_t d, int c0, int cols, float* S_global) {
-  using L = KdaLayout<D>;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int c = tid / L::kPerCol, r = tid % L::kPerCol;
-  const bool active = c < cols;
-  float S[L::kRows];
-#pragma unroll
-  for (int i = 0; i < L::kRows; ++i) {
-    const int j = r + L::kPerCol * i;
-    S[i] = active && j < d ? S_global[j * d + c0 + c] : 0.0f;
-  }
   if constexpr (CHUNKED) {
-    kda_chunked<D>(ctx, first, tokens, h, d, c0, cols, S);
+    kda_chunked<D>(ctx, first, tokens, h, d, c0, cols, S_global);  // the state in shared memory
   } else {
-    kda_recurrent<D>(ctx, first, tokens, h, d, c0, cols, S);
-  }
+    using L = KdaLayout<D>;
+    const int tid = static_cast<int>(threadIdx.x);
+    const int c = tid / L::kPerCol, r = tid % L::kPerCol;
+    const bool active = c < cols;
+    float S[L::kRows];
 #pragma unroll
-  for (int i = 0; i < L::kRows; ++i) {
-    const int j = r + L::kPerCol * i;
-    if (active && j < d) S_global[j * d + c0 + c] = S[i];
+    for (int i = 0; i < L::kRows; ++i) {
+      const int j = r + L::kPerCol * i;
+      S[i] = active && j < d ? S_global[j * d + c0 + c] : 0.0f;
+    }
+    kda_recurrent<D>(ctx, first, tokens, h, d, c0, cols, S);
+#pragma unroll
+    for (int i = 0; i < L::kRows; ++i) {
+      const int j = r + L::kPerCol * i;
+      if (active && j < d) S_global[j * d + c0 + c] = S[i];
+    }
   }
 }
 

@@ -1,10 +1,18 @@
 // KDA's gated delta rule in the chunked form (spec/MODEL.md §6, C = 64; cpu: ops/kda.cpp chunk_head) for
-// the sequences of a step that bring at least kKdaChunkedMinTokens tokens. Per chunk: the pairwise-decayed
-// K·Kᵀ and Q·Kᵀ (A, M), U by forward substitution, the outputs, the state update; the state stays in the
-// registers of the recurrent layout (KdaLayout: one pass of at most kCols value columns) across chunks.
-// Pairwise decays are exp(γ_r − γ_j), never factored, as the CPU's: the K3 gate (γ down to −320 in a
-// chunk) and strong Kimi decays cannot overflow. fp32 SIMT math throughout (no tensor cores yet).
+// the sequences of a step that bring at least kKdaChunkedMinTokens tokens, one pass of at most kCols
+// value columns (KdaLayout) at a time. Per chunk: the pairwise-decayed K·Kᵀ and Q·Kᵀ (A, M; fp32 SIMT),
+// U = diag(β)(V − (K⊙e^γ)S₀) (tensor cores), U ← (I + A)⁻¹U by forward substitution (SIMT), the outputs
+// (Q⊙e^γ)S₀ + M·U and the state update diag(e^{γ_C})S₀ + (K⊙e^{γ_C−γ})ᵀU (tensor cores). The pass's
+// state stays in shared memory across chunks. Pairwise decays are exp(γ_r − γ_j), never factored, as the
+// CPU's: the K3 gate (γ down to −320 in a chunk) and strong Kimi decays cannot overflow.
+//
+// The matrix products run as mma.sync m16n8k8 TF32 in the 3xTF32 split (a = a_hi + a_lo, a·b ≈
+// a_hi·b_hi + a_hi·b_lo + a_lo·b_hi, fp32 accumulation): about fp32's accuracy, which the KDA core keeps
+// (MODEL.md §2), where plain TF32 would lose three decimal digits. Emulator builds (PLOW_CUDA_EMU) run the
+// same fragments through shuffles with fp32 products.
 #pragma once
+
+#include <cstdint>
 
 #include "runtime/cuda/ops/common.cuh"
 
@@ -13,32 +21,84 @@ namespace plow::cuda {
 inline constexpr int kKdaChunk = 64;             // positions per chunk (the CPU's kChunk)
 inline constexpr int kKdaChunkedMinTokens = 16;  // shorter sequences run token by token
 
+// d += a·b for one m16n8k8 tile: a the row-major 16×8 fragment (a0 (g, t), a1 (g+8, t), a2 (g, t+4),
+// a3 (g+8, t+4)), b the 8×8 fragment (b0 (t, g), b1 (t+4, g)), d the 16×8 accumulator (d0 (g, 2t),
+// d1 (g, 2t+1), d2 (g+8, 2t), d3 (g+8, 2t+1)); g = lane / 4, t = lane mod 4. Whole warps.
+__device__ __forceinline__ void kda_mma(float (&d)[4], const float (&a)[4], const float (&b)[2]) {
+#ifndef PLOW_CUDA_EMU
+  uint32_t ah[4], al[4], bh[2], bl[2];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(ah[i]) : "f"(a[i]));
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(al[i]) : "f"(a[i] - __uint_as_float(ah[i])));
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bh[i]) : "f"(b[i]));
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bl[i]) : "f"(b[i] - __uint_as_float(bh[i])));
+  }
+  // The small terms first.
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(al[0]), "r"(al[1]), "r"(al[2]), "r"(al[3]), "r"(bh[0]), "r"(bh[1]));
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(ah[0]), "r"(ah[1]), "r"(ah[2]), "r"(ah[3]), "r"(bl[0]), "r"(bl[1]));
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(ah[0]), "r"(ah[1]), "r"(ah[2]), "r"(ah[3]), "r"(bh[0]), "r"(bh[1]));
+#else
+  const int lane = lane_id(), g = lane / 4, t = lane % 4;
+  for (int k = 0; k < 8; ++k) {  // every lane joins every shuffle
+    const float a_top = __shfl_sync(0xffffffffu, a[2 * (k / 4)], g * 4 + k % 4);
+    const float a_bottom = __shfl_sync(0xffffffffu, a[2 * (k / 4) + 1], g * 4 + k % 4);
+    const float b_left = __shfl_sync(0xffffffffu, b[k / 4], (2 * t) * 4 + k % 4);
+    const float b_right = __shfl_sync(0xffffffffu, b[k / 4], (2 * t + 1) * 4 + k % 4);
+    d[0] += a_top * b_left;
+    d[1] += a_top * b_right;
+    d[2] += a_bottom * b_left;
+    d[3] += a_bottom * b_right;
+  }
+#endif
+}
+
 // Shared memory of one chunk, in floats. Channel-major [c][t] arrays have row stride kLd = C + 1 so that a
 // warp reading one position of 32 channels, or 32 positions of one channel, hits 32 banks; U's rows are
 // padded by 32 / kPerCol so that the lanes of a warp's value columns, reading rows j ≡ r (mod kPerCol),
-// do too.
+// do too; S's rows by 8 and the staged rows by 4, so that mma fragments load without bank conflicts.
 //   γ [D][kLd]      cumulative log-decay within the chunk
 //   AM [C][kLd]     A(r, j) = β_r Σ_c k_r k_j e^{γ_r−γ_j} (j < r) at [j][r]; M(r, j) = Σ_c q_r k_j e^{γ_r−γ_j} (j ≤ r) at [r][j]
-//   U [C][kUld]     diag(β)(V − (K⊙e^γ)S₀) of the pass's columns, then solved in place to (I + A)⁻¹ of that
-//   stage           per phase: k̂, q̂ pieces [kPiece][kLd] each; then K⊙e^γ, Q⊙e^γ, K⊙e^{γ_C−γ} in turn, [kTokens][D]
+//   U [C][kUld]     diag(β)(V − (K⊙e^γ)S₀) of the pass's columns, then solved in place to (I + A)⁻¹ of that;
+//                   rows from the chunk's length on are zero
+//   S [D][kSld]     the pass's state (key rows × value columns), across chunks
+//   stage           per phase: k̂, q̂ pieces [kPiece][kLd] each; then K⊙e^γ, Q⊙e^γ, K⊙e^{γ_C−γ} in turn,
+//                   [kTokens][kSt] (rows past the chunk's end zero up to a multiple of 16)
 //   β, |q|, |k| [C] each
 template <int D>
 struct KdaChunkLayout {
+  static constexpr int kCols = KdaLayout<D>::kCols;
   static constexpr int kLd = kKdaChunk + 1;
-  static constexpr int kUld = KdaLayout<D>::kCols + 32 / KdaLayout<D>::kPerCol;
+  static constexpr int kUld = kCols + 32 / KdaLayout<D>::kPerCol;
+  static constexpr int kSld = kCols + 8;
+  static constexpr int kSt = D + 4;
   static constexpr int kPiece = D < 16 ? D : 16;  // channels per A/M staging piece
-  static constexpr int kStage = 2 * kPiece * kLd;
-  static constexpr int kTokens = kStage / D < kKdaChunk ? kStage / D : kKdaChunk;  // positions per [kTokens][D] piece
   static constexpr int kGamma = 0;
   static constexpr int kAm = kGamma + D * kLd;
   static constexpr int kU = kAm + kKdaChunk * kLd;
-  static constexpr int kStageAt = kU + kKdaChunk * kUld;
+  static constexpr int kS = kU + kKdaChunk * kUld;
+  static constexpr int kStageAt = kS + D * kSld;
+  static constexpr int kSmall = 3 * kKdaChunk;  // β, |q|, |k|
+  static constexpr int kRoom = kSharedBytes / 4 - kStageAt - kSmall;
+  static constexpr int kTokens = kRoom / kSt / 16 * 16 < kKdaChunk ? kRoom / kSt / 16 * 16 : kKdaChunk;  // positions per staged piece
+  static constexpr int kStage = kTokens * kSt > 2 * kPiece * kLd ? kTokens * kSt : 2 * kPiece * kLd;
   static constexpr int kBeta = kStageAt + kStage;
   static constexpr int kQNorm = kBeta + kKdaChunk;
   static constexpr int kKNorm = kQNorm + kKdaChunk;
   static constexpr int kFloats = kKNorm + kKdaChunk;
+  static_assert(kTokens >= 16, "a staged piece holds at least one mma row tile");
   static_assert(kFloats * 4 <= kSharedBytes, "a chunk's tiles must fit the block's shared memory");
   static_assert(kKdaChunk * kKdaChunk % kThreads == 0, "A/M pairs split evenly over the threads");
+  static_assert(D % 16 == 0 && kCols % 8 == 0, "mma tiles: 16 key rows, 8 value columns");
 };
 
 // One chunk: positions [0, n) at arena rows row0 + t of head h, value columns [c0, c0 + cols); d the
@@ -110,7 +170,7 @@ __device__ void kda_chunk_pairs(const TaskCtx& ctx, const KdaChunk& ch) {
       if (j > r || r >= ch.n) continue;
       for (int c = 0; c < CL::kPiece; ++c) {
         const float* g = gamma + (c0 + c) * CL::kLd;
-        const float kj = sk[c * CL::kLd + j] * expf(g[r] - g[j]);
+        const float kj = sk[c * CL::kLd + j] * __expf(g[r] - g[j]);  // ≤ 1: fast exp's error is absolute ≲ 1e−7
         acc_k[m] += sk[c * CL::kLd + r] * kj;
         acc_q[m] += sq[c * CL::kLd + r] * kj;
       }
@@ -129,27 +189,19 @@ __device__ void kda_chunk_pairs(const TaskCtx& ctx, const KdaChunk& ch) {
 }
 
 // Stages positions [p0, p0 + np) of x̂ ⊙ e^{γ_t − γ_ref} (x = q (which 0) or k (1); γ_ref = 0, or γ of the
-// chunk's last position when to_end) as [kTokens][D] at `dst`; ends with the block synchronized.
+// chunk's last position when to_end) as rows [t − p0][kSt] at `dst`, rows np up to a multiple of 16 zero;
+// ends with the block synchronized.
 template <int D>
 __device__ void kda_chunk_stage_rows(const TaskCtx& ctx, const KdaChunk& ch, int which, bool to_end, int p0, int np, float* dst) {
   using CL = KdaChunkLayout<D>;
   const float* gamma = ch.sm + CL::kGamma;
-  for (int i = static_cast<int>(threadIdx.x); i < np * D; i += kThreads) {
-    const int t = p0 + i / D, j = i % D;
+  const int rows = (np + 15) / 16 * 16;
+  for (int i = static_cast<int>(threadIdx.x); i < rows * D; i += kThreads) {
+    const int p = i / D, j = i % D, t = p0 + p;
     const float* g = gamma + j * CL::kLd;
-    dst[i] = j < ch.d ? ch.normed(ctx, which, t, j) * expf(to_end ? g[ch.n - 1] - g[t] : g[t]) : 0.0f;
+    dst[p * CL::kSt + j] = p < np && j < ch.d ? ch.normed(ctx, which, t, j) * __expf(to_end ? g[ch.n - 1] - g[t] : g[t]) : 0.0f;
   }
   __syncthreads();
-}
-
-// Σ_j x[j]·S[j][c] over the register state: thread (c, r) sums its key rows; not reduced over the column.
-template <int D>
-__device__ __forceinline__ float kda_rows_dot(const float* x, int r, const float (&S)[KdaLayout<D>::kRows]) {
-  using L = KdaLayout<D>;
-  float sum = 0.0f;
-#pragma unroll
-  for (int i = 0; i < L::kRows; ++i) sum += x[r + L::kPerCol * i] * S[i];
-  return sum;
 }
 
 // Sum over the kPerCol adjacent lanes of a value column; every lane gets the total.
@@ -159,54 +211,50 @@ __device__ __forceinline__ float kda_column_sum(float v) {
   return v;
 }
 
-// Calls fn(t, x) on the pass's column threads (whole warps) for every position t of the chunk, x the
-// staged row [D] of kda_chunk_stage_rows(which, to_end); pieces of kTokens positions, block-synchronized.
-template <int D, typename Fn>
-__device__ __forceinline__ void kda_for_each_staged(const TaskCtx& ctx, const KdaChunk& ch, int which, bool to_end, Fn fn) {
+// acc += X·S over all D key channels for the 16×8 tile at staged rows m0, state columns n0: X the staged
+// rows [kSt], S the pass's state [kSld]. Whole warps.
+template <int D>
+__device__ __forceinline__ void kda_tile_times_state(float (&acc)[4], const float* staged, const float* S, int m0, int n0) {
   using CL = KdaChunkLayout<D>;
-  float* staged = ch.sm + CL::kStageAt;
-  const bool column = static_cast<int>(threadIdx.x) / KdaLayout<D>::kPerCol < KdaLayout<D>::kCols;
-  for (int p0 = 0; p0 < ch.n; p0 += CL::kTokens) {
-    const int np = ch.n - p0 < CL::kTokens ? ch.n - p0 : CL::kTokens;
-    kda_chunk_stage_rows<D>(ctx, ch, which, to_end, p0, np, staged);
-    if (column) {
-      for (int p = 0; p < np; ++p) fn(p0 + p, staged + p * D);
-    }
-    __syncthreads();  // the staging is overwritten next
+  const int lane = lane_id(), g = lane / 4, t = lane % 4;
+#pragma unroll 4
+  for (int k0 = 0; k0 < D; k0 += 8) {
+    const float a[4] = {staged[(m0 + g) * CL::kSt + k0 + t], staged[(m0 + g + 8) * CL::kSt + k0 + t], staged[(m0 + g) * CL::kSt + k0 + t + 4],
+                        staged[(m0 + g + 8) * CL::kSt + k0 + t + 4]};
+    const float b[2] = {S[(k0 + t) * CL::kSld + n0 + g], S[(k0 + t + 4) * CL::kSld + n0 + g]};
+    kda_mma(acc, a, b);
   }
 }
 
-// U = diag(β)(V − (K⊙e^γ)S₀) from the register state.
+// U = diag(β)(V − (K⊙e^γ)S₀) for the pass's columns; rows from n on zero. Ends with the block synchronized.
 template <int D>
-__device__ __forceinline__ void kda_chunk_values(const TaskCtx& ctx, const KdaChunk& ch, const float (&S)[KdaLayout<D>::kRows]) {
-  using L = KdaLayout<D>;
+__device__ void kda_chunk_values(const TaskCtx& ctx, const KdaChunk& ch) {
   using CL = KdaChunkLayout<D>;
-  const int c = static_cast<int>(threadIdx.x) / L::kPerCol, r = static_cast<int>(threadIdx.x) % L::kPerCol;
+  constexpr int kColTiles = CL::kCols / 8;
   float* U = ch.sm + CL::kU;
-  kda_for_each_staged<D>(ctx, ch, 1, false, [&](int t, const float* k_decayed) {
-    const float predicted = kda_column_sum<D>(kda_rows_dot<D>(k_decayed, r, S));
-    if (r == 0) {
-      const float v = c < ch.cols ? ctx.in(2, ch.row0 + t)[ch.h * ch.d + ch.c0 + c] : 0.0f;
-      U[t * CL::kUld + c] = ch.sm[CL::kBeta + t] * (v - predicted);
+  const float* S = ch.sm + CL::kS;
+  float* staged = ch.sm + CL::kStageAt;
+  const int lane = lane_id(), g = lane / 4, t4 = lane % 4;
+  for (int i = static_cast<int>(threadIdx.x); i < (kKdaChunk - ch.n) * CL::kUld; i += kThreads) U[ch.n * CL::kUld + i] = 0.0f;
+  for (int p0 = 0; p0 < ch.n; p0 += CL::kTokens) {
+    const int np = ch.n - p0 < CL::kTokens ? ch.n - p0 : CL::kTokens;
+    kda_chunk_stage_rows<D>(ctx, ch, 1, false, p0, np, staged);
+    const int tiles = (np + 15) / 16 * kColTiles;
+    for (int tile = warp_id(); tile < tiles; tile += kWarps) {
+      const int m0 = tile / kColTiles * 16, n0 = tile % kColTiles * 8;
+      float acc[4] = {};
+      kda_tile_times_state<D>(acc, staged, S, m0, n0);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int t = p0 + m0 + g + 8 * (q / 2), c = n0 + 2 * t4 + q % 2;
+        if (t < ch.n) {
+          const float v = c < ch.cols ? ctx.in(2, ch.row0 + t)[ch.h * ch.d + ch.c0 + c] : 0.0f;
+          U[t * CL::kUld + c] = ch.sm[CL::kBeta + t] * (v - acc[q]);
+        }
+      }
     }
-  });
-}
-
-// o_t = S₀ᵀ(q_t ⊙ e^{γ_t}) + Σ_{j≤t} M(t, j) u_j: the first part from the register state, the second split
-// over the lanes of the column like the key rows, one reduction for both. Runs before the state update.
-template <int D>
-__device__ __forceinline__ void kda_chunk_outputs(const TaskCtx& ctx, const KdaChunk& ch, const float (&S)[KdaLayout<D>::kRows]) {
-  using L = KdaLayout<D>;
-  using CL = KdaChunkLayout<D>;
-  const int c = static_cast<int>(threadIdx.x) / L::kPerCol, r = static_cast<int>(threadIdx.x) % L::kPerCol;
-  const float* am = ch.sm + CL::kAm;
-  const float* U = ch.sm + CL::kU;
-  kda_for_each_staged<D>(ctx, ch, 0, false, [&](int t, const float* q_decayed) {
-    float sum = kda_rows_dot<D>(q_decayed, r, S);
-    for (int j = r; j <= t; j += L::kPerCol) sum += am[t * CL::kLd + j] * U[j * CL::kUld + c];
-    sum = kda_column_sum<D>(sum);
-    if (r == 0 && c < ch.cols) ctx.out(ch.row0 + t)[ch.h * ch.d + ch.c0 + c] = round_out(ctx, sum);
-  });
+    __syncthreads();  // the staging is overwritten next
+  }
 }
 
 // U ← (I + A)⁻¹U by forward substitution, one value column per kPerCol threads (a warp's lanes), rows in
@@ -231,41 +279,125 @@ __device__ void kda_chunk_solve(const KdaChunk& ch) {
   __syncthreads();
 }
 
-// S ← diag(e^{γ_C})S + Σ_t (k_t ⊙ e^{γ_C − γ_t}) ⊗ u_t on the register state; ends with the block
-// synchronized.
+// o_t = S₀ᵀ(q_t ⊙ e^{γ_t}) + Σ_{j≤t} M(t, j) u_j, for the pass's columns. Runs before the state update;
+// ends with the block synchronized.
 template <int D>
-__device__ __forceinline__ void kda_chunk_update(const TaskCtx& ctx, const KdaChunk& ch, float (&S)[KdaLayout<D>::kRows]) {
-  using L = KdaLayout<D>;
+__device__ void kda_chunk_outputs(const TaskCtx& ctx, const KdaChunk& ch) {
   using CL = KdaChunkLayout<D>;
-  const int c = static_cast<int>(threadIdx.x) / L::kPerCol, r = static_cast<int>(threadIdx.x) % L::kPerCol;
-  const float* gamma = ch.sm + CL::kGamma;
+  constexpr int kColTiles = CL::kCols / 8;
+  const float* am = ch.sm + CL::kAm;
   const float* U = ch.sm + CL::kU;
+  const float* S = ch.sm + CL::kS;
+  float* staged = ch.sm + CL::kStageAt;
+  const int lane = lane_id(), g = lane / 4, t4 = lane % 4;
+  for (int p0 = 0; p0 < ch.n; p0 += CL::kTokens) {
+    const int np = ch.n - p0 < CL::kTokens ? ch.n - p0 : CL::kTokens;
+    kda_chunk_stage_rows<D>(ctx, ch, 0, false, p0, np, staged);
+    const int tiles = (np + 15) / 16 * kColTiles;
+    for (int tile = warp_id(); tile < tiles; tile += kWarps) {
+      const int m0 = tile / kColTiles * 16, n0 = tile % kColTiles * 8;
+      float acc[4] = {};
+      kda_tile_times_state<D>(acc, staged, S, m0, n0);
+      // M·U over the positions j ≤ t of the tile's rows (M's upper triangle is A's storage: masked).
+      const int top = p0 + m0 + g, bottom = top + 8;
+      for (int k0 = 0; k0 < p0 + m0 + 16; k0 += 8) {
+        const int j = k0 + t4;
+        const float a[4] = {j <= top ? am[top * CL::kLd + j] : 0.0f, j <= bottom ? am[bottom * CL::kLd + j] : 0.0f,
+                            j + 4 <= top ? am[top * CL::kLd + j + 4] : 0.0f, j + 4 <= bottom ? am[bottom * CL::kLd + j + 4] : 0.0f};
+        const float b[2] = {U[j * CL::kUld + n0 + g], U[(j + 4) * CL::kUld + n0 + g]};
+        kda_mma(acc, a, b);
+      }
 #pragma unroll
-  for (int i = 0; i < L::kRows; ++i) S[i] *= expf(gamma[(r + L::kPerCol * i) * CL::kLd + ch.n - 1]);
-  kda_for_each_staged<D>(ctx, ch, 1, true, [&](int t, const float* k_to_end) {
-    const float u = U[t * CL::kUld + c];
-#pragma unroll
-    for (int i = 0; i < L::kRows; ++i) S[i] += k_to_end[r + L::kPerCol * i] * u;
-  });
+      for (int q = 0; q < 4; ++q) {
+        const int t = top + 8 * (q / 2), c = n0 + 2 * t4 + q % 2;
+        if (t < ch.n && c < ch.cols) ctx.out(ch.row0 + t)[ch.h * ch.d + ch.c0 + c] = round_out(ctx, acc[q]);
+      }
+    }
+    __syncthreads();  // the staging is overwritten next
+  }
 }
 
-// Every chunk of one head's sequence (tokens ≥ kKdaChunkedMinTokens) for value columns [c0, c0 + cols),
-// state S in registers (KdaLayout<D>; padded rows and columns zero). Block-uniform.
+// S ← diag(e^{γ_C})S + (K⊙e^{γ_C − γ})ᵀU: each warp keeps its state tiles (16 key rows × 8 columns) in
+// registers across the staged pieces. Ends with the block synchronized.
 template <int D>
-__device__ __forceinline__ void kda_chunked(const TaskCtx& ctx, int first, int tokens, int64_t h, int64_t d, int c0, int cols,
-                                            float (&S)[KdaLayout<D>::kRows]) {
+__device__ void kda_chunk_update(const TaskCtx& ctx, const KdaChunk& ch) {
   using CL = KdaChunkLayout<D>;
+  constexpr int kColTiles = CL::kCols / 8;
+  constexpr int kTiles = D / 16 * kColTiles;
+  constexpr int kPerWarp = (kTiles + kWarps - 1) / kWarps;
+  const float* gamma = ch.sm + CL::kGamma;
+  const float* U = ch.sm + CL::kU;
+  float* S = ch.sm + CL::kS;
+  float* staged = ch.sm + CL::kStageAt;
+  const int lane = lane_id(), g = lane / 4, t4 = lane % 4;
+  float acc[kPerWarp][4];
+#pragma unroll
+  for (int w = 0; w < kPerWarp; ++w) {
+    const int tile = warp_id() + kWarps * w;
+    const int m0 = tile / kColTiles * 16, n0 = tile % kColTiles * 8;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int j = m0 + g + 8 * (q / 2), c = n0 + 2 * t4 + q % 2;
+      acc[w][q] = tile < kTiles ? S[j * CL::kSld + c] * __expf(gamma[j * CL::kLd + ch.n - 1]) : 0.0f;
+    }
+  }
+  for (int p0 = 0; p0 < ch.n; p0 += CL::kTokens) {
+    const int np = ch.n - p0 < CL::kTokens ? ch.n - p0 : CL::kTokens;
+    kda_chunk_stage_rows<D>(ctx, ch, 1, true, p0, np, staged);
+#pragma unroll
+    for (int w = 0; w < kPerWarp; ++w) {
+      const int tile = warp_id() + kWarps * w;
+      if (tile >= kTiles) continue;  // warp-uniform
+      const int m0 = tile / kColTiles * 16, n0 = tile % kColTiles * 8;
+      for (int k0 = 0; k0 < np; k0 += 8) {  // rows past np are zero in both operands
+        const int p = k0 + t4;
+        const float a[4] = {staged[p * CL::kSt + m0 + g], staged[p * CL::kSt + m0 + g + 8], staged[(p + 4) * CL::kSt + m0 + g],
+                            staged[(p + 4) * CL::kSt + m0 + g + 8]};
+        const float b[2] = {U[(p0 + p) * CL::kUld + n0 + g], U[(p0 + p + 4) * CL::kUld + n0 + g]};
+        kda_mma(acc[w], a, b);
+      }
+    }
+    __syncthreads();  // the staging is overwritten next
+  }
+#pragma unroll
+  for (int w = 0; w < kPerWarp; ++w) {
+    const int tile = warp_id() + kWarps * w;
+    if (tile >= kTiles) continue;
+    const int m0 = tile / kColTiles * 16, n0 = tile % kColTiles * 8;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) S[(m0 + g + 8 * (q / 2)) * CL::kSld + n0 + 2 * t4 + q % 2] = acc[w][q];
+  }
+  __syncthreads();
+}
+
+// Every chunk of one head's sequence (tokens ≥ kKdaChunkedMinTokens) for value columns [c0, c0 + cols):
+// the pass's state (S_global: the head's [d, d]) into shared memory, the chunks, the state back. Padded
+// rows and columns are zero. Block-uniform.
+template <int D>
+__device__ __forceinline__ void kda_chunked(const TaskCtx& ctx, int first, int tokens, int64_t h, int64_t d, int c0, int cols, float* S_global) {
+  using CL = KdaChunkLayout<D>;
+  float* sm = smem_floats(ctx);
+  float* S = sm + CL::kS;
+  for (int i = static_cast<int>(threadIdx.x); i < D * CL::kCols; i += kThreads) {
+    const int j = i / CL::kCols, c = i % CL::kCols;
+    S[j * CL::kSld + c] = j < d && c < cols ? S_global[j * d + c0 + c] : 0.0f;
+  }
+  __syncthreads();
   for (int t0 = 0; t0 < tokens; t0 += kKdaChunk) {
-    float* sm = smem_floats(ctx);
     const KdaChunk ch{first + t0, tokens - t0 < kKdaChunk ? tokens - t0 : kKdaChunk, h, d, c0, cols, 1.0f / sqrtf(static_cast<float>(d)), sm,
                       sm + CL::kQNorm, sm + CL::kKNorm};
     kda_chunk_stage<D>(ctx, ch);
     kda_chunk_pairs<D>(ctx, ch);
-    kda_chunk_values<D>(ctx, ch, S);
+    kda_chunk_values<D>(ctx, ch);
     kda_chunk_solve<D>(ch);
-    kda_chunk_outputs<D>(ctx, ch, S);  // reads S₀: before the update
-    kda_chunk_update<D>(ctx, ch, S);
+    kda_chunk_outputs<D>(ctx, ch);  // reads S₀: before the update
+    kda_chunk_update<D>(ctx, ch);
   }
+  for (int i = static_cast<int>(threadIdx.x); i < D * CL::kCols; i += kThreads) {
+    const int j = i / CL::kCols, c = i % CL::kCols;
+    if (j < d && c < cols) S_global[j * d + c0 + c] = S[j * CL::kSld + c];
+  }
+  __syncthreads();  // the next pass or op reuses the shared memory
 }
 
 }  // namespace plow::cuda
