@@ -73,7 +73,7 @@ __device__ __forceinline__ void kda_mma(float (&d)[4], const float (&a)[4], cons
 //   S [D][kSld]     the pass's state (key rows × value columns), across chunks
 //   stage           per phase: k̂, q̂ pieces [kPiece][kLd] each; then K⊙e^γ, Q⊙e^γ, K⊙e^{γ_C−γ} in turn,
 //                   [kTokens][kSt] (rows past the chunk's end zero up to a multiple of 16)
-//   β, |q|, |k| [C] each
+//   β, q_scale / |q|, 1 / |k| [C] each
 template <int D>
 struct KdaChunkLayout {
   static constexpr int kCols = KdaLayout<D>::kCols;
@@ -87,17 +87,16 @@ struct KdaChunkLayout {
   static constexpr int kU = kAm + kKdaChunk * kLd;
   static constexpr int kS = kU + kKdaChunk * kUld;
   static constexpr int kStageAt = kS + D * kSld;
-  static constexpr int kSmall = 3 * kKdaChunk;  // β, |q|, |k|
+  static constexpr int kSmall = 3 * kKdaChunk;  // β and the q, k scales
   static constexpr int kRoom = kSharedBytes / 4 - kStageAt - kSmall;
   static constexpr int kTokens = kRoom / kSt / 16 * 16 < kKdaChunk ? kRoom / kSt / 16 * 16 : kKdaChunk;  // positions per staged piece
   static constexpr int kStage = kTokens * kSt > 2 * kPiece * kLd ? kTokens * kSt : 2 * kPiece * kLd;
   static constexpr int kBeta = kStageAt + kStage;
-  static constexpr int kQNorm = kBeta + kKdaChunk;
-  static constexpr int kKNorm = kQNorm + kKdaChunk;
-  static constexpr int kFloats = kKNorm + kKdaChunk;
+  static constexpr int kQScale = kBeta + kKdaChunk;
+  static constexpr int kKScale = kQScale + kKdaChunk;
+  static constexpr int kFloats = kKScale + kKdaChunk;
   static_assert(kTokens >= 16, "a staged piece holds at least one mma row tile");
   static_assert(kFloats * 4 <= kSharedBytes, "a chunk's tiles must fit the block's shared memory");
-  static_assert(kKdaChunk * kKdaChunk % kThreads == 0, "A/M pairs split evenly over the threads");
   static_assert(D % 16 == 0 && kCols % 8 == 0, "mma tiles: 16 key rows, 8 value columns");
 };
 
@@ -109,16 +108,17 @@ struct KdaChunk {
   int c0, cols;
   float q_scale;
   float* sm;
-  const float *qnorm, *knorm;  // |q_t|, |k_t| in shared memory
-  // q̂ (which 0) or k̂ (which 1) of position t, channel j (< d): divide by the norm, then scale, as the CPU.
+  const float *qscale, *kscale;  // q_scale / |q_t| and 1 / |k_t| in shared memory
+  // q̂ (which 0) or k̂ (which 1) of position t, channel j (< d): times the scale over the norm (the CPU
+  // divides by the norm, then scales: a few ulps apart, far inside the op's bound).
   __device__ float normed(const TaskCtx& ctx, int which, int t, int64_t j) const {
-    const float x = ctx.in(which, row0 + t)[h * d + j];
-    return which == 0 ? x / qnorm[t] * q_scale : x / knorm[t];
+    return ctx.in(which, row0 + t)[h * d + j] * (which == 0 ? qscale : kscale)[t];
   }
 };
 
-// Norms of q and k (ε = 1e−6 on the sum, inside the root; one warp per (position, q|k)), β, and γ by a
-// sequential sum per channel (the CPU's order) over g staged first. Padded channels: γ = 0.
+// The scales of q and k (q_scale / |q|, 1 / |k|; ε = 1e−6 on the sum, inside the root; one warp per
+// (position, q|k)), β, and γ by a sequential sum per channel (the CPU's order) over g staged first.
+// Padded channels: γ = 0.
 template <int D>
 __device__ void kda_chunk_stage(const TaskCtx& ctx, const KdaChunk& ch) {
   using CL = KdaChunkLayout<D>;
@@ -129,7 +129,7 @@ __device__ void kda_chunk_stage(const TaskCtx& ctx, const KdaChunk& ch) {
     float sum = 0.0f;
     for (int64_t j = lane; j < ch.d; j += 32) sum += x[j] * x[j];
     sum = warp_sum(sum);
-    if (lane == 0) ch.sm[(which == 0 ? CL::kQNorm : CL::kKNorm) + t] = sqrtf(sum + 1e-6f);
+    if (lane == 0) ch.sm[(which == 0 ? CL::kQScale : CL::kKScale) + t] = (which == 0 ? ch.q_scale : 1.0f) / sqrtf(sum + 1e-6f);
   }
   for (int t = tid; t < ch.n; t += kThreads) ch.sm[CL::kBeta + t] = ctx.in(4, ch.row0 + t)[ch.h];
   float* gamma = ch.sm + CL::kGamma;
@@ -145,13 +145,24 @@ __device__ void kda_chunk_stage(const TaskCtx& ctx, const KdaChunk& ch) {
   __syncthreads();
 }
 
-// A and M over the lower triangle: thread tid owns the pairs p = tid + kThreads·m (r = p / C, j = p mod C),
-// accumulated over channel pieces of k̂, q̂ staged channel-major. Ends with the block synchronized.
+// A and M over the lower triangle: thread tid owns the pairs q = tid + kThreads·m of the triangle in row
+// order (row r holds q from r(r+1)/2 on; only rows r < n), so that every warp has as many pairs as the
+// others; accumulated over channel pieces of k̂, q̂ staged channel-major. Ends with the block synchronized.
 template <int D>
 __device__ void kda_chunk_pairs(const TaskCtx& ctx, const KdaChunk& ch) {
   using CL = KdaChunkLayout<D>;
-  constexpr int kPairs = kKdaChunk * kKdaChunk / kThreads;
+  constexpr int kPairs = (kKdaChunk * (kKdaChunk + 1) / 2 + kThreads - 1) / kThreads;
   const int tid = static_cast<int>(threadIdx.x);
+  int pr[kPairs], pj[kPairs];  // (r, j) of each pair; r = n: none
+#pragma unroll
+  for (int m = 0; m < kPairs; ++m) {
+    const int q = tid + kThreads * m;
+    int r = static_cast<int>((sqrtf(8.0f * static_cast<float>(q) + 1.0f) - 1.0f) * 0.5f);
+    while (r * (r + 1) / 2 > q) --r;  // exact whatever sqrtf's rounding
+    while ((r + 1) * (r + 2) / 2 <= q) ++r;
+    pr[m] = r < ch.n ? r : ch.n;
+    pj[m] = q - r * (r + 1) / 2;
+  }
   const float* gamma = ch.sm + CL::kGamma;
   float* sk = ch.sm + CL::kStageAt;
   float* sq = sk + CL::kPiece * CL::kLd;
@@ -166,8 +177,8 @@ __device__ void kda_chunk_pairs(const TaskCtx& ctx, const KdaChunk& ch) {
     __syncthreads();
 #pragma unroll
     for (int m = 0; m < kPairs; ++m) {
-      const int p = tid + kThreads * m, r = p / kKdaChunk, j = p % kKdaChunk;
-      if (j > r || r >= ch.n) continue;
+      const int r = pr[m], j = pj[m];
+      if (r >= ch.n) continue;
       for (int c = 0; c < CL::kPiece; ++c) {
         const float* g = gamma + (c0 + c) * CL::kLd;
         const float kj = sk[c * CL::kLd + j] * __expf(g[r] - g[j]);  // ≤ 1: fast exp's error is absolute ≲ 1e−7
@@ -180,8 +191,8 @@ __device__ void kda_chunk_pairs(const TaskCtx& ctx, const KdaChunk& ch) {
   float* am = ch.sm + CL::kAm;
 #pragma unroll
   for (int m = 0; m < kPairs; ++m) {
-    const int p = tid + kThreads * m, r = p / kKdaChunk, j = p % kKdaChunk;
-    if (j > r || r >= ch.n) continue;
+    const int r = pr[m], j = pj[m];
+    if (r >= ch.n) continue;
     am[r * CL::kLd + j] = acc_q[m];
     if (j < r) am[j * CL::kLd + r] = ch.sm[CL::kBeta + r] * acc_k[m];
   }
@@ -385,7 +396,7 @@ __device__ __forceinline__ void kda_chunked(const TaskCtx& ctx, int first, int t
   __syncthreads();
   for (int t0 = 0; t0 < tokens; t0 += kKdaChunk) {
     const KdaChunk ch{first + t0, tokens - t0 < kKdaChunk ? tokens - t0 : kKdaChunk, h, d, c0, cols, 1.0f / sqrtf(static_cast<float>(d)), sm,
-                      sm + CL::kQNorm, sm + CL::kKNorm};
+                      sm + CL::kQScale, sm + CL::kKScale};
     kda_chunk_stage<D>(ctx, ch);
     kda_chunk_pairs<D>(ctx, ch);
     kda_chunk_values<D>(ctx, ch);
