@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks on a machine with an H100/H200, from binaries built elsewhere (BIN, default build/bin):
-# the four gpu test binaries, then compute-sanitizer memcheck and racecheck on a small plan (the
-# megakernel and eager) and on split-KV MLA at the real head shape. Logs go to OUT (default /tmp/plow-gpu); a summary is printed last.
+# the five gpu test binaries, then compute-sanitizer memcheck and racecheck on a small plan (the
+# megakernel and eager), on split-KV MLA at the real head shape and on chunked KDA (tensor-core phases,
+# strong decays; 132 workers at the 48B head dim). Logs go to OUT (default /tmp/plow-gpu); a summary is printed last.
 set -u
 BIN=${BIN:-build/bin}
 OUT=${OUT:-/tmp/plow-gpu}
@@ -19,6 +20,7 @@ run gemv_tests 120 "$BIN/cuda_gemv_tests"
 run ops_tests 120 "$BIN/cuda_ops_tests"
 run model_tests 300 "$BIN/cuda_model_tests"
 run prefill_tests 300 "$BIN/cuda_prefill_tests"
+run server_tests 120 "$BIN/cuda_server_tests"
 small='Fixtures/CudaModelTest.RunToRunBitIdentical/tiny_kimi_linear_w7_'
 run memcheck_mega 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_model_tests" --gtest_filter="${small}mega"
 run memcheck_eager 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_model_tests" --gtest_filter="${small}eager"
@@ -27,5 +29,8 @@ run racecheck_mega 120 compute-sanitizer --tool racecheck --error-exitcode 9 "$B
 mla='MlaLong/CudaMlaLongTest.MatchesReference/h2_rank512_ctx700_b3_w3_bf16'
 run memcheck_mla 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$mla"
 run racecheck_mla 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$mla"
+kda='Ops/CudaOpTest.MatchesReference/kda_prefill_h2_d64_strong_f32_w3'
+run memcheck_kda 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$kda:*kda_prefill_h4_d128_bounded_bf16_w132"
+run racecheck_kda 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$kda"
 for line in "${summary[@]}"; do echo "$line"; done
 grep -h -E '^\[  FAILED  \]' "$OUT"/*_tests.log | sort -u | head -40
