@@ -71,8 +71,10 @@ __device__ __forceinline__ void kda_mma(float (&d)[4], const float (&a)[4], cons
 //   U [C][kUld]     diag(β)(V − (K⊙e^γ)S₀) of the pass's columns, then solved in place to (I + A)⁻¹ of that;
 //                   rows from the chunk's length on are zero
 //   S [D][kSld]     the pass's state (key rows × value columns), across chunks
-//   stage           per phase: k̂, q̂ pieces [kPiece][kLd] each; then K⊙e^γ, Q⊙e^γ, K⊙e^{γ_C−γ} in turn,
-//                   [kTokens][kSt] (rows past the chunk's end zero up to a multiple of 16)
+//   stage           per phase: k̂, q̂ pieces [kPiece][kLd] each (the diagonal blocks of A, M); the block
+//                   operands of the off-diagonal blocks, kBlockRows rows [kPst] per piece; then K⊙e^γ,
+//                   Q⊙e^γ, K⊙e^{γ_C−γ} in turn, [kTokens][kSt] (rows past the chunk's end zero up to a
+//                   multiple of 16)
 //   β, q_scale / |q|, 1 / |k| [C] each
 template <int D>
 struct KdaChunkLayout {
@@ -82,6 +84,8 @@ struct KdaChunkLayout {
   static constexpr int kSld = kCols + 8;
   static constexpr int kSt = D + 4;
   static constexpr int kPiece = D < 16 ? D : 16;  // channels per A/M staging piece
+  static constexpr int kPst = kPiece + 4;          // row stride of the block operands
+  static constexpr int kBlockRows = 192;           // k̂ and q̂ rows 16..63, then K for references 16, 32, 48
   static constexpr int kGamma = 0;
   static constexpr int kAm = kGamma + D * kLd;
   static constexpr int kU = kAm + kKdaChunk * kLd;
@@ -90,7 +94,8 @@ struct KdaChunkLayout {
   static constexpr int kSmall = 3 * kKdaChunk;  // β and the q, k scales
   static constexpr int kRoom = kSharedBytes / 4 - kStageAt - kSmall;
   static constexpr int kTokens = kRoom / kSt / 16 * 16 < kKdaChunk ? kRoom / kSt / 16 * 16 : kKdaChunk;  // positions per staged piece
-  static constexpr int kStage = kTokens * kSt > 2 * kPiece * kLd ? kTokens * kSt : 2 * kPiece * kLd;
+  static constexpr int kPairStage = 2 * kPiece * kLd > kBlockRows * kPst ? 2 * kPiece * kLd : kBlockRows * kPst;
+  static constexpr int kStage = kTokens * kSt > kPairStage ? kTokens * kSt : kPairStage;
   static constexpr int kBeta = kStageAt + kStage;
   static constexpr int kQScale = kBeta + kKdaChunk;
   static constexpr int kKScale = kQScale + kKdaChunk;
@@ -145,56 +150,120 @@ __device__ void kda_chunk_stage(const TaskCtx& ctx, const KdaChunk& ch) {
   __syncthreads();
 }
 
-// A and M over the lower triangle: thread tid owns the pairs q = tid + kThreads·m of the triangle in row
-// order (row r holds q from r(r+1)/2 on; only rows r < n), so that every warp has as many pairs as the
-// others; accumulated over channel pieces of k̂, q̂ staged channel-major. Ends with the block synchronized.
+// A and M by 16-position blocks (rows r, columns j ≤ r of the chunk), in two parts:
+//  - the diagonal blocks (r, j in one block) on SIMT, the decays exp(γ_r − γ_j) per (pair, channel);
+//  - the blocks below them on tensor cores, factored through a reference position: for block row R
+//    (rows 16R…16R+15) and any j < 16R, e^{γ_r − γ_j} = e^{γ_r − γ_16R} · e^{γ_16R − γ_j} with both
+//    factors ≤ 1 (γ falls with the position), so neither can overflow whatever the gate (a factor that
+//    underflows has a product below it); A(r, j) = β_r Σ_c (k̂_r e^{γ_r−γ_16R})_c (k̂_j e^{γ_16R−γ_j})_c,
+//    M likewise with q̂_r: two [16 × D]·[D × 16R] products per block row.
+// Ends with the block synchronized.
 template <int D>
 __device__ void kda_chunk_pairs(const TaskCtx& ctx, const KdaChunk& ch) {
   using CL = KdaChunkLayout<D>;
-  constexpr int kPairs = (kKdaChunk * (kKdaChunk + 1) / 2 + kThreads - 1) / kThreads;
+  constexpr int kBlock = 16, kBlockPairs = kBlock * (kBlock + 1) / 2;
+  constexpr int kPairs = (kKdaChunk / kBlock * kBlockPairs + kThreads - 1) / kThreads;
   const int tid = static_cast<int>(threadIdx.x);
-  int pr[kPairs], pj[kPairs];  // (r, j) of each pair; r = n: none
+  const float* gamma = ch.sm + CL::kGamma;
+  float* am = ch.sm + CL::kAm;
+  // Diagonal blocks: pair q of block b = q / 136 in row order inside the block; r = n: none.
+  int pr[kPairs], pj[kPairs];
 #pragma unroll
   for (int m = 0; m < kPairs; ++m) {
-    const int q = tid + kThreads * m;
-    int r = static_cast<int>((sqrtf(8.0f * static_cast<float>(q) + 1.0f) - 1.0f) * 0.5f);
-    while (r * (r + 1) / 2 > q) --r;  // exact whatever sqrtf's rounding
-    while ((r + 1) * (r + 2) / 2 <= q) ++r;
-    pr[m] = r < ch.n ? r : ch.n;
-    pj[m] = q - r * (r + 1) / 2;
+    const int q = tid + kThreads * m, b = q / kBlockPairs, w = q % kBlockPairs;
+    int r = static_cast<int>((sqrtf(8.0f * static_cast<float>(w) + 1.0f) - 1.0f) * 0.5f);
+    while (r * (r + 1) / 2 > w) --r;  // exact whatever sqrtf's rounding
+    while ((r + 1) * (r + 2) / 2 <= w) ++r;
+    pr[m] = kBlock * b + r < ch.n ? kBlock * b + r : ch.n;
+    pj[m] = kBlock * b + w - r * (r + 1) / 2;
   }
-  const float* gamma = ch.sm + CL::kGamma;
-  float* sk = ch.sm + CL::kStageAt;
-  float* sq = sk + CL::kPiece * CL::kLd;
-  float acc_k[kPairs] = {}, acc_q[kPairs] = {};
-  for (int c0 = 0; c0 < D; c0 += CL::kPiece) {
-    for (int i = tid; i < ch.n * CL::kPiece; i += kThreads) {
-      const int t = i / CL::kPiece, c = i % CL::kPiece;
-      const bool real = c0 + c < ch.d;
-      sk[c * CL::kLd + t] = real ? ch.normed(ctx, 1, t, c0 + c) : 0.0f;
-      sq[c * CL::kLd + t] = real ? ch.normed(ctx, 0, t, c0 + c) : 0.0f;
+  {
+    float* sk = ch.sm + CL::kStageAt;
+    float* sq = sk + CL::kPiece * CL::kLd;
+    float acc_k[kPairs] = {}, acc_q[kPairs] = {};
+    for (int c0 = 0; c0 < D; c0 += CL::kPiece) {
+      for (int i = tid; i < ch.n * CL::kPiece; i += kThreads) {
+        const int t = i / CL::kPiece, c = i % CL::kPiece;
+        const bool real = c0 + c < ch.d;
+        sk[c * CL::kLd + t] = real ? ch.normed(ctx, 1, t, c0 + c) : 0.0f;
+        sq[c * CL::kLd + t] = real ? ch.normed(ctx, 0, t, c0 + c) : 0.0f;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int m = 0; m < kPairs; ++m) {
+        const int r = pr[m], j = pj[m];
+        if (r >= ch.n) continue;
+        for (int c = 0; c < CL::kPiece; ++c) {
+          const float* g = gamma + (c0 + c) * CL::kLd;
+          const float kj = sk[c * CL::kLd + j] * __expf(g[r] - g[j]);  // ≤ 1: fast exp's error is absolute ≲ 1e−7
+          acc_k[m] += sk[c * CL::kLd + r] * kj;
+          acc_q[m] += sq[c * CL::kLd + r] * kj;
+        }
+      }
+      __syncthreads();  // the next piece overwrites the staging
     }
-    __syncthreads();
 #pragma unroll
     for (int m = 0; m < kPairs; ++m) {
       const int r = pr[m], j = pj[m];
       if (r >= ch.n) continue;
-      for (int c = 0; c < CL::kPiece; ++c) {
-        const float* g = gamma + (c0 + c) * CL::kLd;
-        const float kj = sk[c * CL::kLd + j] * __expf(g[r] - g[j]);  // ≤ 1: fast exp's error is absolute ≲ 1e−7
-        acc_k[m] += sk[c * CL::kLd + r] * kj;
-        acc_q[m] += sq[c * CL::kLd + r] * kj;
+      am[r * CL::kLd + j] = acc_q[m];
+      if (j < r) am[j * CL::kLd + r] = ch.sm[CL::kBeta + r] * acc_k[m];
+    }
+  }
+  if (ch.n <= kBlock) {  // no block below the diagonal
+    __syncthreads();
+    return;
+  }
+  // Below the diagonal: per channel piece, rows [kPst] of k̂ e^{γ_r−γ_16R} (0..47: r = 16..63), q̂ e^{γ_r−γ_16R}
+  // (48..95), and k̂ e^{γ_16R−γ_j} for R = 1 (96..111: j < 16), 2 (112..143: j < 32), 3 (144..191: j < 48);
+  // zero past the chunk's end. Warp w < 12 owns block row R and column tile nt (A and M), accumulated over
+  // the pieces in registers.
+  float* ops = ch.sm + CL::kStageAt;
+  const int lane = lane_id(), g = lane / 4, t4 = lane % 4, warp = warp_id();
+  const int R = warp < 2 ? 1 : warp < 6 ? 2 : 3, nt = warp < 2 ? warp : warp < 6 ? warp - 2 : warp - 6;
+  const bool busy = warp < 12 && kBlock * R < ch.n;  // warp-uniform
+  const int right0 = 96 + kBlock * ((R - 1) * R / 2);
+  float acc_k[4] = {}, acc_q[4] = {};
+  for (int c0 = 0; c0 < D; c0 += CL::kPiece) {
+    for (int i = tid; i < CL::kBlockRows * CL::kPiece; i += kThreads) {
+      const int row = i / CL::kPiece, c = c0 + i % CL::kPiece;
+      float v = 0.0f;
+      if (row < 96) {  // the left factor of block row r / 16
+        const int r = kBlock + row % 48, ref = r / kBlock * kBlock;
+        if (r < ch.n && c < ch.d) v = ch.normed(ctx, row < 48 ? 1 : 0, r, c) * __expf(gamma[c * CL::kLd + r] - gamma[c * CL::kLd + ref]);
+      } else {  // the right factor for reference 16R
+        const int x = row - 96, rb = x < 16 ? 1 : x < 48 ? 2 : 3, j = x - kBlock * ((rb - 1) * rb / 2), ref = kBlock * rb;
+        if (ref < ch.n && c < ch.d) v = ch.normed(ctx, 1, j, c) * __expf(gamma[c * CL::kLd + ref] - gamma[c * CL::kLd + j]);
+      }
+      ops[row * CL::kPst + i % CL::kPiece] = v;
+    }
+    __syncthreads();
+    if (busy) {
+      const float* left_k = ops + (kBlock * (R - 1)) * CL::kPst;
+      const float* left_q = left_k + 48 * CL::kPst;
+      const float* right = ops + (right0 + 8 * nt) * CL::kPst;
+#pragma unroll
+      for (int k0 = 0; k0 < CL::kPiece; k0 += 8) {
+        const float b[2] = {right[g * CL::kPst + k0 + t4], right[g * CL::kPst + k0 + t4 + 4]};
+        const float ak[4] = {left_k[g * CL::kPst + k0 + t4], left_k[(g + 8) * CL::kPst + k0 + t4], left_k[g * CL::kPst + k0 + t4 + 4],
+                             left_k[(g + 8) * CL::kPst + k0 + t4 + 4]};
+        const float aq[4] = {left_q[g * CL::kPst + k0 + t4], left_q[(g + 8) * CL::kPst + k0 + t4], left_q[g * CL::kPst + k0 + t4 + 4],
+                             left_q[(g + 8) * CL::kPst + k0 + t4 + 4]};
+        kda_mma(acc_k, ak, b);
+        kda_mma(acc_q, aq, b);
       }
     }
-    __syncthreads();  // the next piece overwrites the staging
+    __syncthreads();  // the next piece overwrites the operands
   }
-  float* am = ch.sm + CL::kAm;
+  if (busy) {
 #pragma unroll
-  for (int m = 0; m < kPairs; ++m) {
-    const int r = pr[m], j = pj[m];
-    if (r >= ch.n) continue;
-    am[r * CL::kLd + j] = acc_q[m];
-    if (j < r) am[j * CL::kLd + r] = ch.sm[CL::kBeta + r] * acc_k[m];
+    for (int q = 0; q < 4; ++q) {
+      const int r = kBlock * R + g + 8 * (q / 2), j = 8 * nt + 2 * t4 + q % 2;
+      if (r < ch.n) {
+        am[r * CL::kLd + j] = acc_q[q];
+        am[j * CL::kLd + r] = ch.sm[CL::kBeta + r] * acc_k[q];
+      }
+    }
   }
   __syncthreads();
 }
