@@ -281,8 +281,10 @@ bool reads_routed_experts(Op op) { return op == Op::kMoeGateUp || op == Op::kMoe
 bool spreads_over_workers(Op op) { return op == Op::kMlaAttention; }
 
 int64_t spread_tasks(Op op, int64_t workers, int64_t max_tokens) {
+  const auto by_rows = [&](int64_t rows_per_task) { return std::min(workers, (max_tokens + rows_per_task - 1) / rows_per_task); };
   if (spreads_over_workers(op)) return workers;
-  if (op == Op::kMoeTopK) return std::min(workers, (max_tokens + kMoeTopkRowsPerTask - 1) / kMoeTopkRowsPerTask);
+  if (op == Op::kMoeTopK) return by_rows(kMoeTopkRowsPerTask);
+  if (op == Op::kGatedRmsNorm) return by_rows(kGatedRmsNormRowsPerTask);
   return 0;
 }
 

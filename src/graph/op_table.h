@@ -114,10 +114,16 @@ int64_t slice_granularity(const Node& node);
 bool spreads_over_workers(Op op);
 // Rows per moe_topk task: its GPU body runs one warp per row, 16 warps a block.
 inline constexpr int64_t kMoeTopkRowsPerTask = 16;
+// Rows per gated_rms_norm task: its GPU body runs one warp per (row, head), so 8 rows of ≥ 2 heads
+// still give each of a block's 16 warps a unit, and a 1024-row step of the 48B (32 heads) spreads over
+// 128 of the H200's 132 workers (16 rows a task would leave half of them idle).
+inline constexpr int64_t kGatedRmsNormRowsPerTask = 8;
 // The tasks a plan of `workers` workers and `max_tokens` rows gives the op beyond its column slices, or 0:
 // those tasks own the empty slice [width, width) and divide the op's work otherwise on the GPU. MLA:
 // one per worker (spreads_over_workers); moe_topk (whole): one per kMoeTopkRowsPerTask rows, up to the
-// workers, each taking a share of the step's rows (1 for plans of ≤ 16 rows: decode keeps one task).
+// workers, each taking a share of the step's rows (1 for plans of ≤ 16 rows: decode keeps one task);
+// gated_rms_norm: one per kGatedRmsNormRowsPerTask rows, up to the workers (tasks past its heads only
+// when that is more than the heads), each taking whole rows in steps of many rows.
 int64_t spread_tasks(Op op, int64_t workers, int64_t max_tokens);
 std::string_view op_name(Op op);
 

@@ -129,9 +129,10 @@ std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<st
 }
 
 // Tasks of one op: min(workers, units) slices of near-equal whole units (unit = slice granularity). An
-// op that spreads (spread_tasks: MLA one per worker, moe_topk one per 16 rows) gets that many tasks
-// when it has more than its slices: the tasks past its units own the empty slice [width, width), for
-// backends that split its work otherwise (cuda MLA's split-KV, moe_topk's rows).
+// op that spreads (spread_tasks: MLA one per worker, moe_topk one per 16 rows, gated_rms_norm one per
+// 8) gets that many tasks when it has more than its slices: the tasks past its units own the empty
+// slice [width, width), for backends that split its work otherwise (cuda MLA's split-KV, the norm's
+// and moe_topk's rows).
 void add_tasks(Plan& plan, const Graph& graph, int32_t op_index, std::vector<std::vector<int32_t>>& tasks_of) {
   const Node& node = graph.node(op_index);
   const int64_t unit = slice_granularity(node);

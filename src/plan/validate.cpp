@@ -225,7 +225,7 @@ class Checker {
         covered = end;
       }
       if (covered != plan_.ops[static_cast<size_t>(i)].width) reject("{}: tasks cover {} of {} columns", describe(i), covered, plan_.ops[static_cast<size_t>(i)].width);
-      // Empty slices only up to the op's spread (plans from before moe_topk spread have fewer: valid).
+      // Empty slices only up to the op's spread (plans from before moe_topk or gated_rms_norm spread have fewer: valid).
       const auto tasks = static_cast<int64_t>(slices.size());
       const int64_t nonempty = std::count_if(slices.begin(), slices.end(), [](const auto& s) { return s.first < s.second; });
       const int64_t most = std::max(nonempty, spread_tasks(plan_.ops[static_cast<size_t>(i)].op(), plan_.workers, plan_.max_tokens));

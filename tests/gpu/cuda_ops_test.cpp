@@ -290,8 +290,9 @@ OpCase viewed(OpCase c) {
 }
 
 // The same case over many rows on 132 workers (the H200's plans): a 600-row step (moe_topk: 38 tasks
-// of ~16 rows; row-reduction norms: each of the 132 tasks owns whole rows, common.cuh row_share), a
-// 200-row step (norms column-sliced: fewer than 2 rows a task) and a mixed step of 7 rows.
+// of ~16 rows; row-reduction norms: each of the 132 tasks owns whole rows, common.cuh row_share;
+// gated_rms_norm: 75 tasks, most past its heads, of 8 rows each), a 200-row step (rms_norm, add_norm
+// column-sliced: fewer than 2 rows a task; gated_rms_norm still by rows) and a mixed step of 7 rows.
 OpCase many_rows(OpCase c) {
   c.name += "_rows600";
   c.steps = {{{0, 600}}, {{1, 200}}, {{0, 1}, {1, 1}, {2, 5}}};
@@ -353,7 +354,10 @@ std::vector<OpCase> cases() {
     all.push_back(attn_res(values, values == 3 ? 257 : 96, false));
     all.push_back(attn_res(values, 130, true));
   }
-  for (OpCase c : {moe_topk({256, 8}, "e256_k8"), moe_topk({64, 6, 8, 3}, "e64_k6_g8"), rms_norm(1030), add_norm(1030)}) all.push_back(many_rows(std::move(c)));
+  for (OpCase c : {moe_topk({256, 8}, "e256_k8"), moe_topk({64, 6, 8, 3}, "e64_k6_g8"), rms_norm(1030), add_norm(1030), gated_rms_norm(4, 128),
+                   gated_rms_norm(3, 48)}) {
+    all.push_back(many_rows(std::move(c)));
+  }
   // Inputs through views (plan slices read in place): one case per body that reads activations.
   for (OpCase c : {elementwise("add_130", Op::kAdd, 130, 2, {}, exact), elementwise("silu_mul_257", Op::kSiluMul, 257, 2, {}, two_roundings),
                    elementwise("sigmoid_96", Op::kSigmoid, 96, 1, {}, transcendental, true), rms_norm(257), add_norm(96), gated_rms_norm(3, 32),

@@ -63,6 +63,32 @@ std::vector<int32_t> tasks_of(const Plan& plan, int32_t op) {
   return result;
 }
 
+// The plan as a file written before `op` spread: without the empty tasks of its ops, the queues
+// renumbered and each counter's threshold lowered by the signals of the dropped tasks.
+void drop_spread_tasks(Plan& plan, Op op) {
+  std::vector<PlanTask> kept;
+  std::vector<int32_t> renumber(plan.tasks.size(), -1);
+  std::vector<int64_t> dropped_signals(static_cast<size_t>(plan.counters), 0);
+  for (int32_t t = 0; t < static_cast<int32_t>(plan.tasks.size()); ++t) {
+    const PlanTask& task = plan.tasks[static_cast<size_t>(t)];
+    if (plan.ops[static_cast<size_t>(task.op)].op() == op && task.col_begin == task.col_end) {
+      for (int32_t counter : task.signals) dropped_signals[static_cast<size_t>(counter)] += 1;
+      continue;
+    }
+    renumber[static_cast<size_t>(t)] = static_cast<int32_t>(kept.size());
+    kept.push_back(task);
+  }
+  for (PlanTask& task : kept) task.wait_threshold -= dropped_signals[static_cast<size_t>(task.wait_counter)];
+  for (auto& queue : plan.queues) {
+    std::vector<int32_t> renumbered;
+    for (int32_t t : queue) {
+      if (renumber[static_cast<size_t>(t)] >= 0) renumbered.push_back(renumber[static_cast<size_t>(t)]);
+    }
+    queue = renumbered;
+  }
+  plan.tasks = kept;
+}
+
 TEST(ValidatePlan, LoweredPlansPass) {
   for (int workers : {1, 2, 3, 8}) {
     for (int64_t tokens : {1, 5, 64}) EXPECT_NO_THROW(validate_plan(tiny_plan(workers, tokens), PlanInterpreter::has_op));
@@ -250,32 +276,42 @@ TEST(ValidatePlan, MoeTopkSpreadsOverRows) {
       EXPECT_EQ(task.col_end, width) << i;
     }
   }
-  Plan plan = tiny_plan(8, 64);
-  plan.max_tokens = 16;  // a spread of 1: the 3 empty tasks are too many
-  expect_rejected(plan, "4 tasks, at most 1");
+  Plan plan = tiny_plan(4, 64);
+  plan.max_tokens = 48;  // a spread of 3 (gated_rms_norm's 4 tasks still fit): the 3 empty tasks are one too many
+  expect_rejected(plan, "4 tasks, at most 3");
   plan = tiny_plan(8, 64);  // a plan file from before the spread: one task for the whole op
-  const int32_t topk = first_op(plan, Op::kMoeTopK);
-  const std::vector<int32_t> tasks = tasks_of(plan, topk);
-  std::vector<PlanTask> kept;
-  std::vector<int32_t> renumber(plan.tasks.size(), -1);
-  std::vector<int64_t> dropped_signals(static_cast<size_t>(plan.counters), 0);  // per counter, from the dropped tasks
-  for (int32_t t = 0; t < static_cast<int32_t>(plan.tasks.size()); ++t) {
-    if (std::find(tasks.begin() + 1, tasks.end(), t) != tasks.end()) {
-      for (int32_t counter : plan.tasks[static_cast<size_t>(t)].signals) dropped_signals[static_cast<size_t>(counter)] += 1;
-      continue;
+  drop_spread_tasks(plan, Op::kMoeTopK);
+  EXPECT_EQ(tasks_of(plan, first_op(plan, Op::kMoeTopK)).size(), 1u);
+  EXPECT_NO_THROW(validate_plan(plan, PlanInterpreter::has_op));
+}
+
+// gated_rms_norm (2 heads of 16 in the tiny model) spreads over ⌈rows / 8⌉ tasks up to the workers;
+// the GPU gives those past the heads whole rows of a large step.
+TEST(ValidatePlan, GatedRmsNormSpreadsOverRows) {
+  struct Case {
+    int workers;
+    int64_t tokens;
+    size_t tasks;
+  };
+  for (const Case& c : {Case{8, 2, 2}, Case{8, 16, 2}, Case{8, 17, 3}, Case{8, 64, 8}, Case{3, 64, 3}, Case{1, 64, 1}, Case{132, 1024, 128}}) {
+    const Plan plan = tiny_plan(c.workers, c.tokens);
+    const int32_t norm = first_op(plan, Op::kGatedRmsNorm);
+    const std::vector<int32_t> tasks = tasks_of(plan, norm);
+    ASSERT_EQ(tasks.size(), c.tasks) << c.workers << " workers, " << c.tokens << " rows";
+    const int64_t width = plan.ops[static_cast<size_t>(norm)].width, heads = std::min<int64_t>(c.workers, 2);
+    ASSERT_EQ(width, 32);
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      const PlanTask& task = plan.tasks[static_cast<size_t>(tasks[i])];
+      EXPECT_EQ(task.col_begin, static_cast<int64_t>(i) < heads ? width * static_cast<int64_t>(i) / heads : width) << i;
+      EXPECT_EQ(task.col_end, static_cast<int64_t>(i) < heads ? width * static_cast<int64_t>(i + 1) / heads : width) << i;
     }
-    renumber[static_cast<size_t>(t)] = static_cast<int32_t>(kept.size());
-    kept.push_back(plan.tasks[static_cast<size_t>(t)]);
   }
-  for (PlanTask& task : kept) task.wait_threshold -= dropped_signals[static_cast<size_t>(task.wait_counter)];
-  for (auto& queue : plan.queues) {
-    std::vector<int32_t> renumbered;
-    for (int32_t t : queue) {
-      if (renumber[static_cast<size_t>(t)] >= 0) renumbered.push_back(renumber[static_cast<size_t>(t)]);
-    }
-    queue = renumbered;
-  }
-  plan.tasks = kept;
+  Plan plan = tiny_plan(8, 64);
+  plan.max_tokens = 56;  // a spread of 7 (moe_topk's 4 tasks still fit): the 6 empty tasks are one too many
+  expect_rejected(plan, "8 tasks, at most 7");
+  plan = tiny_plan(132, 1024);  // a plan file from before the spread: one task per head
+  drop_spread_tasks(plan, Op::kGatedRmsNorm);
+  EXPECT_EQ(tasks_of(plan, first_op(plan, Op::kGatedRmsNorm)).size(), 2u);
   EXPECT_NO_THROW(validate_plan(plan, PlanInterpreter::has_op));
 }
 

@@ -57,12 +57,14 @@ __device__ __forceinline__ void for_each_row_sum(int rows, float* red, Partial p
   __syncthreads();
 }
 
-// What a task of a row-reduction op (rms_norm, add_norm: a whole input row reduced per output row)
-// writes. Few rows (decode): every row, the task's column slice, each task reducing every row. Many rows
-// (≥ 8 and ≥ 2 per task; the same form for every task of the step): rows task, task + tasks, … of all
-// the op's columns, so each row is read and reduced once instead of once per task (132× at 1024 rows ×
-// 2304 on 132 workers) — legal because consumers and the op's overwriters wait for all of its tasks.
-// Both forms reduce a row with for_each_row_sum's split for the step's rows: bit-identical results.
+// What a task of a row-reduction op (rms_norm, add_norm: a whole input row reduced per output row;
+// gated_rms_norm: a head of a row) writes. Few rows (decode): every row, the task's column slice, each
+// task reducing every row. Many rows (≥ 8 and ≥ 2 per task; the same form for every task of the step):
+// rows task, task + tasks, … of all the op's columns, so each row is read and reduced once instead of
+// once per task (132× at 1024 rows × 2304 on 132 workers), and gated_rms_norm's tasks past its heads
+// get rows too — legal because consumers and the op's overwriters wait for all of its tasks. Both
+// forms reduce a row with for_each_row_sum's split for the step's rows (a head: with one warp), so the
+// results are bit-identical.
 struct RowShare {
   int first_row, row_stride;
   int64_t col_begin, col_end;

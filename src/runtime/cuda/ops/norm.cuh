@@ -1,7 +1,8 @@
 // RMSNorm family (cpu: ops/norm.cpp, fused.cpp cpu_add_norm): kRmsNorm (input row whole, output
-// slice), kGatedRmsNorm (whole heads, one warp per (row, head)) and kAddNorm (the sum's whole row is
-// reduced; the slice covers either half of the [sum | norm(sum)] output). kRmsNorm and kAddNorm steps
-// of many rows give each task whole rows instead of its slice (common.cuh row_share).
+// slice), kGatedRmsNorm (whole heads, one warp per (row, head); plans of many rows give it tasks past
+// its heads, graph/op_table spread_tasks) and kAddNorm (the sum's whole row is reduced; the slice
+// covers either half of the [sum | norm(sum)] output). Steps of many rows give each task whole rows
+// instead of its slice (common.cuh row_share).
 // Roundings as the CPU: RMSNorm casts x·scale to the activation dtype before the weight multiply.
 #pragma once
 
@@ -35,15 +36,20 @@ __device__ __noinline__ void op_rms_norm(const TaskCtx& ctx) {
 
 // kGatedRmsNorm (KDA output norm, §4.2 K7): per head of d channels, out = act(w ⊙ (o·rsqrt(mean(o²)+ε)) ⊙ σ(z)),
 // fp32 throughout, one rounding. attrs: [0] head_dim, [1] eps. Inputs o, z [T, heads·d]; weight w [d].
+// Units of the task's row_share (its heads of every row, or every head of its rows; a task past the
+// heads has none in the first form), one warp each: a unit's sum is the same whichever task owns it.
 __device__ __noinline__ void op_gated_rms_norm(const TaskCtx& ctx) {
   const DeviceWeight& w = ctx.weight(0);
   const auto d = static_cast<int64_t>(ctx.attr(0));
   const float eps = ctx.attr(1);
-  const int64_t first_head = ctx.col_begin / d, heads = (ctx.col_end - ctx.col_begin) / d;
-  const int64_t units = static_cast<int64_t>(ctx.rows()) * heads;
+  const RowShare share = row_share(ctx);
+  const int64_t first_head = share.col_begin / d, heads = (share.col_end - share.col_begin) / d;
+  const int rows = ctx.rows();
+  const int64_t share_rows = share.first_row < rows ? (rows - share.first_row + share.row_stride - 1) / share.row_stride : 0;
+  const int64_t units = share_rows * heads;
   const int lane = lane_id();
   for (int64_t u = warp_id(); u < units; u += kWarps) {
-    const int64_t t = u / heads, h = first_head + u % heads;
+    const int64_t t = share.first_row + u / heads * share.row_stride, h = first_head + u % heads;
     const float* o = ctx.in(0, t) + h * d;
     const float* z = ctx.in(1, t) + h * d;
     float* out = ctx.out(t) + h * d;
