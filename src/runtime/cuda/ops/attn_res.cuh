@@ -66,11 +66,9 @@ __device__ __noinline__ void op_attn_res_mix(const TaskCtx& ctx) {
   for (int t0 = 0; t0 < rows; t0 += tile) {
     const int n = rows - t0 < tile ? rows - t0 : tile;
     attn_res_weights(ctx, t0, n, ctx.attr(0), alpha);
-    for (int64_t i = threadIdx.x; i < n * cols; i += kThreads) {
-      const int r = static_cast<int>(i / cols);
-      const int64_t c = ctx.col_begin + i % cols;
+    for_each_row_col(n, ctx.col_begin, static_cast<int>(cols), [&](int r, int64_t c) {
       ctx.out(t0 + r)[c] = round_out(ctx, attn_res_mixed(ctx, alpha + r * values, t0 + r, c));
-    }
+    });
     __syncthreads();  // alpha is rewritten by the next tile
   }
 }

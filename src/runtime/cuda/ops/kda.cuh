@@ -22,12 +22,11 @@ __device__ __noinline__ void op_short_conv_silu(const TaskCtx& ctx) {
     float* window = state_of(ctx, step.seq_slot[s]);
     // history position p of channel c: the window for p < keep, else input row first + p − keep.
     auto history = [&](int64_t p, int64_t c) { return p < keep ? window[c * keep + p] : ctx.in(0, first + p - keep)[c]; };
-    for (int64_t i = threadIdx.x; i < tokens * cols; i += kThreads) {
-      const int64_t t = i / cols, c = ctx.col_begin + i % cols;
+    for_each_row_col(tokens, ctx.col_begin, static_cast<int>(cols), [&](int t, int64_t c) {
       float sum = 0.0f;
       for (int j = 0; j < kernel; ++j) sum += weight_flat(taps, c * kernel + j) * history(t + j, c);
       ctx.out(first + t)[c] = round_out(ctx, siluf_(sum));
-    }
+    });
     __syncthreads();  // every output above read the old window
     // New window = history[tokens .. tokens + keep): ascending j reads position tokens + j ≥ j, never a
     // column this thread already overwrote.
