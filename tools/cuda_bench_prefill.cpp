@@ -129,6 +129,36 @@ std::unique_ptr<cuda::CudaBackend> make_backend(const LoadedModel& model, std::s
 
 }  // namespace
 
+namespace {
+
+// A kernel peer's records ({"tokens", "ms"} or {"tokens", "skipped"}) by prompt length; what it printed
+// is reported, not thrown, when it is no JSON array (a missing package is a finding, not a crash).
+std::map<int64_t, json> run_length_peer(const std::string& name, const std::string& command) {
+  std::map<int64_t, json> records;
+  int status = 0;
+  const std::string out = run_and_capture(command, &status);
+  try {
+    for (const json& r : json::parse(out.substr(out.find('[') == std::string::npos ? 0 : out.find('[')))) records[r.at("tokens").get<int64_t>()] = r;
+  } catch (const json::exception& e) {
+    std::cerr << fmt::format("bench prefill: the {} peer printed no JSON array of records (status {}): {}\n", name, status, e.what());
+  }
+  return records;
+}
+
+// The peer's record for prompt length p with ours beside it (ours < 0: not measured in this run).
+json peer_entry(const std::map<int64_t, json>& peer, int64_t p, double ours, const std::string& what, const std::string& name) {
+  json entry = peer.contains(p) ? peer.at(p) : json{{"skipped", "the peer did not report this length"}};
+  entry["what"] = what;
+  if (ours >= 0) entry["ours_ms_per_layer"] = ours;
+  if (ours > 0 && entry.contains("ms")) {
+    entry["speedup_vs_peer"] = entry["ms"].get<double>() / ours;
+    std::cerr << fmt::format("  {}, one layer: ours {:.3f} ms, peer {:.3f} ms ({:.2f}x)\n", name, ours, entry["ms"].get<double>(), entry["ms"].get<double>() / ours);
+  }
+  return entry;
+}
+
+}  // namespace
+
 void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
   auto* config = cmd->add_option("--config", args.config_path, "config.json of a model to draw on the device")->required();
   cmd->add_flag("--random-weights", args.random_weights, "draw every weight on the device from --seed (required)")->needs(config);
@@ -143,6 +173,9 @@ void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
   cmd->add_option("--kda-peer", args.kda_peer,
                   "command printing fla chunk_kda's times (bench/peers/fla_kda.py); given --tokens, --heads and --dim, run before the engine takes the GPU; "
                   "compared with kda_delta_rule's time per layer under --profile");
+  cmd->add_option("--mla-peer", args.mla_peer,
+                  "command printing PyTorch SDPA's causal attention times (bench/peers/sdpa_mla.py); given --tokens, --heads, --qk-dim and --v-dim, run "
+                  "before the engine takes the GPU; compared with the MLA GEMM ops' time per layer");
   cmd->add_flag("--flops-only", args.flops_only, "print the FLOPs each prompt must do (TFLOP/s's numerator) and stop; needs no GPU");
   cmd->add_option("-o,--output", args.output, "JSON array the records are appended to");
 }
@@ -175,22 +208,20 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
   const int64_t max_context = *std::max_element(args.prompts.begin(), args.prompts.end()) + 8;
   std::cerr << fmt::format("bench prefill: {} ({} SMs), {} activations\n", device, sms, dtype_name(dtype));
 
-  // The KDA kernel peer first, on an idle GPU: one layer's shape at each prompt length.
-  const int64_t kda_layers = model->config.num_layers_of(MixerKind::kKda);
-  std::map<int64_t, json> kda_peer;
-  if (!args.kda_peer.empty() && kda_layers > 0) {
-    std::string lengths;
-    for (int64_t p : args.prompts) lengths += (lengths.empty() ? "" : ",") + std::to_string(p);
-    int status = 0;
-    const std::string out = run_and_capture(fmt::format("{} --tokens {} --heads {} --dim {}", args.kda_peer, lengths, model->config.kda.num_heads,
-                                                        model->config.kda.head_dim),
-                                            &status);
-    try {
-      for (const json& r : json::parse(out.substr(out.find('[') == std::string::npos ? 0 : out.find('[')))) kda_peer[r.at("tokens").get<int64_t>()] = r;
-    } catch (const json::exception& e) {
-      std::cerr << fmt::format("bench prefill: the KDA peer printed no JSON array of records (status {}): {}\n", status, e.what());
-    }
-  }
+  // The kernel peers first, on an idle GPU: one layer's shape at each prompt length.
+  std::string lengths;
+  for (int64_t p : args.prompts) lengths += (lengths.empty() ? "" : ",") + std::to_string(p);
+  const ModelConfig& cfg = model->config;
+  const int64_t kda_layers = cfg.num_layers_of(MixerKind::kKda), mla_layers = cfg.num_layers_of(MixerKind::kMla);
+  const std::map<int64_t, json> kda_peer =
+      args.kda_peer.empty() || kda_layers == 0
+          ? std::map<int64_t, json>{}
+          : run_length_peer("KDA", fmt::format("{} --tokens {} --heads {} --dim {}", args.kda_peer, lengths, cfg.kda.num_heads, cfg.kda.head_dim));
+  const std::map<int64_t, json> mla_peer =
+      args.mla_peer.empty() || mla_layers == 0
+          ? std::map<int64_t, json>{}
+          : run_length_peer("MLA", fmt::format("{} --tokens {} --heads {} --qk-dim {} --v-dim {}", args.mla_peer, lengths, cfg.num_attention_heads,
+                                               cfg.mla_qk_head_dim(), cfg.v_head_dim));
 
   auto weights = cuda::random_device_weights(model->graph, args.seed, dtype);
   auto backend = make_backend(*model, weights, chunks, workers, max_context, dtype, true);
@@ -284,22 +315,30 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
     if (!args.kda_peer.empty()) {
       // Equal work: the prompt through one KDA layer's delta rule (ours: the profile's kda_delta_rule
       // time over the prompt's chunks, per layer; fla: one chunk_kda call over the whole prompt).
-      json entry = kda_peer.contains(p) ? kda_peer[p] : json{{"skipped", "the peer did not report this length"}};
-      entry["what"] = fmt::format("fla chunk_kda, one layer: {} tokens x {} heads x {} (bf16 q/k/v, fp32 g and state, l2norm in kernel)", p,
-                                  model->config.kda.num_heads, model->config.kda.head_dim);
       double ours = -1;
       if (args.profile) {
         for (const cuda::OpcodeProfile& o : backend->op_times()) {
           if (o.op == "kda_delta_rule") ours = o.ms / static_cast<double>(kda_layers);
         }
       }
-      if (ours >= 0) entry["ours_ms_per_layer"] = ours;
-      if (ours > 0 && entry.contains("ms")) {
-        entry["speedup_vs_peer"] = entry["ms"].get<double>() / ours;
-        std::cerr << fmt::format("  KDA, one layer: ours {:.3f} ms, fla chunk_kda {:.3f} ms ({:.2f}x)\n", ours, entry["ms"].get<double>(),
-                                 entry["ms"].get<double>() / ours);
-      }
-      record["peers"]["fla_chunk_kda"] = entry;
+      record["peers"]["fla_chunk_kda"] =
+          peer_entry(kda_peer, p, ours,
+                     fmt::format("fla chunk_kda, one layer: {} tokens x {} heads x {} (bf16 q/k/v, fp32 g and state, l2norm in kernel); "
+                                 "ours: kda_delta_rule under --profile, per layer",
+                                 p, cfg.kda.num_heads, cfg.kda.head_dim),
+                     "KDA");
+    }
+    if (!args.mla_peer.empty()) {
+      // The causal pairs of the prompt through one MLA layer (ours: the MLA GEMM ops' stream time over
+      // the prompt's chunks, per layer, which also expands K and V from the latents; SDPA: one causal
+      // call over the whole prompt).
+      const double ours = mla_gemm ? mla_ms / static_cast<double>(mla_layers) : -1;
+      record["peers"]["sdpa_attention"] =
+          peer_entry(mla_peer, p, ours,
+                     fmt::format("PyTorch SDPA, causal, one layer: {} tokens x {} heads, q/k {} and v {} wide, bf16; ours: mla_ops_ms per layer "
+                                 "(expansion of K/V included)",
+                                 p, cfg.num_attention_heads, cfg.mla_qk_head_dim(), cfg.v_head_dim),
+                     "MLA");
     }
     append_records(args.output, json::array({record}));  // each prompt's record as soon as it is measured
     std::cout << record.dump() << "\n";

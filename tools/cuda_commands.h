@@ -99,6 +99,7 @@ struct BenchPrefillArgs {
   bool mla_body_peer = false;  // also time the GEMM path with mla_attention on its op body (split-KV)
   bool profile = false;        // one more run per prompt, one launch per op between events: per-opcode time
   std::string kda_peer;        // command printing fla chunk_kda's records for --tokens/--heads/--dim (run before the engine takes the GPU)
+  std::string mla_peer;        // command printing PyTorch SDPA's causal attention records for --tokens/--heads/--qk-dim/--v-dim (likewise)
   bool flops_only = false;  // print the FLOP model per prompt and stop (no GPU)
   std::string output = "bench/results/prefill.json";
   std::string command_line;
