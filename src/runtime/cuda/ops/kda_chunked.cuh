@@ -306,35 +306,46 @@ __device__ __forceinline__ void kda_tile_times_state(float (&acc)[4], const floa
   }
 }
 
+// For every staged piece of x̂ ⊙ e^{γ_t} (x = q (which 0) or k (1)) and every 16×8 tile of its rows × the
+// pass's columns, warps in turn: acc = that tile of X·S₀, then tile(acc, first row of the chunk, first
+// column). Ends with the block synchronized.
+template <int D, typename Tile>
+__device__ __forceinline__ void kda_for_each_state_tile(const TaskCtx& ctx, const KdaChunk& ch, int which, Tile tile) {
+  using CL = KdaChunkLayout<D>;
+  constexpr int kColTiles = CL::kCols / 8;
+  const float* S = ch.sm + CL::kS;
+  float* staged = ch.sm + CL::kStageAt;
+  for (int p0 = 0; p0 < ch.n; p0 += CL::kTokens) {
+    const int np = ch.n - p0 < CL::kTokens ? ch.n - p0 : CL::kTokens;
+    kda_chunk_stage_rows<D>(ctx, ch, which, false, p0, np, staged);
+    const int tiles = (np + 15) / 16 * kColTiles;
+    for (int i = warp_id(); i < tiles; i += kWarps) {
+      const int m0 = i / kColTiles * 16, n0 = i % kColTiles * 8;
+      float acc[4] = {};
+      kda_tile_times_state<D>(acc, staged, S, m0, n0);
+      tile(acc, p0 + m0, n0);
+    }
+    __syncthreads();  // the staging is overwritten next
+  }
+}
+
 // U = diag(β)(V − (K⊙e^γ)S₀) for the pass's columns; rows from n on zero. Ends with the block synchronized.
 template <int D>
 __device__ void kda_chunk_values(const TaskCtx& ctx, const KdaChunk& ch) {
   using CL = KdaChunkLayout<D>;
-  constexpr int kColTiles = CL::kCols / 8;
   float* U = ch.sm + CL::kU;
-  const float* S = ch.sm + CL::kS;
-  float* staged = ch.sm + CL::kStageAt;
   const int lane = lane_id(), g = lane / 4, t4 = lane % 4;
   for (int i = static_cast<int>(threadIdx.x); i < (kKdaChunk - ch.n) * CL::kUld; i += kThreads) U[ch.n * CL::kUld + i] = 0.0f;
-  for (int p0 = 0; p0 < ch.n; p0 += CL::kTokens) {
-    const int np = ch.n - p0 < CL::kTokens ? ch.n - p0 : CL::kTokens;
-    kda_chunk_stage_rows<D>(ctx, ch, 1, false, p0, np, staged);
-    const int tiles = (np + 15) / 16 * kColTiles;
-    for (int tile = warp_id(); tile < tiles; tile += kWarps) {
-      const int m0 = tile / kColTiles * 16, n0 = tile % kColTiles * 8;
-      float acc[4] = {};
-      kda_tile_times_state<D>(acc, staged, S, m0, n0);
+  kda_for_each_state_tile<D>(ctx, ch, 1, [&](float (&acc)[4], int m0, int n0) {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int t = p0 + m0 + g + 8 * (q / 2), c = n0 + 2 * t4 + q % 2;
-        if (t < ch.n) {
-          const float v = c < ch.cols ? ctx.in(2, ch.row0 + t)[ch.h * ch.d + ch.c0 + c] : 0.0f;
-          U[t * CL::kUld + c] = ch.sm[CL::kBeta + t] * (v - acc[q]);
-        }
+    for (int q = 0; q < 4; ++q) {
+      const int t = m0 + g + 8 * (q / 2), c = n0 + 2 * t4 + q % 2;
+      if (t < ch.n) {
+        const float v = c < ch.cols ? ctx.in(2, ch.row0 + t)[ch.h * ch.d + ch.c0 + c] : 0.0f;
+        U[t * CL::kUld + c] = ch.sm[CL::kBeta + t] * (v - acc[q]);
       }
     }
-    __syncthreads();  // the staging is overwritten next
-  }
+  });
 }
 
 // U ← (I + A)⁻¹U by forward substitution, one value column per kPerCol threads (a warp's lanes), rows in
@@ -364,37 +375,25 @@ __device__ void kda_chunk_solve(const KdaChunk& ch) {
 template <int D>
 __device__ void kda_chunk_outputs(const TaskCtx& ctx, const KdaChunk& ch) {
   using CL = KdaChunkLayout<D>;
-  constexpr int kColTiles = CL::kCols / 8;
   const float* am = ch.sm + CL::kAm;
   const float* U = ch.sm + CL::kU;
-  const float* S = ch.sm + CL::kS;
-  float* staged = ch.sm + CL::kStageAt;
   const int lane = lane_id(), g = lane / 4, t4 = lane % 4;
-  for (int p0 = 0; p0 < ch.n; p0 += CL::kTokens) {
-    const int np = ch.n - p0 < CL::kTokens ? ch.n - p0 : CL::kTokens;
-    kda_chunk_stage_rows<D>(ctx, ch, 0, false, p0, np, staged);
-    const int tiles = (np + 15) / 16 * kColTiles;
-    for (int tile = warp_id(); tile < tiles; tile += kWarps) {
-      const int m0 = tile / kColTiles * 16, n0 = tile % kColTiles * 8;
-      float acc[4] = {};
-      kda_tile_times_state<D>(acc, staged, S, m0, n0);
-      // M·U over the positions j ≤ t of the tile's rows (M's upper triangle is A's storage: masked).
-      const int top = p0 + m0 + g, bottom = top + 8;
-      for (int k0 = 0; k0 < p0 + m0 + 16; k0 += 8) {
-        const int j = k0 + t4;
-        const float a[4] = {j <= top ? am[top * CL::kLd + j] : 0.0f, j <= bottom ? am[bottom * CL::kLd + j] : 0.0f,
-                            j + 4 <= top ? am[top * CL::kLd + j + 4] : 0.0f, j + 4 <= bottom ? am[bottom * CL::kLd + j + 4] : 0.0f};
-        const float b[2] = {U[j * CL::kUld + n0 + g], U[(j + 4) * CL::kUld + n0 + g]};
-        kda_mma(acc, a, b);
-      }
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int t = top + 8 * (q / 2), c = n0 + 2 * t4 + q % 2;
-        if (t < ch.n && c < ch.cols) ctx.out(ch.row0 + t)[ch.h * ch.d + ch.c0 + c] = round_out(ctx, acc[q]);
-      }
+  kda_for_each_state_tile<D>(ctx, ch, 0, [&](float (&acc)[4], int m0, int n0) {
+    // M·U over the positions j ≤ t of the tile's rows (M's upper triangle is A's storage: masked).
+    const int top = m0 + g, bottom = top + 8;
+    for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
+      const int j = k0 + t4;
+      const float a[4] = {j <= top ? am[top * CL::kLd + j] : 0.0f, j <= bottom ? am[bottom * CL::kLd + j] : 0.0f,
+                          j + 4 <= top ? am[top * CL::kLd + j + 4] : 0.0f, j + 4 <= bottom ? am[bottom * CL::kLd + j + 4] : 0.0f};
+      const float b[2] = {U[j * CL::kUld + n0 + g], U[(j + 4) * CL::kUld + n0 + g]};
+      kda_mma(acc, a, b);
     }
-    __syncthreads();  // the staging is overwritten next
-  }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int t = top + 8 * (q / 2), c = n0 + 2 * t4 + q % 2;
+      if (t < ch.n && c < ch.cols) ctx.out(ch.row0 + t)[ch.h * ch.d + ch.c0 + c] = round_out(ctx, acc[q]);
+    }
+  });
 }
 
 // S ← diag(e^{γ_C})S + (K⊙e^{γ_C − γ})ᵀU: each warp keeps its state tiles (16 key rows × 8 columns) in

@@ -1,6 +1,7 @@
 // MoE top-k (spec/MODEL.md §4.5 R2–R7; cpu: ops/moe.cpp cpu_moe_topk), one warp per token row; the
 // op's tasks (one per 16 rows of the plan, up to the workers: graph/op_table spread_tasks) split the
-// step's rows into near-equal shares, whatever columns the plan gave them: sigmoid or softmax scores of the fp32 logits (router_logits, a GEMV in gemv.cuh),
+// step's rows into near-equal shares, whatever columns the plan gave them: sigmoid or softmax scores
+// of the fp32 logits (router_logits, a GEMV in gemv.cuh),
 // selection on score + bias with group-limited top-k (group score = sum of its top-2), weights from the
 // unbiased scores, renormalized then scaled. Ties go to the lower index, as the CPU's stable sort: every
 // top-k here is an iterative argmax whose comparison prefers the lower index on equal values (−∞
