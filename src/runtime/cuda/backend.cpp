@@ -110,15 +110,6 @@ std::vector<int32_t> tasks_per_op(const Plan& plan) {
   return count;
 }
 
-// Floats of the workspace an MLA op's tasks share within a step (ops/mla.cuh: q_abs of every row, then
-// the partials of at most 2·tasks + Σ groups split items, Σ groups ≤ ⌈T·heads/16⌉ + T).
-int64_t mla_workspace_floats(const PlanOp& op, int64_t max_tokens, int32_t tasks) {
-  const auto heads = static_cast<int64_t>(op.attrs.get("heads")), rank = static_cast<int64_t>(op.attrs.get("rank"));
-  const int64_t latent = rank + static_cast<int64_t>(op.attrs.get("rope"));
-  const int64_t items = 2 * int64_t{tasks} + (max_tokens * heads + kMlaGroupQueries - 1) / kMlaGroupQueries + max_tokens;
-  return max_tokens * heads * latent + items * kMlaGroupQueries * (2 + rank);
-}
-
 // Whether `later` reads, through any chain of inputs, the output of `earlier` (so every task of
 // `earlier` has finished before any task of `later` starts, in both launch modes).
 bool depends_on(const Plan& plan, int32_t later, int32_t earlier) {
@@ -206,23 +197,24 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
   m.state_table = upload(m.states, "the state table");
   m.contexts.assign(static_cast<size_t>(options.num_slots), 0);
 
-  // Ops whose tasks cooperate across blocks (spreads_over_workers: MLA) share one workspace, sized for
-  // the largest; sharing is safe because each such op depends on the one before it (checked here).
+  // Ops whose tasks cooperate across blocks (MLA split-KV, chunked KDA: ops_attrs.h cooperates) share
+  // one workspace, sized for the largest; sharing is safe because each such op depends on the one before
+  // it (checked here).
   int64_t workspace_floats = 0;
   for (const auto& prepared : m.plans) {
     const Plan& plan = prepared->plan;
     const std::vector<int32_t> tasks = tasks_per_op(plan);
     int32_t previous = -1;
     for (int32_t i = 0; i < static_cast<int32_t>(plan.ops.size()); ++i) {
-      if (!spreads_over_workers(plan.op(i).op())) continue;
+      if (!cooperates(plan.op(i))) continue;
       if (previous >= 0 && !depends_on(plan, i, previous)) {
-        fail("plan '{}': ops '{}' and '{}' may run at once, but share the MLA workspace", plan.source, plan.op(previous).label, plan.op(i).label);
+        fail("plan '{}': ops '{}' and '{}' may run at once, but share the ops' workspace", plan.source, plan.op(previous).label, plan.op(i).label);
       }
       previous = i;
-      workspace_floats = std::max(workspace_floats, mla_workspace_floats(plan.op(i), plan.max_tokens, tasks[static_cast<size_t>(i)]));
+      workspace_floats = std::max(workspace_floats, cuda::workspace_floats(plan.op(i), plan.max_tokens, options.num_slots, tasks[static_cast<size_t>(i)]));
     }
   }
-  if (workspace_floats > 0) m.workspace = DeviceBuffer(static_cast<size_t>(workspace_floats) * sizeof(float), "the MLA workspace");
+  if (workspace_floats > 0) m.workspace = DeviceBuffer(static_cast<size_t>(workspace_floats) * sizeof(float), "the ops' workspace");
 
   // Decode each plan: OpDescs with resolved pointers, instructions in queue order and in task order.
   int64_t max_gemm_input = 0;
@@ -281,7 +273,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
       pack_attrs(op, d.attr);
       if (op.op() == Op::kAllReduce) d.attr[0] = static_cast<float>(reduce_ordinal++);
       d.tasks = op_task_count[i];
-      if (spreads_over_workers(op.op())) {
+      if (cooperates(op)) {
         d.workspace = m.workspace.as<float>();
         d.workspace_floats = workspace_floats;
         d.sync = prepared.op_sync.as<unsigned>() + i * kOpSyncCounters;

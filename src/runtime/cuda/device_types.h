@@ -12,7 +12,7 @@ namespace plow::cuda {
 
 inline constexpr int kThreads = 512;                 // threads of every worker block
 inline constexpr int kWarps = kThreads / 32;
-inline constexpr int kSharedBytes = 96 * 1024;       // dynamic shared memory every op body may use
+inline constexpr int kSharedBytes = 144 * 1024;      // dynamic shared memory every op body may use (chunked KDA needs ~144 KB)
 inline constexpr int64_t kScratchFloats = 1 << 18;   // per-block global scratch (1 MiB) for op bodies
 inline constexpr int kMaxAttrs = 16;
 

@@ -140,10 +140,8 @@ StepOutput CudaBackend::step(const StepInputs& in) {
     d.tasks = int32_t(std::count_if(plan->tasks.begin(), plan->tasks.end(), [&](const PlanTask& t) { return t.op == int32_t(oi); }));
     std::vector<float> workspace;
     std::array<unsigned, kOpSyncCounters>& sync = m.sync[{plan, oi}];
-    if (spreads_over_workers(op.op())) {  // the backend's sizing (backend.cpp mla_workspace_floats), NaN-poisoned
-      const auto heads = int64_t(op.attrs.get("heads")), rank = int64_t(op.attrs.get("rank")), latent = rank + int64_t(op.attrs.get("rope"));
-      const int64_t items = 2 * int64_t(d.tasks) + (plan->max_tokens * heads + kMlaGroupQueries - 1) / kMlaGroupQueries + plan->max_tokens;
-      workspace.assign(size_t(plan->max_tokens * heads * latent + items * kMlaGroupQueries * (2 + rank)), NAN);
+    if (cooperates(op)) {  // the backend's sizing, NaN-poisoned
+      workspace.assign(size_t(workspace_floats(op, plan->max_tokens, int64_t(m.context.size()), d.tasks)), NAN);
       d.workspace = workspace.data(), d.workspace_floats = int64_t(workspace.size()), d.sync = sync.data();
     }
     if (op.op() == Op::kTokens) {

@@ -136,6 +136,7 @@ inline int min(int a, int b) { return a < b ? a : b; }
 inline float __expf(float x) { return std::exp(x); }  // the device's fast exp: the host's exact one here
 inline int max(int a, int b) { return a > b ? a : b; }
 inline float __ldcg(const float* p) { return *p; }
+inline float4 __ldcg(const float4* p) { return *p; }
 inline int atomicCAS(int* p, int expected, int desired) {
   const int old = *p;
   if (old == expected) *p = desired;

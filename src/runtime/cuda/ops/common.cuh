@@ -108,4 +108,68 @@ __device__ __forceinline__ float* state_of(const TaskCtx& ctx, int slot) {
 
 __device__ __forceinline__ float* smem_floats(const TaskCtx& ctx) { return reinterpret_cast<float*>(ctx.smem); }
 
+// Hand-offs between the tasks of one op that cooperate through OpDesc::sync (mla.cuh, kda_chunked.cuh).
+// take_ticket draws the block's next work item from `counter` (through the first word of shared memory);
+// block_arrive counts the calling block's finished work item; block_wait returns once `count` items are
+// counted; op_leave counts the task out on `leavers`, and the last task of the op to leave resets all
+// the op's counters to 0 (every task has taken its last ticket by then), so they need no epoch and no
+// host reset. Block-uniform.
+__device__ __forceinline__ int take_ticket(const TaskCtx& ctx, unsigned* counter) {
+  int* const slot = reinterpret_cast<int*>(ctx.smem);
+  if (threadIdx.x == 0) *slot = static_cast<int>(atomicAdd(counter, 1u));
+  __syncthreads();
+  const int ticket = *slot;
+  __syncthreads();  // every thread has the ticket before thread 0 takes the next
+  return ticket;
+}
+__device__ __forceinline__ void block_arrive(unsigned* counter) {
+  __syncthreads();  // the item's writes are done
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+  }
+}
+__device__ __forceinline__ void block_wait(const unsigned* counter, int count) {
+  if (threadIdx.x == 0) {
+    while (*reinterpret_cast<const volatile unsigned*>(counter) < static_cast<unsigned>(count)) {
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+__device__ __forceinline__ void op_leave(const TaskCtx& ctx, unsigned* leavers) {
+  if (threadIdx.x == 0) {
+    __threadfence();  // this task's last ticket is taken before it counts itself out
+    if (atomicAdd(leavers, 1u) == static_cast<unsigned>(ctx.op->tasks - 1)) {
+      __threadfence();
+      for (int i = 0; i < kOpSyncCounters; ++i) atomicExch(ctx.op->sync + i, 0u);
+      __threadfence();
+    }
+  }
+}
+
+// Asynchronous 16-byte copies from global to shared memory (sm_80+ cp.async, L2 only: data other blocks
+// wrote during the launch is never read from a stale L1 line). cp_async_wait<N> waits until at most N of
+// this thread's committed groups are in flight; a __syncthreads after it makes every thread's copies
+// visible. Emulator builds copy at once.
+__device__ __forceinline__ void cp_async16(float* smem, const float* global) {
+#ifndef PLOW_CUDA_EMU
+  const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global) : "memory");
+#else
+  for (int i = 0; i < 4; ++i) smem[i] = global[i];
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifndef PLOW_CUDA_EMU
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifndef PLOW_CUDA_EMU
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
 }  // namespace plow::cuda

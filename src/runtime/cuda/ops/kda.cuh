@@ -151,38 +151,40 @@ __device__ __forceinline__ void kda_recurrent(const TaskCtx& ctx, int first, int
   }
 }
 
-// Value columns [c0, c0 + cols) (cols ≤ kCols) of one head of one sequence: chunked (the state in shared
-// memory), or token by token with the state S in registers (KdaLayout<D>), stored back after. Not
-// inlined, and each path in its own function, so the register allocation of one path is not shared with
-// the other's temporaries (the single inlined body spilled ~1.6 KB per thread under -Xptxas -v).
-template <int D, bool CHUNKED>
+// Value columns [c0, c0 + cols) (cols ≤ kCols) of one head of one sequence, token by token with the
+// state S in registers (KdaLayout<D>), stored back after. Not inlined, so its register allocation is not
+// shared with the chunked path's temporaries.
+template <int D>
 __device__ __noinline__ void kda_head(const TaskCtx& ctx, int first, int tokens, int64_t h, int64_t d, int c0, int cols, float* S_global) {
-  if constexpr (CHUNKED) {
-    kda_chunked<D>(ctx, first, tokens, h, d, c0, cols, S_global);  // the state in shared memory
-  } else {
-    using L = KdaLayout<D>;
-    const int tid = static_cast<int>(threadIdx.x);
-    const int c = tid / L::kPerCol, r = tid % L::kPerCol;
-    const bool active = c < cols;
-    float S[L::kRows];
+  using L = KdaLayout<D>;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int c = tid / L::kPerCol, r = tid % L::kPerCol;
+  const bool active = c < cols;
+  float S[L::kRows];
 #pragma unroll
-    for (int i = 0; i < L::kRows; ++i) {
-      const int j = r + L::kPerCol * i;
-      S[i] = active && j < d ? S_global[j * d + c0 + c] : 0.0f;
-    }
-    kda_recurrent<D>(ctx, first, tokens, h, d, c0, cols, S);
+  for (int i = 0; i < L::kRows; ++i) {
+    const int j = r + L::kPerCol * i;
+    S[i] = active && j < d ? S_global[j * d + c0 + c] : 0.0f;
+  }
+  kda_recurrent<D>(ctx, first, tokens, h, d, c0, cols, S);
 #pragma unroll
-    for (int i = 0; i < L::kRows; ++i) {
-      const int j = r + L::kPerCol * i;
-      if (active && j < d) S_global[j * d + c0 + c] = S[i];
-    }
+  for (int i = 0; i < L::kRows; ++i) {
+    const int j = r + L::kPerCol * i;
+    if (active && j < d) S_global[j * d + c0 + c] = S[i];
   }
 }
 
+// Sequences of at least kKdaChunkedMinTokens tokens in the step run chunked: first every task takes
+// prep items (kda_chunked.cuh), then each walks its slices; shorter ones run token by token. Every task
+// of the op runs the prep phase and counts itself out (sync[2]) when the step has chunked sequences.
 template <int D>
-__device__ void kda_delta_rule(const TaskCtx& ctx) {
+__device__ __noinline__ void kda_delta_rule(const TaskCtx& ctx) {
   const auto d = static_cast<int64_t>(ctx.attr(0));
+  const int heads = static_cast<int>(ctx.op->width / d);
   const StepView& step = *ctx.step;
+  const int chunks = kda_chunks(step, step.num_seqs);
+  if (chunks > 0 && !kda_prep_all<D>(ctx, d, heads, chunks)) return;
+  int chunk_base = 0;  // the sequence's first chunk among the step's
   for (int s = 0; s < step.num_seqs; ++s) {
     const int first = step.seq_first_row[s], tokens = step.seq_tokens[s];
     float* state = state_of(ctx, step.seq_slot[s]);  // [heads, d, d]: S[j][c] = row key j, column value c
@@ -192,13 +194,16 @@ __device__ void kda_delta_rule(const TaskCtx& ctx) {
       for (int64_t c0 = begin; c0 < end; c0 += KdaLayout<D>::kCols) {
         const int cols = static_cast<int>(end - c0 < KdaLayout<D>::kCols ? end - c0 : KdaLayout<D>::kCols);
         if (tokens >= kKdaChunkedMinTokens) {
-          kda_head<D, true>(ctx, first, tokens, h, d, static_cast<int>(c0), cols, state + h * d * d);
+          const float* records = ctx.op->workspace + (static_cast<int64_t>(chunk_base) * heads + h) * KdaRecord<D>::kFloats;
+          kda_scan<D>(ctx, records, heads, first, tokens, h, d, static_cast<int>(c0), cols, state + h * d * d);
         } else {
-          kda_head<D, false>(ctx, first, tokens, h, d, static_cast<int>(c0), cols, state + h * d * d);
+          kda_head<D>(ctx, first, tokens, h, d, static_cast<int>(c0), cols, state + h * d * d);
         }
       }
     }
+    if (tokens >= kKdaChunkedMinTokens) chunk_base += (tokens + kKdaChunk - 1) / kKdaChunk;
   }
+  if (chunks > 0) op_leave(ctx, ctx.op->sync + 2);
 }
 
 // kKdaDeltaRule (head columns): q, k, v [T, P] (act), g [T, P] fp32 log-decay, β [T, heads] fp32 → o [T, P].

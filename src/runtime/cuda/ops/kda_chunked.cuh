@@ -1,10 +1,22 @@
 // KDA's gated delta rule in the chunked form (spec/MODEL.md §6, C = 64; cpu: ops/kda.cpp chunk_head) for
-// the sequences of a step that bring at least kKdaChunkedMinTokens tokens, one pass of at most kCols
-// value columns (KdaLayout) at a time. Per chunk: the pairwise-decayed K·Kᵀ and Q·Kᵀ (A, M; fp32 SIMT),
-// U = diag(β)(V − (K⊙e^γ)S₀) (tensor cores), U ← (I + A)⁻¹U by forward substitution (SIMT), the outputs
-// (Q⊙e^γ)S₀ + M·U and the state update diag(e^{γ_C})S₀ + (K⊙e^{γ_C−γ})ᵀU (tensor cores). The pass's
-// state stays in shared memory across chunks. Pairwise decays are exp(γ_r − γ_j), never factored, as the
-// CPU's: the K3 gate (γ down to −320 in a chunk) and strong Kimi decays cannot overflow.
+// the sequences of a step that bring at least kKdaChunkedMinTokens tokens. Everything of a chunk except
+// the state is independent of the other chunks, so the op runs in two phases, its tasks cooperating
+// through the op's workspace and counters (OpDesc::sync) as split-KV MLA does (mla.cuh):
+//  1. prep: each (chunk, head) of those sequences is a work item, taken from a ticket counter (sync[0])
+//     by whichever task is free. It stages the chunk's q, k and g, normalizes q and k, sums γ (the CPU's
+//     order), forms A(r, j) = β_r Σ_c k̂_r k̂_j e^{γ_r−γ_j} (j < r) and M(r, j) = Σ_c q̂_r k̂_j e^{γ_r−γ_j}
+//     (j ≤ r), T' = (I + A)⁻¹·diag(β), and writes them with Q⊙e^γ, K⊙e^γ, K⊙e^{γ_C−γ} and e^{γ_C} to the
+//     item's record in the workspace (KdaRecord), then counts itself done (sync[1]).
+//  2. scan: once every item is done, each task walks its own slices (a head's group of ≤ kCols value
+//     columns) chunk by chunk, the pass's state in shared memory: U = T'·(V − (K⊙e^γ)S₀),
+//     O = (Q⊙e^γ)S₀ + M·U, S ← diag(e^{γ_C})S₀ + (K⊙e^{γ_C−γ})ᵀU — four products on tensor cores a
+//     chunk, the next chunk's record loaded by cp.async behind them.
+// The CPU solves (I + A)U = diag(β)(V − (K⊙e^γ)S₀) by substitution; T'·(…) is the same product with the
+// inverse formed first (fp32 rounding apart). Pairwise decays are never factored as e^{γ_r}·e^{−γ_j},
+// so the K3 gate (γ to −320 in a chunk) and strong Kimi decays cannot overflow (kda_prep_pairs).
+// A task that waits (scan) holds no ticket, and tickets are taken only by running blocks that finish
+// their item without waiting: no deadlock, in the megakernel or in eager mode (the argument of mla.cuh).
+// The last task to leave resets the counters (sync[2] counts leavers).
 //
 // The matrix products run as mma.sync m16n8k8 TF32 in the 3xTF32 split (a = a_hi + a_lo, a·b ≈
 // a_hi·b_hi + a_hi·b_lo + a_lo·b_hi, fp32 accumulation): about fp32's accuracy, which the KDA core keeps
@@ -15,11 +27,9 @@
 #include <cstdint>
 
 #include "runtime/cuda/ops/common.cuh"
+#include "runtime/cuda/ops/limits.h"
 
 namespace plow::cuda {
-
-inline constexpr int kKdaChunk = 64;             // positions per chunk (the CPU's kChunk)
-inline constexpr int kKdaChunkedMinTokens = 16;  // shorter sequences run token by token
 
 // d += a·b for one m16n8k8 tile: a the row-major 16×8 fragment (a0 (g, t), a1 (g+8, t), a2 (g, t+4),
 // a3 (g+8, t+4)), b the 8×8 fragment (b0 (t, g), b1 (t+4, g)), d the 16×8 accumulator (d0 (g, 2t),
@@ -62,90 +72,103 @@ __device__ __forceinline__ void kda_mma(float (&d)[4], const float (&a)[4], cons
 #endif
 }
 
-// Shared memory of one chunk, in floats. Channel-major [c][t] arrays have row stride kLd = C + 1 so that a
-// warp reading one position of 32 channels, or 32 positions of one channel, hits 32 banks; U's rows are
-// padded by 32 / kPerCol so that the lanes of a warp's value columns, reading rows j ≡ r (mod kPerCol),
-// do too; S's rows by 8 and the staged rows by 4, so that mma fragments load without bank conflicts.
-//   γ [D][kLd]      cumulative log-decay within the chunk
-//   AM [C][kLd]     A(r, j) = β_r Σ_c k_r k_j e^{γ_r−γ_j} (j < r) at [j][r]; M(r, j) = Σ_c q_r k_j e^{γ_r−γ_j} (j ≤ r) at [r][j]
-//   U [C][kUld]     diag(β)(V − (K⊙e^γ)S₀) of the pass's columns, then solved in place to (I + A)⁻¹ of that;
-//                   rows from the chunk's length on are zero
-//   S [D][kSld]     the pass's state (key rows × value columns), across chunks
-//   stage           per phase: k̂, q̂ pieces [kPiece][kLd] each (the diagonal blocks of A, M); the block
-//                   operands of the off-diagonal blocks, kBlockRows rows [kPst] per piece; then K⊙e^γ,
-//                   Q⊙e^γ, K⊙e^{γ_C−γ} in turn, [kTokens][kSt] (rows past the chunk's end zero up to a
-//                   multiple of 16)
-//   β, q_scale / |q|, 1 / |k| [C] each
-template <int D>
-struct KdaChunkLayout {
-  static constexpr int kCols = KdaLayout<D>::kCols;
-  static constexpr int kLd = kKdaChunk + 1;
-  static constexpr int kUld = kCols + 32 / KdaLayout<D>::kPerCol;
-  static constexpr int kSld = kCols + 8;
-  static constexpr int kSt = D + 4;
-  static constexpr int kPiece = D < 16 ? D : 16;  // channels per A/M staging piece
-  static constexpr int kPst = kPiece + 4;          // row stride of the block operands
-  static constexpr int kBlockRows = 192;           // k̂ and q̂ rows 16..63, then K for references 16, 32, 48
-  static constexpr int kGamma = 0;
-  static constexpr int kAm = kGamma + D * kLd;
-  static constexpr int kU = kAm + kKdaChunk * kLd;
-  static constexpr int kS = kU + kKdaChunk * kUld;
-  static constexpr int kStageAt = kS + D * kSld;
-  static constexpr int kSmall = 3 * kKdaChunk;  // β and the q, k scales
-  static constexpr int kRoom = kSharedBytes / 4 - kStageAt - kSmall;
-  static constexpr int kTokens = kRoom / kSt / 16 * 16 < kKdaChunk ? kRoom / kSt / 16 * 16 : kKdaChunk;  // positions per staged piece
-  static constexpr int kPairStage = 2 * kPiece * kLd > kBlockRows * kPst ? 2 * kPiece * kLd : kBlockRows * kPst;
-  static constexpr int kStage = kTokens * kSt > kPairStage ? kTokens * kSt : kPairStage;
-  static constexpr int kBeta = kStageAt + kStage;
-  static constexpr int kQScale = kBeta + kKdaChunk;
-  static constexpr int kKScale = kQScale + kKdaChunk;
-  static constexpr int kFloats = kKScale + kKdaChunk;
-  static_assert(kTokens >= 16, "a staged piece holds at least one mma row tile");
-  static_assert(kFloats * 4 <= kSharedBytes, "a chunk's tiles must fit the block's shared memory");
-  static_assert(D % 16 == 0 && kCols % 8 == 0, "mma tiles: 16 key rows, 8 value columns");
-};
-
-// One chunk: positions [0, n) at arena rows row0 + t of head h, value columns [c0, c0 + cols); d the
-// real head dim, D the padded one.
-struct KdaChunk {
-  int row0, n;
-  int64_t h, d;
-  int c0, cols;
-  float q_scale;
-  float* sm;
-  const float *qscale, *kscale;  // q_scale / |q_t| and 1 / |k_t| in shared memory
-  // q̂ (which 0) or k̂ (which 1) of position t, channel j (< d): times the scale over the norm (the CPU
-  // divides by the norm, then scales: a few ulps apart, far inside the op's bound).
-  __device__ float normed(const TaskCtx& ctx, int which, int t, int64_t j) const {
-    return ctx.in(which, row0 + t)[h * d + j] * (which == 0 ? qscale : kscale)[t];
+// acc += A·B over k in [0, k_end) (a multiple of 8) for the 16×8 tile at rows m0, columns n0: A row-major
+// (element (m, k) at a[m·lda + k]), B row-major (element (k, n) at b[k·ldb + n]). Whole warps.
+__device__ __forceinline__ void kda_tile_product(float (&acc)[4], const float* a, int lda, const float* b, int ldb, int m0, int n0, int k_end) {
+  const int lane = lane_id(), g = lane / 4, t = lane % 4;
+#pragma unroll 4
+  for (int k0 = 0; k0 < k_end; k0 += 8) {
+    const float af[4] = {a[(m0 + g) * lda + k0 + t], a[(m0 + g + 8) * lda + k0 + t], a[(m0 + g) * lda + k0 + t + 4], a[(m0 + g + 8) * lda + k0 + t + 4]};
+    const float bf[2] = {b[(k0 + t) * ldb + n0 + g], b[(k0 + t + 4) * ldb + n0 + g]};
+    kda_mma(acc, af, bf);
   }
+}
+
+// The workspace record of one (chunk, head), floats (limits.h kda_record_floats): rows past the chunk's
+// length, channels past the head dim and entries above the diagonal are zero.
+template <int D>
+struct KdaRecord {
+  static constexpr int64_t kT = 0;                                 // T' = (I + A)⁻¹·diag(β) [C][C]
+  static constexpr int64_t kM = kT + kKdaChunk * kKdaChunk;        // M [C][C]
+  static constexpr int64_t kQ = kM + kKdaChunk * kKdaChunk;        // Q⊙e^γ [C][D]
+  static constexpr int64_t kK = kQ + kKdaChunk * D;                // K⊙e^γ [C][D]
+  static constexpr int64_t kKEnd = kK + kKdaChunk * D;             // K⊙e^{γ_C−γ} [C][D]
+  static constexpr int64_t kDecay = kKEnd + kKdaChunk * D;         // e^{γ_C} [D]
+  static constexpr int64_t kFloats = kDecay + D;
+  static_assert(kFloats == kda_record_floats(D), "the host sizes the workspace by limits.h");
 };
 
-// The scales of q and k (q_scale / |q|, 1 / |k|; ε = 1e−6 on the sum, inside the root; one warp per
-// (position, q|k)), β, and γ by a sequential sum per channel (the CPU's order) over g staged first.
-// Padded channels: γ = 0.
+// Shared memory of a prep item, in floats after the ticket (32 floats). Channel-major [c][t] arrays have
+// row stride kLd ≡ 8 (mod 32): a warp reading one channel of 32 positions, the mma fragments (8
+// positions × 4 channels) and kda_for_each_tc's tiles all hit 32 banks.
+//   γ, k̂, q̂ [D][kLd]   cumulative log-decay, normalized k and q (q times 1/√d); zero past n and d
+//   AM [C][kAld]        M(r, j) at [r][j] (j ≤ r), A(r, j) at [j][r] (j < r)
+//   T [C][kAld]         (I + A)⁻¹ at [r][c] (c ≤ r)
+//   β [C], norm partial sums [4][2][C], then the q and k scales [2][C]
 template <int D>
-__device__ void kda_chunk_stage(const TaskCtx& ctx, const KdaChunk& ch) {
-  using CL = KdaChunkLayout<D>;
-  const int tid = static_cast<int>(threadIdx.x), lane = lane_id();
-  for (int u = warp_id(); u < 2 * ch.n; u += kWarps) {
-    const int t = u / 2, which = u % 2;
-    const float* x = ctx.in(which, ch.row0 + t) + ch.h * ch.d;
+struct KdaPrepLayout {
+  static constexpr int kLd = kKdaChunk + 8;
+  static constexpr int kAld = kKdaChunk + 1;
+  static constexpr int kGamma = 32;
+  static constexpr int kK = kGamma + D * kLd;
+  static constexpr int kQ = kK + D * kLd;
+  static constexpr int kAm = kQ + D * kLd;
+  static constexpr int kT = kAm + kKdaChunk * kAld;
+  static constexpr int kBeta = kT + kKdaChunk * kAld;
+  static constexpr int kNorm = kBeta + kKdaChunk;
+  static constexpr int kScale = kNorm + 8 * kKdaChunk;
+  static constexpr int kFloats = kScale + 2 * kKdaChunk;
+  static_assert(kFloats * 4 <= kSharedBytes, "a prep item's tiles must fit the block's shared memory");
+};
+
+// Calls fn(t, c) for every position t < C and channel c < D, a warp taking 8 positions × 4 channels (lane
+// 8·(c mod 4) + t mod 8): [c][t] arrays of row stride ≡ 8 (mod 32) are read and written without bank
+// conflicts, and [t][c] rows in global memory in 16-byte pieces.
+template <int D, typename Fn>
+__device__ __forceinline__ void kda_for_each_tc(Fn fn) {
+  const int lane = lane_id();
+  for (int tile = warp_id(); tile < kKdaChunk / 8 * (D / 4); tile += kWarps) fn(tile % 8 * 8 + lane % 8, tile / 8 * 4 + lane / 8);
+}
+
+// Stages positions [row0, row0 + n) of head h: q, k and g into [c][t], β; then the norms (ε = 1e−6 on the
+// sum, inside the root; q also times 1/√d: times scale / norm where the CPU divides, then scales — a few
+// ulps, far inside the op's bound), and γ as a sequential sum per channel (the CPU's order). Ends with
+// the block synchronized.
+template <int D>
+__device__ void kda_prep_stage(const TaskCtx& ctx, int row0, int n, int64_t h, int64_t d) {
+  using PL = KdaPrepLayout<D>;
+  float* sm = smem_floats(ctx);
+  float *gamma = sm + PL::kGamma, *kh = sm + PL::kK, *qh = sm + PL::kQ;
+  const int tid = static_cast<int>(threadIdx.x);
+  kda_for_each_tc<D>([&](int t, int c) {
+    const bool real = t < n && c < d;
+    qh[c * PL::kLd + t] = real ? ctx.in(0, row0 + t)[h * d + c] : 0.0f;
+    kh[c * PL::kLd + t] = real ? ctx.in(1, row0 + t)[h * d + c] : 0.0f;
+    gamma[c * PL::kLd + t] = real ? ctx.in(3, row0 + t)[h * d + c] : 0.0f;
+  });
+  for (int t = tid; t < kKdaChunk; t += kThreads) sm[PL::kBeta + t] = t < n ? ctx.in(4, row0 + t)[h] : 0.0f;
+  __syncthreads();
+  {  // thread (which, part, t): Σ x_c² over c ≡ part (mod 4)
+    const int t = tid % kKdaChunk, part = tid / kKdaChunk % 4, which = tid / (4 * kKdaChunk);
+    const float* x = which == 0 ? qh : kh;
     float sum = 0.0f;
-    for (int64_t j = lane; j < ch.d; j += 32) sum += x[j] * x[j];
-    sum = warp_sum(sum);
-    if (lane == 0) ch.sm[(which == 0 ? CL::kQScale : CL::kKScale) + t] = (which == 0 ? ch.q_scale : 1.0f) / sqrtf(sum + 1e-6f);
-  }
-  for (int t = tid; t < ch.n; t += kThreads) ch.sm[CL::kBeta + t] = ctx.in(4, ch.row0 + t)[ch.h];
-  float* gamma = ch.sm + CL::kGamma;
-  for (int i = tid; i < ch.n * D; i += kThreads) {  // g, all loads in flight at once
-    const int t = i / D, c = i % D;
-    gamma[c * CL::kLd + t] = c < ch.d ? ctx.in(3, ch.row0 + t)[ch.h * ch.d + c] : 0.0f;
+    for (int c = part; c < D; c += 4) sum += x[c * PL::kLd + t] * x[c * PL::kLd + t];
+    sm[PL::kNorm + (part * 2 + which) * kKdaChunk + t] = sum;
   }
   __syncthreads();
-  for (int c = tid; c < D; c += kThreads) {  // then the running sums in place, from shared memory
+  if (tid < D) {  // γ of channel tid
     float sum = 0.0f;
-    for (int t = 0; t < ch.n; ++t) gamma[c * CL::kLd + t] = (sum += gamma[c * CL::kLd + t]);
+    for (int t = 0; t < kKdaChunk; ++t) gamma[tid * PL::kLd + t] = (sum += gamma[tid * PL::kLd + t]);
+  } else if (tid >= 256 && tid < 256 + 2 * kKdaChunk) {  // the scale of (which, t)
+    const int which = (tid - 256) / kKdaChunk, t = (tid - 256) % kKdaChunk;
+    const float* part = sm + PL::kNorm + which * kKdaChunk + t;
+    const float sum = (part[0] + part[2 * kKdaChunk]) + (part[4 * kKdaChunk] + part[6 * kKdaChunk]);
+    sm[PL::kScale + which * kKdaChunk + t] = (which == 0 ? 1.0f / sqrtf(static_cast<float>(d)) : 1.0f) / sqrtf(sum + 1e-6f);
+  }
+  __syncthreads();
+  for (int i = tid; i < 2 * D * kKdaChunk; i += kThreads) {
+    const int which = i / (D * kKdaChunk), c = i / kKdaChunk % D, t = i % kKdaChunk;
+    (which == 0 ? qh : kh)[c * PL::kLd + t] *= sm[PL::kScale + which * kKdaChunk + t];
   }
   __syncthreads();
 }
@@ -156,327 +179,320 @@ __device__ void kda_chunk_stage(const TaskCtx& ctx, const KdaChunk& ch) {
 //    (rows 16R…16R+15) and any j < 16R, e^{γ_r − γ_j} = e^{γ_r − γ_16R} · e^{γ_16R − γ_j} with both
 //    factors ≤ 1 (γ falls with the position), so neither can overflow whatever the gate (a factor that
 //    underflows has a product below it); A(r, j) = β_r Σ_c (k̂_r e^{γ_r−γ_16R})_c (k̂_j e^{γ_16R−γ_j})_c,
-//    M likewise with q̂_r: two [16 × D]·[D × 16R] products per block row.
+//    M likewise with q̂_r: warp w < 12 takes block row R and one 8-column tile of it, the factors formed
+//    as its fragments load.
 // Ends with the block synchronized.
 template <int D>
-__device__ void kda_chunk_pairs(const TaskCtx& ctx, const KdaChunk& ch) {
-  using CL = KdaChunkLayout<D>;
+__device__ void kda_prep_pairs(const TaskCtx& ctx, int n) {
+  using PL = KdaPrepLayout<D>;
   constexpr int kBlock = 16, kBlockPairs = kBlock * (kBlock + 1) / 2;
   constexpr int kPairs = (kKdaChunk / kBlock * kBlockPairs + kThreads - 1) / kThreads;
+  const float* sm = smem_floats(ctx);
+  const float *gamma = sm + PL::kGamma, *kh = sm + PL::kK, *qh = sm + PL::kQ, *beta = sm + PL::kBeta;
+  float* am = smem_floats(ctx) + PL::kAm;
   const int tid = static_cast<int>(threadIdx.x);
-  const float* gamma = ch.sm + CL::kGamma;
-  float* am = ch.sm + CL::kAm;
-  // Diagonal blocks: pair q of block b = q / 136 in row order inside the block; r = n: none.
-  int pr[kPairs], pj[kPairs];
+  // Diagonal blocks: pair q of block b = q / 136 in row order inside the block; r past n: none.
 #pragma unroll
   for (int m = 0; m < kPairs; ++m) {
     const int q = tid + kThreads * m, b = q / kBlockPairs, w = q % kBlockPairs;
-    int r = static_cast<int>((sqrtf(8.0f * static_cast<float>(w) + 1.0f) - 1.0f) * 0.5f);
-    while (r * (r + 1) / 2 > w) --r;  // exact whatever sqrtf's rounding
-    while ((r + 1) * (r + 2) / 2 <= w) ++r;
-    pr[m] = kBlock * b + r < ch.n ? kBlock * b + r : ch.n;
-    pj[m] = kBlock * b + w - r * (r + 1) / 2;
-  }
-  {
-    float* sk = ch.sm + CL::kStageAt;
-    float* sq = sk + CL::kPiece * CL::kLd;
-    float acc_k[kPairs] = {}, acc_q[kPairs] = {};
-    for (int c0 = 0; c0 < D; c0 += CL::kPiece) {
-      for (int i = tid; i < ch.n * CL::kPiece; i += kThreads) {
-        const int t = i / CL::kPiece, c = i % CL::kPiece;
-        const bool real = c0 + c < ch.d;
-        sk[c * CL::kLd + t] = real ? ch.normed(ctx, 1, t, c0 + c) : 0.0f;
-        sq[c * CL::kLd + t] = real ? ch.normed(ctx, 0, t, c0 + c) : 0.0f;
-      }
-      __syncthreads();
-#pragma unroll
-      for (int m = 0; m < kPairs; ++m) {
-        const int r = pr[m], j = pj[m];
-        if (r >= ch.n) continue;
-        for (int c = 0; c < CL::kPiece; ++c) {
-          const float* g = gamma + (c0 + c) * CL::kLd;
-          const float kj = sk[c * CL::kLd + j] * __expf(g[r] - g[j]);  // ≤ 1: fast exp's error is absolute ≲ 1e−7
-          acc_k[m] += sk[c * CL::kLd + r] * kj;
-          acc_q[m] += sq[c * CL::kLd + r] * kj;
-        }
-      }
-      __syncthreads();  // the next piece overwrites the staging
+    int rr = static_cast<int>((sqrtf(8.0f * static_cast<float>(w) + 1.0f) - 1.0f) * 0.5f);
+    while (rr * (rr + 1) / 2 > w) --rr;  // exact whatever sqrtf's rounding
+    while ((rr + 1) * (rr + 2) / 2 <= w) ++rr;
+    const int r = kBlock * b + rr, j = kBlock * b + w - rr * (rr + 1) / 2;
+    if (b >= kKdaChunk / kBlock || r >= n) continue;
+    float acc_k = 0.0f, acc_q = 0.0f;
+#pragma unroll 4
+    for (int c = 0; c < D; ++c) {
+      const float* g = gamma + c * PL::kLd;
+      const float kj = kh[c * PL::kLd + j] * __expf(g[r] - g[j]);  // ≤ 1: fast exp's error is absolute ≲ 1e−7
+      acc_k += kh[c * PL::kLd + r] * kj;
+      acc_q += qh[c * PL::kLd + r] * kj;
     }
-#pragma unroll
-    for (int m = 0; m < kPairs; ++m) {
-      const int r = pr[m], j = pj[m];
-      if (r >= ch.n) continue;
-      am[r * CL::kLd + j] = acc_q[m];
-      if (j < r) am[j * CL::kLd + r] = ch.sm[CL::kBeta + r] * acc_k[m];
-    }
+    am[r * PL::kAld + j] = acc_q;
+    if (j < r) am[j * PL::kAld + r] = beta[r] * acc_k;
   }
-  if (ch.n <= kBlock) {  // no block below the diagonal
-    __syncthreads();
-    return;
-  }
-  // Below the diagonal: per channel piece, rows [kPst] of k̂ e^{γ_r−γ_16R} (0..47: r = 16..63), q̂ e^{γ_r−γ_16R}
-  // (48..95), and k̂ e^{γ_16R−γ_j} for R = 1 (96..111: j < 16), 2 (112..143: j < 32), 3 (144..191: j < 48);
-  // zero past the chunk's end. Warp w < 12 owns block row R and column tile nt (A and M), accumulated over
-  // the pieces in registers.
-  float* ops = ch.sm + CL::kStageAt;
+  // Below the diagonal.
   const int lane = lane_id(), g = lane / 4, t4 = lane % 4, warp = warp_id();
   const int R = warp < 2 ? 1 : warp < 6 ? 2 : 3, nt = warp < 2 ? warp : warp < 6 ? warp - 2 : warp - 6;
-  const bool busy = warp < 12 && kBlock * R < ch.n;  // warp-uniform
-  const int right0 = 96 + kBlock * ((R - 1) * R / 2);
-  float acc_k[4] = {}, acc_q[4] = {};
-  for (int c0 = 0; c0 < D; c0 += CL::kPiece) {
-    for (int i = tid; i < CL::kBlockRows * CL::kPiece; i += kThreads) {
-      const int row = i / CL::kPiece, c = c0 + i % CL::kPiece;
-      float v = 0.0f;
-      if (row < 96) {  // the left factor of block row r / 16
-        const int r = kBlock + row % 48, ref = r / kBlock * kBlock;
-        if (r < ch.n && c < ch.d) v = ch.normed(ctx, row < 48 ? 1 : 0, r, c) * __expf(gamma[c * CL::kLd + r] - gamma[c * CL::kLd + ref]);
-      } else {  // the right factor for reference 16R
-        const int x = row - 96, rb = x < 16 ? 1 : x < 48 ? 2 : 3, j = x - kBlock * ((rb - 1) * rb / 2), ref = kBlock * rb;
-        if (ref < ch.n && c < ch.d) v = ch.normed(ctx, 1, j, c) * __expf(gamma[c * CL::kLd + ref] - gamma[c * CL::kLd + j]);
-      }
-      ops[row * CL::kPst + i % CL::kPiece] = v;
+  if (warp < 12 && kBlock * R < n) {  // warp-uniform
+    const int ref = kBlock * R, top = ref + g, bottom = top + 8, j = 8 * nt + g;
+    float acc_k[4] = {}, acc_q[4] = {};
+#pragma unroll 2
+    for (int k0 = 0; k0 < D; k0 += 8) {
+      const int lo = (k0 + t4) * PL::kLd, hi = lo + 4 * PL::kLd;  // channels k0 + t4 and k0 + t4 + 4
+      const float e[4] = {__expf(gamma[lo + top] - gamma[lo + ref]), __expf(gamma[lo + bottom] - gamma[lo + ref]), __expf(gamma[hi + top] - gamma[hi + ref]),
+                          __expf(gamma[hi + bottom] - gamma[hi + ref])};
+      const float ak[4] = {kh[lo + top] * e[0], kh[lo + bottom] * e[1], kh[hi + top] * e[2], kh[hi + bottom] * e[3]};
+      const float aq[4] = {qh[lo + top] * e[0], qh[lo + bottom] * e[1], qh[hi + top] * e[2], qh[hi + bottom] * e[3]};
+      const float b[2] = {kh[lo + j] * __expf(gamma[lo + ref] - gamma[lo + j]), kh[hi + j] * __expf(gamma[hi + ref] - gamma[hi + j])};
+      kda_mma(acc_k, ak, b);
+      kda_mma(acc_q, aq, b);
     }
-    __syncthreads();
-    if (busy) {
-      const float* left_k = ops + (kBlock * (R - 1)) * CL::kPst;
-      const float* left_q = left_k + 48 * CL::kPst;
-      const float* right = ops + (right0 + 8 * nt) * CL::kPst;
-#pragma unroll
-      for (int k0 = 0; k0 < CL::kPiece; k0 += 8) {
-        const float b[2] = {right[g * CL::kPst + k0 + t4], right[g * CL::kPst + k0 + t4 + 4]};
-        const float ak[4] = {left_k[g * CL::kPst + k0 + t4], left_k[(g + 8) * CL::kPst + k0 + t4], left_k[g * CL::kPst + k0 + t4 + 4],
-                             left_k[(g + 8) * CL::kPst + k0 + t4 + 4]};
-        const float aq[4] = {left_q[g * CL::kPst + k0 + t4], left_q[(g + 8) * CL::kPst + k0 + t4], left_q[g * CL::kPst + k0 + t4 + 4],
-                             left_q[(g + 8) * CL::kPst + k0 + t4 + 4]};
-        kda_mma(acc_k, ak, b);
-        kda_mma(acc_q, aq, b);
-      }
-    }
-    __syncthreads();  // the next piece overwrites the operands
-  }
-  if (busy) {
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const int r = kBlock * R + g + 8 * (q / 2), j = 8 * nt + 2 * t4 + q % 2;
-      if (r < ch.n) {
-        am[r * CL::kLd + j] = acc_q[q];
-        am[j * CL::kLd + r] = ch.sm[CL::kBeta + r] * acc_k[q];
+      const int r = top + 8 * (q / 2), col = 8 * nt + 2 * t4 + q % 2;
+      if (r < n) {
+        am[r * PL::kAld + col] = acc_q[q];
+        am[col * PL::kAld + r] = beta[r] * acc_k[q];
       }
     }
   }
   __syncthreads();
 }
 
-// Stages positions [p0, p0 + np) of x̂ ⊙ e^{γ_t − γ_ref} (x = q (which 0) or k (1); γ_ref = 0, or γ of the
-// chunk's last position when to_end) as rows [t − p0][kSt] at `dst`, rows np up to a multiple of 16 zero;
-// ends with the block synchronized.
+// T = (I + A)⁻¹ (unit lower triangular) by forward substitution, column c by 8 adjacent lanes (T(c, c) =
+// 1, T(t, c) = −Σ_{c≤j<t} A(t, j) T(j, c) for t = c+1 … n−1), rows in order. Ends with the block
+// synchronized.
 template <int D>
-__device__ void kda_chunk_stage_rows(const TaskCtx& ctx, const KdaChunk& ch, int which, bool to_end, int p0, int np, float* dst) {
-  using CL = KdaChunkLayout<D>;
-  const float* gamma = ch.sm + CL::kGamma;
-  const int rows = (np + 15) / 16 * 16;
-  for (int i = static_cast<int>(threadIdx.x); i < rows * D; i += kThreads) {
-    const int p = i / D, j = i % D, t = p0 + p;
-    const float* g = gamma + j * CL::kLd;
-    dst[p * CL::kSt + j] = p < np && j < ch.d ? ch.normed(ctx, which, t, j) * __expf(to_end ? g[ch.n - 1] - g[t] : g[t]) : 0.0f;
+__device__ void kda_prep_inverse(const TaskCtx& ctx, int n) {
+  using PL = KdaPrepLayout<D>;
+  const float* am = smem_floats(ctx) + PL::kAm;
+  float* T = smem_floats(ctx) + PL::kT;
+  const int c = static_cast<int>(threadIdx.x) / 8, part = static_cast<int>(threadIdx.x) % 8;
+  static_assert(kThreads == 8 * kKdaChunk, "eight lanes a column");
+  if (part == 0) T[c * PL::kAld + c] = 1.0f;
+  __syncwarp();
+  for (int t = 1; t < n; ++t) {
+    float sum = 0.0f;
+    if (t > c) {
+      for (int j = c + part; j < t; j += 8) sum += am[j * PL::kAld + t] * T[j * PL::kAld + c];
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+    if (part == 0 && t > c) T[t * PL::kAld + c] = -sum;
+    __syncwarp();  // row t is read by the column's lanes from the next row on
   }
   __syncthreads();
 }
 
-// Sum over the kPerCol adjacent lanes of a value column; every lane gets the total.
+// One prep item: positions [row0, row0 + n) of head h into the record `rec` (KdaRecord<D>). Not inlined:
+// its registers are not shared with the rest of the op body (inlined, the body spilled ~1.1 KB a thread).
 template <int D>
-__device__ __forceinline__ float kda_column_sum(float v) {
-  for (int o = 1; o < KdaLayout<D>::kPerCol; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// acc += X·S over all D key channels for the 16×8 tile at staged rows m0, state columns n0: X the staged
-// rows [kSt], S the pass's state [kSld]. Whole warps.
-template <int D>
-__device__ __forceinline__ void kda_tile_times_state(float (&acc)[4], const float* staged, const float* S, int m0, int n0) {
-  using CL = KdaChunkLayout<D>;
-  const int lane = lane_id(), g = lane / 4, t = lane % 4;
-#pragma unroll 4
-  for (int k0 = 0; k0 < D; k0 += 8) {
-    const float a[4] = {staged[(m0 + g) * CL::kSt + k0 + t], staged[(m0 + g + 8) * CL::kSt + k0 + t], staged[(m0 + g) * CL::kSt + k0 + t + 4],
-                        staged[(m0 + g + 8) * CL::kSt + k0 + t + 4]};
-    const float b[2] = {S[(k0 + t) * CL::kSld + n0 + g], S[(k0 + t + 4) * CL::kSld + n0 + g]};
-    kda_mma(acc, a, b);
+__device__ __noinline__ void kda_prep_item(const TaskCtx& ctx, int row0, int n, int64_t h, int64_t d, float* rec) {
+  using PL = KdaPrepLayout<D>;
+  using RL = KdaRecord<D>;
+  kda_prep_stage<D>(ctx, row0, n, h, d);
+  kda_prep_pairs<D>(ctx, n);
+  kda_prep_inverse<D>(ctx, n);
+  const float* sm = smem_floats(ctx);
+  const float *gamma = sm + PL::kGamma, *kh = sm + PL::kK, *qh = sm + PL::kQ, *am = sm + PL::kAm, *T = sm + PL::kT, *beta = sm + PL::kBeta;
+  for (int i = static_cast<int>(threadIdx.x); i < kKdaChunk * kKdaChunk; i += kThreads) {
+    const int r = i / kKdaChunk, j = i % kKdaChunk;
+    const bool lower = r < n && j <= r;
+    rec[RL::kT + i] = lower ? T[r * PL::kAld + j] * beta[j] : 0.0f;
+    rec[RL::kM + i] = lower ? am[r * PL::kAld + j] : 0.0f;
   }
+  kda_for_each_tc<D>([&](int t, int c) {  // zero past n and d: k̂ and q̂ are
+    const float* g = gamma + c * PL::kLd;
+    const float decayed = __expf(g[t]), to_end = __expf(g[n - 1] - g[t]);  // arguments ≤ 0
+    rec[RL::kQ + t * D + c] = qh[c * PL::kLd + t] * decayed;
+    rec[RL::kK + t * D + c] = kh[c * PL::kLd + t] * decayed;
+    rec[RL::kKEnd + t * D + c] = kh[c * PL::kLd + t] * to_end;
+  });
+  for (int c = static_cast<int>(threadIdx.x); c < D; c += kThreads) rec[RL::kDecay + c] = c < d ? __expf(gamma[c * PL::kLd + n - 1]) : 0.0f;
 }
 
-// For every staged piece of x̂ ⊙ e^{γ_t} (x = q (which 0) or k (1)) and every 16×8 tile of its rows × the
-// pass's columns, warps in turn: acc = that tile of X·S₀, then tile(acc, first row of the chunk, first
-// column). Ends with the block synchronized.
-template <int D, typename Tile>
-__device__ __forceinline__ void kda_for_each_state_tile(const TaskCtx& ctx, const KdaChunk& ch, int which, Tile tile) {
-  using CL = KdaChunkLayout<D>;
-  constexpr int kColTiles = CL::kCols / 8;
-  const float* S = ch.sm + CL::kS;
-  float* staged = ch.sm + CL::kStageAt;
-  for (int p0 = 0; p0 < ch.n; p0 += CL::kTokens) {
-    const int np = ch.n - p0 < CL::kTokens ? ch.n - p0 : CL::kTokens;
-    kda_chunk_stage_rows<D>(ctx, ch, which, false, p0, np, staged);
-    const int tiles = (np + 15) / 16 * kColTiles;
-    for (int i = warp_id(); i < tiles; i += kWarps) {
-      const int m0 = i / kColTiles * 16, n0 = i % kColTiles * 8;
-      float acc[4] = {};
-      kda_tile_times_state<D>(acc, staged, S, m0, n0);
-      tile(acc, p0 + m0, n0);
-    }
-    __syncthreads();  // the staging is overwritten next
-  }
-}
-
-// U = diag(β)(V − (K⊙e^γ)S₀) for the pass's columns; rows from n on zero. Ends with the block synchronized.
+// Shared memory of a scan pass, in floats after the ticket. Row strides: S and X/U ≡ 8 (mod 32) (read as
+// mma B fragments), the staged record rows ≡ 4 (A fragments, either orientation).
+//   S [D][kSld]            the pass's state (key rows × value columns), across chunks
+//   B0, B1 [C][kSt]        K⊙e^γ, then K⊙e^{γ_C−γ}, in one; Q⊙e^γ in the other (alternating by chunk)
+//   T', M [C][kTld]
+//   X, U [C][kXld]         V − (K⊙e^γ)S₀ and T'·X for the pass's columns
+//   e^{γ_C} [D]
 template <int D>
-__device__ void kda_chunk_values(const TaskCtx& ctx, const KdaChunk& ch) {
-  using CL = KdaChunkLayout<D>;
-  float* U = ch.sm + CL::kU;
+struct KdaScanLayout {
+  static constexpr int kCols = KdaLayout<D>::kCols;
+  static constexpr int kSld = kCols + 8;
+  static constexpr int kSt = D + 4;
+  static constexpr int kTld = kKdaChunk + 4;
+  static constexpr int kXld = kCols + 8;
+  static constexpr int kS = 32;
+  static constexpr int kB0 = kS + D * kSld;
+  static constexpr int kB1 = kB0 + kKdaChunk * kSt;
+  static constexpr int kTp = kB1 + kKdaChunk * kSt;
+  static constexpr int kM = kTp + kKdaChunk * kTld;
+  static constexpr int kX = kM + kKdaChunk * kTld;
+  static constexpr int kU = kX + kKdaChunk * kXld;
+  static constexpr int kDecay = kU + kKdaChunk * kXld;
+  static constexpr int kFloats = kDecay + D;
+  static_assert(kFloats * 4 <= kSharedBytes, "a scan pass's tiles must fit the block's shared memory");
+  static_assert(D % 16 == 0 && kCols % 8 == 0, "mma tiles: 16 key rows, 8 value columns");
+  static_assert(kB0 % 4 == 0 && kSt % 4 == 0 && kTp % 4 == 0 && kTld % 4 == 0 && kDecay % 4 == 0, "cp.async rows of 16 bytes");
+};
+
+// Starts copying a record's [C][W] matrix into shared memory rows of stride ld (cp.async, 16 bytes a
+// copy); the caller commits the group.
+template <int W>
+__device__ __forceinline__ void kda_copy_rows(float* dst, int ld, const float* src) {
+  constexpr int kVec = W / 4;
+  for (int i = static_cast<int>(threadIdx.x); i < kKdaChunk * kVec; i += kThreads) cp_async16(dst + i / kVec * ld + 4 * (i % kVec), src + 4 * i);
+}
+
+// One chunk of a scan pass over value columns [c0, c0 + cols) of head h, positions [row0, row0 + n). On
+// entry the chunk's K⊙e^γ (in kbuf), T' and M are copied, its Q⊙e^γ (in qbuf) and e^{γ_C} are the
+// newest cp.async group; `next` is the following chunk's record or null. Leaves the next chunk's
+// copies in flight the same way (K⊙e^γ into qbuf, Q⊙e^γ into kbuf). Block-uniform.
+template <int D>
+__device__ void kda_scan_chunk(const TaskCtx& ctx, const float* rec, const float* next, int row0, int n, int64_t h, int64_t d, int c0, int cols, float* kbuf,
+                               float* qbuf) {
+  using SL = KdaScanLayout<D>;
+  using RL = KdaRecord<D>;
+  constexpr int kColTiles = SL::kCols / 8;
+  float* sm = smem_floats(ctx);
+  float *S = sm + SL::kS, *Tp = sm + SL::kTp, *M = sm + SL::kM, *X = sm + SL::kX, *U = sm + SL::kU, *decay = sm + SL::kDecay;
   const int lane = lane_id(), g = lane / 4, t4 = lane % 4;
-  for (int i = static_cast<int>(threadIdx.x); i < (kKdaChunk - ch.n) * CL::kUld; i += kThreads) U[ch.n * CL::kUld + i] = 0.0f;
-  kda_for_each_state_tile<D>(ctx, ch, 1, [&](float (&acc)[4], int m0, int n0) {
+  cp_async_wait<1>();  // all but the newest group: K⊙e^γ, T', M
+  __syncthreads();
+  // X = V − (K⊙e^γ)S₀; rows past n are zero (so are K's).
+  for (int i = warp_id(); i < kKdaChunk / 16 * kColTiles; i += kWarps) {
+    const int m0 = i / kColTiles * 16, n0 = i % kColTiles * 8;
+    float acc[4] = {};
+    kda_tile_product(acc, kbuf, SL::kSt, S, SL::kSld, m0, n0, D);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int t = m0 + g + 8 * (q / 2), c = n0 + 2 * t4 + q % 2;
-      if (t < ch.n) {
-        const float v = c < ch.cols ? ctx.in(2, ch.row0 + t)[ch.h * ch.d + ch.c0 + c] : 0.0f;
-        U[t * CL::kUld + c] = ch.sm[CL::kBeta + t] * (v - acc[q]);
-      }
-    }
-  });
-}
-
-// U ← (I + A)⁻¹U by forward substitution, one value column per kPerCol threads (a warp's lanes), rows in
-// order; ends with the block synchronized.
-template <int D>
-__device__ void kda_chunk_solve(const KdaChunk& ch) {
-  using L = KdaLayout<D>;
-  using CL = KdaChunkLayout<D>;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int c = tid / L::kPerCol, r = tid % L::kPerCol;
-  const float* am = ch.sm + CL::kAm;
-  float* U = ch.sm + CL::kU;
-  if (c < L::kCols) {  // whole warps
-    for (int t = 1; t < ch.n; ++t) {
-      float sum = 0.0f;
-      for (int j = r; j < t; j += L::kPerCol) sum += am[j * CL::kLd + t] * U[j * CL::kUld + c];
-      sum = kda_column_sum<D>(sum);
-      if (r == 0) U[t * CL::kUld + c] -= sum;
-      __syncwarp();  // row t is read by the column's lanes from the next row on
+      X[t * SL::kXld + c] = (t < n && c < cols ? ctx.in(2, row0 + t)[h * d + c0 + c] : 0.0f) - acc[q];
     }
   }
   __syncthreads();
-}
-
-// o_t = S₀ᵀ(q_t ⊙ e^{γ_t}) + Σ_{j≤t} M(t, j) u_j, for the pass's columns. Runs before the state update;
-// ends with the block synchronized.
-template <int D>
-__device__ void kda_chunk_outputs(const TaskCtx& ctx, const KdaChunk& ch) {
-  using CL = KdaChunkLayout<D>;
-  const float* am = ch.sm + CL::kAm;
-  const float* U = ch.sm + CL::kU;
-  const int lane = lane_id(), g = lane / 4, t4 = lane % 4;
-  kda_for_each_state_tile<D>(ctx, ch, 0, [&](float (&acc)[4], int m0, int n0) {
-    // M·U over the positions j ≤ t of the tile's rows (M's upper triangle is A's storage: masked).
-    const int top = m0 + g, bottom = top + 8;
-    for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
-      const int j = k0 + t4;
-      const float a[4] = {j <= top ? am[top * CL::kLd + j] : 0.0f, j <= bottom ? am[bottom * CL::kLd + j] : 0.0f,
-                          j + 4 <= top ? am[top * CL::kLd + j + 4] : 0.0f, j + 4 <= bottom ? am[bottom * CL::kLd + j + 4] : 0.0f};
-      const float b[2] = {U[j * CL::kUld + n0 + g], U[(j + 4) * CL::kUld + n0 + g]};
-      kda_mma(acc, a, b);
-    }
+  kda_copy_rows<D>(kbuf, SL::kSt, rec + RL::kKEnd);  // K⊙e^{γ_C−γ}, for the update
+  cp_async_commit();
+  // U = T'·X (T' lower triangular: columns up to the tile's last row).
+  for (int i = warp_id(); i < kKdaChunk / 16 * kColTiles; i += kWarps) {
+    const int m0 = i / kColTiles * 16, n0 = i % kColTiles * 8;
+    float acc[4] = {};
+    kda_tile_product(acc, Tp, SL::kTld, X, SL::kXld, m0, n0, m0 + 16);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) U[(m0 + g + 8 * (q / 2)) * SL::kXld + n0 + 2 * t4 + q % 2] = acc[q];
+  }
+  cp_async_wait<1>();  // Q⊙e^γ and e^{γ_C}
+  __syncthreads();
+  // O = (Q⊙e^γ)S₀ + M·U.
+  for (int i = warp_id(); i < kKdaChunk / 16 * kColTiles; i += kWarps) {
+    const int m0 = i / kColTiles * 16, n0 = i % kColTiles * 8;
+    if (m0 >= n) continue;  // warp-uniform
+    float acc[4] = {};
+    kda_tile_product(acc, qbuf, SL::kSt, S, SL::kSld, m0, n0, D);
+    kda_tile_product(acc, M, SL::kTld, U, SL::kXld, m0, n0, m0 + 16);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const int t = top + 8 * (q / 2), c = n0 + 2 * t4 + q % 2;
-      if (t < ch.n && c < ch.cols) ctx.out(ch.row0 + t)[ch.h * ch.d + ch.c0 + c] = round_out(ctx, acc[q]);
+      const int t = m0 + g + 8 * (q / 2), c = n0 + 2 * t4 + q % 2;
+      if (t < n && c < cols) ctx.out(row0 + t)[h * d + c0 + c] = round_out(ctx, acc[q]);
     }
-  });
-}
-
-// S ← diag(e^{γ_C})S + (K⊙e^{γ_C − γ})ᵀU: each warp keeps its state tiles (16 key rows × 8 columns) in
-// registers across the staged pieces. Ends with the block synchronized.
-template <int D>
-__device__ void kda_chunk_update(const TaskCtx& ctx, const KdaChunk& ch) {
-  using CL = KdaChunkLayout<D>;
-  constexpr int kColTiles = CL::kCols / 8;
+  }
+  __syncthreads();
+  if (next != nullptr) {  // qbuf, T' and M are free: the next chunk's K⊙e^γ, T', M
+    kda_copy_rows<D>(qbuf, SL::kSt, next + RL::kK);
+    kda_copy_rows<kKdaChunk>(Tp, SL::kTld, next + RL::kT);
+    kda_copy_rows<kKdaChunk>(M, SL::kTld, next + RL::kM);
+  }
+  cp_async_commit();  // possibly empty: the waits above count groups
+  cp_async_wait<1>();  // K⊙e^{γ_C−γ}
+  __syncthreads();
+  // S ← diag(e^{γ_C})S₀ + (K⊙e^{γ_C−γ})ᵀU: the staged rows read transposed (rows past n are zero).
   constexpr int kTiles = D / 16 * kColTiles;
-  constexpr int kPerWarp = (kTiles + kWarps - 1) / kWarps;
-  const float* gamma = ch.sm + CL::kGamma;
-  const float* U = ch.sm + CL::kU;
-  float* S = ch.sm + CL::kS;
-  float* staged = ch.sm + CL::kStageAt;
-  const int lane = lane_id(), g = lane / 4, t4 = lane % 4;
-  float acc[kPerWarp][4];
-#pragma unroll
-  for (int w = 0; w < kPerWarp; ++w) {
-    const int tile = warp_id() + kWarps * w;
+  for (int tile = warp_id(); tile < kTiles; tile += kWarps) {
     const int m0 = tile / kColTiles * 16, n0 = tile % kColTiles * 8;
+    float acc[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int j = m0 + g + 8 * (q / 2), c = n0 + 2 * t4 + q % 2;
-      acc[w][q] = tile < kTiles ? S[j * CL::kSld + c] * __expf(gamma[j * CL::kLd + ch.n - 1]) : 0.0f;
+      acc[q] = S[j * SL::kSld + c] * decay[j];
     }
-  }
-  for (int p0 = 0; p0 < ch.n; p0 += CL::kTokens) {
-    const int np = ch.n - p0 < CL::kTokens ? ch.n - p0 : CL::kTokens;
-    kda_chunk_stage_rows<D>(ctx, ch, 1, true, p0, np, staged);
-#pragma unroll
-    for (int w = 0; w < kPerWarp; ++w) {
-      const int tile = warp_id() + kWarps * w;
-      if (tile >= kTiles) continue;  // warp-uniform
-      const int m0 = tile / kColTiles * 16, n0 = tile % kColTiles * 8;
-      for (int k0 = 0; k0 < np; k0 += 8) {  // rows past np are zero in both operands
-        const int p = k0 + t4;
-        const float a[4] = {staged[p * CL::kSt + m0 + g], staged[p * CL::kSt + m0 + g + 8], staged[(p + 4) * CL::kSt + m0 + g],
-                            staged[(p + 4) * CL::kSt + m0 + g + 8]};
-        const float b[2] = {U[(p0 + p) * CL::kUld + n0 + g], U[(p0 + p + 4) * CL::kUld + n0 + g]};
-        kda_mma(acc[w], a, b);
-      }
+#pragma unroll 4
+    for (int k0 = 0; k0 < kKdaChunk; k0 += 8) {
+      const int p = k0 + t4;
+      const float a[4] = {kbuf[p * SL::kSt + m0 + g], kbuf[p * SL::kSt + m0 + g + 8], kbuf[(p + 4) * SL::kSt + m0 + g], kbuf[(p + 4) * SL::kSt + m0 + g + 8]};
+      const float b[2] = {U[p * SL::kXld + n0 + g], U[(p + 4) * SL::kXld + n0 + g]};
+      kda_mma(acc, a, b);
     }
-    __syncthreads();  // the staging is overwritten next
-  }
 #pragma unroll
-  for (int w = 0; w < kPerWarp; ++w) {
-    const int tile = warp_id() + kWarps * w;
-    if (tile >= kTiles) continue;
-    const int m0 = tile / kColTiles * 16, n0 = tile % kColTiles * 8;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) S[(m0 + g + 8 * (q / 2)) * CL::kSld + n0 + 2 * t4 + q % 2] = acc[w][q];
+    for (int q = 0; q < 4; ++q) S[(m0 + g + 8 * (q / 2)) * SL::kSld + n0 + 2 * t4 + q % 2] = acc[q];
   }
   __syncthreads();
+  if (next != nullptr) {  // kbuf and e^{γ_C} are free: the next chunk's Q⊙e^γ
+    kda_copy_rows<D>(kbuf, SL::kSt, next + RL::kQ);
+    for (int i = static_cast<int>(threadIdx.x); i < D / 4; i += kThreads) cp_async16(decay + 4 * i, next + RL::kDecay + 4 * i);
+  }
+  cp_async_commit();
 }
 
-// Every chunk of one head's sequence (tokens ≥ kKdaChunkedMinTokens) for value columns [c0, c0 + cols):
-// the pass's state (S_global: the head's [d, d]) into shared memory, the chunks, the state back. Padded
-// rows and columns are zero. Block-uniform.
+// Every chunk of one head's sequence (tokens ≥ kKdaChunkedMinTokens) for value columns [c0, c0 + cols),
+// from the records of its chunks (records[chunk · heads]): the pass's state (S_global: the head's
+// [d, d]) into shared memory, the chunks, the state back. Padded rows and columns are zero.
+// Block-uniform.
 template <int D>
-__device__ __forceinline__ void kda_chunked(const TaskCtx& ctx, int first, int tokens, int64_t h, int64_t d, int c0, int cols, float* S_global) {
-  using CL = KdaChunkLayout<D>;
+__device__ __noinline__ void kda_scan(const TaskCtx& ctx, const float* records, int heads, int first, int tokens, int64_t h, int64_t d, int c0, int cols,
+                                      float* S_global) {
+  using SL = KdaScanLayout<D>;
+  using RL = KdaRecord<D>;
   float* sm = smem_floats(ctx);
-  float* S = sm + CL::kS;
-  for (int i = static_cast<int>(threadIdx.x); i < D * CL::kCols; i += kThreads) {
-    const int j = i / CL::kCols, c = i % CL::kCols;
-    S[j * CL::kSld + c] = j < d && c < cols ? S_global[j * d + c0 + c] : 0.0f;
+  float* S = sm + SL::kS;
+  for (int i = static_cast<int>(threadIdx.x); i < D * SL::kCols; i += kThreads) {
+    const int j = i / SL::kCols, c = i % SL::kCols;
+    S[j * SL::kSld + c] = j < d && c < cols ? S_global[j * d + c0 + c] : 0.0f;
   }
-  __syncthreads();
-  for (int t0 = 0; t0 < tokens; t0 += kKdaChunk) {
-    const KdaChunk ch{first + t0, tokens - t0 < kKdaChunk ? tokens - t0 : kKdaChunk, h, d, c0, cols, 1.0f / sqrtf(static_cast<float>(d)), sm,
-                      sm + CL::kQScale, sm + CL::kKScale};
-    kda_chunk_stage<D>(ctx, ch);
-    kda_chunk_pairs<D>(ctx, ch);
-    kda_chunk_values<D>(ctx, ch);
-    kda_chunk_solve<D>(ch);
-    kda_chunk_outputs<D>(ctx, ch);  // reads S₀: before the update
-    kda_chunk_update<D>(ctx, ch);
+  const int chunks = (tokens + kKdaChunk - 1) / kKdaChunk;
+  float *b0 = sm + SL::kB0, *b1 = sm + SL::kB1;
+  kda_copy_rows<D>(b0, SL::kSt, records + RL::kK);
+  kda_copy_rows<kKdaChunk>(sm + SL::kTp, SL::kTld, records + RL::kT);
+  kda_copy_rows<kKdaChunk>(sm + SL::kM, SL::kTld, records + RL::kM);
+  cp_async_commit();
+  kda_copy_rows<D>(b1, SL::kSt, records + RL::kQ);
+  for (int i = static_cast<int>(threadIdx.x); i < D / 4; i += kThreads) cp_async16(sm + SL::kDecay + 4 * i, records + RL::kDecay + 4 * i);
+  cp_async_commit();
+  for (int k = 0; k < chunks; ++k) {
+    const float* rec = records + static_cast<int64_t>(k) * heads * RL::kFloats;
+    const float* next = k + 1 < chunks ? rec + static_cast<int64_t>(heads) * RL::kFloats : nullptr;
+    const int n = tokens - k * kKdaChunk < kKdaChunk ? tokens - k * kKdaChunk : kKdaChunk;
+    kda_scan_chunk<D>(ctx, rec, next, first + k * kKdaChunk, n, h, d, c0, cols, k % 2 == 0 ? b0 : b1, k % 2 == 0 ? b1 : b0);
   }
-  for (int i = static_cast<int>(threadIdx.x); i < D * CL::kCols; i += kThreads) {
-    const int j = i / CL::kCols, c = i % CL::kCols;
-    if (j < d && c < cols) S_global[j * d + c0 + c] = S[j * CL::kSld + c];
+  cp_async_wait<0>();  // the last (empty) groups
+  for (int i = static_cast<int>(threadIdx.x); i < D * SL::kCols; i += kThreads) {
+    const int j = i / SL::kCols, c = i % SL::kCols;
+    if (j < d && c < cols) S_global[j * d + c0 + c] = S[j * SL::kSld + c];
   }
   __syncthreads();  // the next pass or op reuses the shared memory
+}
+
+// The step's chunked sequences: their chunks in all, and sequence s's first chunk.
+__device__ __forceinline__ int kda_chunks(const StepView& step, int upto) {
+  int chunks = 0;
+  for (int s = 0; s < upto; ++s) {
+    if (step.seq_tokens[s] >= kKdaChunkedMinTokens) chunks += (step.seq_tokens[s] + kKdaChunk - 1) / kKdaChunk;
+  }
+  return chunks;
+}
+
+// Phase 1 (the file comment): prep items from the ticket counter until none is left, then the wait for
+// every item. Returns false, with kErrWorkspace reported, when the workspace cannot hold the step's
+// records (then no task touches the counters: all see the same step). Block-uniform.
+template <int D>
+__device__ bool kda_prep_all(const TaskCtx& ctx, int64_t d, int heads, int chunks) {
+  const int items = chunks * heads;
+  if (ctx.op->sync == nullptr || static_cast<int64_t>(items) * KdaRecord<D>::kFloats > ctx.op->workspace_floats) {
+    if (threadIdx.x == 0) report_error(ctx, kErrWorkspace);
+    return false;
+  }
+  const StepView& step = *ctx.step;
+  unsigned* const sync = ctx.op->sync;
+  for (;;) {
+    const int item = take_ticket(ctx, sync);
+    if (item >= items) break;  // block-uniform
+    int chunk = item / heads, s = 0;  // chunk-major: the scans' first chunks are ready first
+    for (;; ++s) {
+      const int tokens = step.seq_tokens[s];
+      const int own = tokens >= kKdaChunkedMinTokens ? (tokens + kKdaChunk - 1) / kKdaChunk : 0;
+      if (chunk < own) break;
+      chunk -= own;
+    }
+    const int n = step.seq_tokens[s] - chunk * kKdaChunk < kKdaChunk ? step.seq_tokens[s] - chunk * kKdaChunk : kKdaChunk;
+    kda_prep_item<D>(ctx, step.seq_first_row[s] + chunk * kKdaChunk, n, item % heads, d, ctx.op->workspace + static_cast<int64_t>(item) * KdaRecord<D>::kFloats);
+    block_arrive(sync + 1);
+  }
+  block_wait(sync + 1, items);
+  return true;
 }
 
 }  // namespace plow::cuda

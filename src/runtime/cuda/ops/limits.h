@@ -14,4 +14,12 @@ inline constexpr int kRouterMaxExperts = 1024;  // moe_topk candidates: 32 per l
 inline constexpr int kRouterMaxTopK = 64;
 inline constexpr int kShortConvMaxKernel = 64;
 
+// Chunked KDA prefill (kda_chunked.cuh): positions per chunk, and the workspace record of one (chunk,
+// head) for head dim d, whose bodies run at the padded dim (16, 32, 64 or 128): T' and M [C][C], then
+// Q⊙e^γ, K⊙e^γ and K⊙e^{γ_C−γ} [C][D], then e^{γ_C} [D].
+inline constexpr int kKdaChunk = 64;
+inline constexpr int kKdaChunkedMinTokens = 16;  // a sequence's tokens in a step from which it runs chunked
+constexpr int kda_padded_dim(int d) { return d <= 16 ? 16 : d <= 32 ? 32 : d <= 64 ? 64 : 128; }
+constexpr long long kda_record_floats(int padded_dim) { return 2LL * kKdaChunk * kKdaChunk + 3LL * kKdaChunk * padded_dim + padded_dim; }
+
 }  // namespace plow::cuda

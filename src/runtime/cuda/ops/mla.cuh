@@ -411,23 +411,6 @@ __device__ __noinline__ void mla_combine_item(const TaskCtx& ctx, const MlaShape
 
 namespace plow::cuda {
 
-// Cross-block hand-offs of the op (see the file comment). Block-uniform.
-__device__ __forceinline__ void mla_arrive(unsigned* counter) {
-  __syncthreads();  // the item's writes are done
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(counter, 1u);
-  }
-}
-__device__ __forceinline__ void mla_wait(const unsigned* counter, int count) {
-  if (threadIdx.x == 0) {
-    while (*reinterpret_cast<const volatile unsigned*>(counter) < static_cast<unsigned>(count)) {
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-
 // Whether every sequence fits its slot and the workspace holds the step; if not, every task reports
 // and leaves without touching the counters (all see the same step).
 __device__ inline bool mla_step_fits(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched) {
@@ -468,19 +451,15 @@ __device__ __noinline__ void op_mla_attention(const TaskCtx& ctx) {
   const MlaWorkspace ws{ws_base, ws_base + static_cast<int64_t>(ctx.rows()) * sh.heads * sh.latent,
                         ws_base + static_cast<int64_t>(ctx.rows()) * sh.heads * sh.latent + static_cast<int64_t>(b_items) * kMlaGroup * 2};
   unsigned* const sync = ctx.op->sync;
-  int* const ticket = reinterpret_cast<int*>(ctx.smem);
   float* const smem = smem_floats(ctx) + 32;  // after the ticket
   for (;;) {
-    if (threadIdx.x == 0) *ticket = static_cast<int>(atomicAdd(sync, 1u));
-    __syncthreads();
-    const int item = *ticket;
-    __syncthreads();  // every thread has the ticket before thread 0 takes the next
+    const int item = take_ticket(ctx, sync);
     if (item >= total) break;  // block-uniform
     if (item < a_items) {
       mla_absorb_item(ctx, sh, item, ws.qabs, smem);
-      mla_arrive(sync + 1);
+      block_arrive(sync + 1);
     } else if (item < a_items + b_items) {
-      mla_wait(sync + 1, a_items);
+      block_wait(sync + 1, a_items);
 #ifndef PLOW_CUDA_EMU
       if (mla_mma_fits(ctx, sh)) {
         mla_split_item_mma(ctx, sh, sched, item - a_items, ws, smem);
@@ -490,21 +469,14 @@ __device__ __noinline__ void op_mla_attention(const TaskCtx& ctx) {
 #else
       mla_split_item(ctx, sh, sched, item - a_items, ws, smem);
 #endif
-      mla_arrive(sync + 2);
+      block_arrive(sync + 2);
     } else {
-      mla_wait(sync + 2, b_items);
+      block_wait(sync + 2, b_items);
       mla_combine_item(ctx, sh, sched, item - a_items - b_items, ws, smem);
       __syncthreads();
     }
   }
-  if (threadIdx.x == 0) {
-    __threadfence();  // this task's last ticket is taken before it counts itself out
-    if (atomicAdd(sync + 3, 1u) == static_cast<unsigned>(ctx.op->tasks - 1)) {
-      __threadfence();
-      for (int i = 0; i < kOpSyncCounters; ++i) atomicExch(sync + i, 0u);  // every task has left: the next step starts from 0
-      __threadfence();
-    }
-  }
+  op_leave(ctx, sync + 3);
 }
 
 }  // namespace plow::cuda
