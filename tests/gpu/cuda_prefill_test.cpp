@@ -8,7 +8,8 @@
 // token and some get every token; MLA as GEMMs (mla_gemm.h) over first chunks, chunks with a cached
 // prefix and several sequences of different contexts in one step, against the op body and under a
 // scores budget small enough to split every sequence; fp32 and bf16, megakernel and eager, against the
-// CPU ops.
+// CPU ops; bf16 through the fused attention kernel (mla_flash.cuh), also over long prefixes at the real
+// head shape.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -421,11 +422,13 @@ enum class MlaMode { kGemm, kGemmSmallBudget, kBody };
 // (the op body reads rows the GEMMs appended); a chunk of 40 beside 2 rows of another sequence; 20 + 20
 // rows (the GEMM path, but no sequence brings 32 tokens: MLA on its op body). The outputs are the MLA
 // op's rows [T, heads·v], compared with cpu/reference after every step: fp32 within 1e-5 of the step's
-// largest output (reassociation); bf16 within 3 output ulps of it as GEMMs (kv, P and the output are
-// rounded where the CPU rounds them: one ulp where a sum lands next to a rounding boundary, through
-// two roundings) and 4 on the op body (absorbed form: it does not round kv, as cuda_ops_test bounds
-// it), and every output a bf16 value. q's weights are scaled by 8 so the softmax is far from uniform
-// (a wrong causal bound or a missing position moves outputs by a large part of the scale).
+// largest output (reassociation); bf16 within 3 output ulps of it as GEMMs (kv and the output are
+// rounded where the CPU rounds them, P by the fused kernel before normalizing, a fraction of an ulp:
+// mla_flash.cuh; one ulp where a sum lands next to a rounding boundary) and 4 on the op body (absorbed
+// form: it does not round kv, as cuda_ops_test bounds it), and every output a bf16 value. q's weights
+// are scaled by 8 so the softmax is far from uniform (a wrong causal bound or a missing position moves
+// outputs by a large part of the scale). fp32 attends in score blocks (one per sequence, or many
+// under the small budget); bf16 in the fused kernel, one launch per sequence, whatever the budget.
 TEST(CudaPrefillMla, GemmFormMatchesTheCpuOverChunksAndSequences) {
   const std::vector<MlaCase> cases = {
       {"3 heads, odd head dims", 72, 3, 13, 7, 11, 36},
@@ -466,15 +469,21 @@ TEST(CudaPrefillMla, GemmFormMatchesTheCpuOverChunksAndSequences) {
               for (const SequenceStep& seq : in.sequences) {
                 for (int64_t t = 0; t < seq.query_tokens; ++t) in.token_ids.push_back(static_cast<int32_t>((t * 13 + seq.slot * 7 + static_cast<int64_t>(k) * 5) % 50));
               }
-              const int64_t ops_before = gpu.prefill_mla_ops(), blocks_before = gpu.prefill_mla_blocks();
+              const int64_t ops_before = gpu.prefill_mla_ops(), blocks_before = gpu.prefill_mla_blocks(), flash_before = gpu.prefill_mla_flash();
               const StepOutput want = cpu.step(in);
               const StepOutput have = gpu.step(in);
               const bool gemm = steps[k].gemm && mode != MlaMode::kBody;
               ASSERT_EQ(gpu.prefill_mla_ops() - ops_before, gemm ? 1 : 0) << at;
-              const int64_t blocks = gpu.prefill_mla_blocks() - blocks_before;
-              if (gemm) {
+              const int64_t blocks = gpu.prefill_mla_blocks() - blocks_before, flash = gpu.prefill_mla_flash() - flash_before;
+              const auto seqs = static_cast<int64_t>(in.sequences.size());
+              if (!gemm) {
+                EXPECT_EQ(blocks + flash, 0) << at;
+              } else if (dtype != DType::F32) {
+                EXPECT_EQ(flash, seqs) << at;
+                EXPECT_EQ(blocks, 0) << at;
+              } else {
                 // One block per sequence when the scores fit; the small budget splits every sequence.
-                const auto seqs = static_cast<int64_t>(in.sequences.size());
+                EXPECT_EQ(flash, 0) << at;
                 if (mode == MlaMode::kGemm) {
                   EXPECT_EQ(blocks, seqs) << at;
                 } else {
@@ -501,6 +510,67 @@ TEST(CudaPrefillMla, GemmFormMatchesTheCpuOverChunksAndSequences) {
         }
       }
     }
+  }
+}
+
+// The fused attention kernel (mla_flash.cuh) at the real head shape (q·k 192, v 128) over prefixes of
+// hundreds of positions, where the step above reaches two key tiles: a first chunk of 300 rows (5 query
+// tiles, the last partial); 517 rows over those 300 cached positions beside a second sequence's first
+// 70 (context off the 64-position tiles, two sequences' rows in one op); 700 rows over 817 (24 key tiles
+// through the two-stage pipeline); 64 rows over 70. bf16, megakernel and eager against cpu/reference
+// after every step, with the bound and checks of the test above; every sequence through the kernel.
+TEST(CudaPrefillMla, FusedKernelOverLongPrefixesAtTheRealHeadShape) {
+  const MlaCase c = {"3 heads of the real head shape", 64, 3, 128, 64, 128, 64};
+  const std::vector<std::vector<SequenceStep>> steps = {{{0, 300}}, {{0, 517}, {1, 70}}, {{0, 700}}, {{1, 64}}};
+  const Graph graph = mla_graph(c);
+  const Checkpoint checkpoint = scaled(random_checkpoint(graph, 23, DType::BF16, "prefill-mla"), "self_attn.q_proj.weight", 8.0f);
+  const BoundWeights bound_weights(graph, checkpoint);
+  auto weights = cuda::upload_weights(graph, bound_weights);
+  std::vector<std::unique_ptr<cuda::CudaBackend>> gpus;
+  for (bool eager : {false, true}) {
+    std::vector<Plan> plans = {lower_to_plan(graph, {PlanPhase::kDecode, 4, 132, 0, 0}), lower_to_plan(graph, {PlanPhase::kPrefill, 704, 132, 0, 0})};
+    cuda::CudaOptions options;
+    options.act_dtype = DType::BF16;
+    options.num_slots = 2;
+    options.max_context_tokens = 1600;
+    options.eager = eager;
+    options.poison_arena = true;
+    gpus.push_back(std::make_unique<cuda::CudaBackend>(graph, weights, std::move(plans), options));
+  }
+  ReferenceBackend cpu(graph, bound_weights, DType::BF16, 2);
+  for (size_t k = 0; k < steps.size(); ++k) {
+    StepInputs in;
+    in.all_logits = true;
+    in.sequences = steps[k];
+    for (const SequenceStep& seq : in.sequences) {
+      for (int64_t t = 0; t < seq.query_tokens; ++t) in.token_ids.push_back(static_cast<int32_t>((t * 13 + seq.slot * 7 + static_cast<int64_t>(k) * 5) % 50));
+    }
+    const StepOutput want = cpu.step(in);
+    float scale = 0;
+    for (float v : want.logits) scale = std::max(scale, std::fabs(v));
+    ASSERT_GT(scale, 0.0f) << "step " << k << ": the reference output is all zero, the step cannot fail";
+    const float limit = 3.0f * 0.0079f * scale;
+    for (size_t b = 0; b < gpus.size(); ++b) {
+      const std::string at = std::string(b == 0 ? "megakernel" : "eager") + " step " + std::to_string(k);
+      cuda::CudaBackend& gpu = *gpus[b];
+      const int64_t flash_before = gpu.prefill_mla_flash(), blocks_before = gpu.prefill_mla_blocks();
+      const StepOutput have = gpu.step(in);
+      EXPECT_EQ(gpu.prefill_mla_flash() - flash_before, static_cast<int64_t>(in.sequences.size())) << at;
+      EXPECT_EQ(gpu.prefill_mla_blocks() - blocks_before, 0) << at;
+      ASSERT_EQ(have.logits.size(), want.logits.size()) << at;
+      float worst = 0;
+      for (size_t i = 0; i < want.logits.size(); ++i) {
+        const int64_t row = static_cast<int64_t>(i) / have.vocab, col = static_cast<int64_t>(i) % have.vocab;
+        ASSERT_FALSE(std::isnan(have.logits[i])) << at << " row " << row << " col " << col;
+        ASSERT_LE(std::fabs(have.logits[i] - want.logits[i]), limit) << at << " row " << row << " col " << col << ": gpu " << have.logits[i] << " cpu " << want.logits[i];
+        ASSERT_TRUE(exact_bf16(have.logits[i])) << at << " row " << row << " col " << col << " was not rounded";
+        worst = std::max(worst, std::fabs(have.logits[i] - want.logits[i]));
+      }
+      std::printf("  %s: max error %.3g (%.3g ulps of the scale %.3g)\n", at.c_str(), worst, worst / (0.0079f * scale), scale);
+    }
+  }
+  for (int slot = 0; slot < 2; ++slot) {
+    for (const auto& gpu : gpus) EXPECT_EQ(gpu->context_tokens(slot), cpu.context_tokens(slot));
   }
 }
 

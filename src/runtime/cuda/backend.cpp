@@ -540,6 +540,8 @@ int64_t CudaBackend::prefill_mla_ops() const { return impl_->mla_runner ? impl_-
 
 int64_t CudaBackend::prefill_mla_blocks() const { return impl_->mla_runner ? impl_->mla_runner->blocks() : 0; }
 
+int64_t CudaBackend::prefill_mla_flash() const { return impl_->mla_runner ? impl_->mla_runner->flash() : 0; }
+
 void CudaBackend::set_mla_timing(bool on) {
   if (impl_->mla_runner) impl_->mla_runner->set_timing(on);
 }

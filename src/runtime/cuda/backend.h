@@ -129,10 +129,12 @@ class CudaBackend : public Backend {
   void set_expert_timing(bool on);
   double expert_ms();
   void reset_expert_ms();
-  // mla_attention ops run as MLA GEMMs since construction (mla_gemm.h), and the score blocks they ran
-  // (more than ops × sequences when the scores budget split a sequence's queries or heads).
+  // mla_attention ops run as MLA GEMMs since construction (mla_gemm.h), the score blocks they ran
+  // (fp32: more than ops × sequences when the scores budget split a sequence's queries or heads) and the
+  // sequences they attended in the fused kernel (bf16, f16: mla_flash.cuh).
   int64_t prefill_mla_ops() const;
   int64_t prefill_mla_blocks() const;
+  int64_t prefill_mla_flash() const;
   // Benchmarks: stream time of the MLA GEMM ops (append, expansion, scores, softmax, P·V) summed while
   // on; mla_ms() waits for the stream.
   void set_mla_timing(bool on);

@@ -1,6 +1,7 @@
 // MLA prefill as GEMMs (mla_gemm.h): which mla_attention ops take them, the buffers sized for a plan's
-// largest step at the backend's maximum context, and per sequence the expansion, the blocked scores,
-// softmax and P·V through cuBLAS (strided-batched over heads; fp32 accumulate, pedantic fp32 for fp32).
+// largest step at the backend's maximum context, and per sequence the expansion through cuBLAS
+// (strided-batched over heads; fp32 accumulate, pedantic fp32 for fp32), then the fused attention
+// kernel (bf16, f16) or the blocked scores, softmax and P·V through cuBLAS (fp32).
 #include "runtime/cuda/mla_gemm.h"
 
 #include <algorithm>
@@ -91,6 +92,7 @@ void MlaGemmCapacity::add(const MlaGemmOp& op, int64_t max_rows) {
   dv = std::max(dv, padded(op.dv));
   head_rows = std::max(head_rows, op.heads * max_rows);
   elem_bytes = std::max(elem_bytes, type_bytes(op.type));
+  blocks = blocks || !op.flash();
 }
 
 void MlaGemmCapacity::merge(const MlaGemmCapacity& o) {
@@ -101,6 +103,7 @@ void MlaGemmCapacity::merge(const MlaGemmCapacity& o) {
   dv = std::max(dv, o.dv);
   head_rows = std::max(head_rows, o.head_rows);
   elem_bytes = std::max(elem_bytes, o.elem_bytes);
+  blocks = blocks || o.blocks;
 }
 
 MlaBlocking mla_blocking(int64_t tokens, int64_t visible, int64_t heads, int64_t scores_floats) {
@@ -115,19 +118,21 @@ MlaBlocking mla_blocking(int64_t tokens, int64_t visible, int64_t heads, int64_t
 
 MlaGemmRunner::MlaGemmRunner(const MlaGemmCapacity& c, int64_t max_context, int64_t scores_bytes, cudaStream_t stream)
     : stream_(stream), capacity_(c), max_context_(max_context), timer_(stream) {
-  // The scores of one block: within the budget, never more than the largest step can use, never less
-  // than one query row of one head at max_context.
-  const int64_t ld_max = padded(max_context);
-  scores_floats_ = std::max(std::min(scores_bytes / static_cast<int64_t>(sizeof(float)), c.head_rows * ld_max), ld_max);
   const auto bytes = [](int64_t n) { return static_cast<size_t>(std::max<int64_t>(n, 16)); };
   workspace_ = DeviceBuffer(kWorkspaceBytes, "cuBLAS workspace");
   latents_ = DeviceBuffer(bytes(max_context * c.rank * c.elem_bytes), "MLA GEMM latents");
   keys_ = DeviceBuffer(bytes(c.heads * max_context * c.qk * c.elem_bytes), "MLA GEMM keys");
   values_ = DeviceBuffer(bytes(c.heads * max_context * c.dv * c.elem_bytes), "MLA GEMM values");
-  queries_ = DeviceBuffer(bytes(c.rows * c.heads * c.qk * c.elem_bytes), "MLA GEMM queries");
-  scores_ = DeviceBuffer(bytes(scores_floats_ * static_cast<int64_t>(sizeof(float))), "MLA GEMM scores");
-  probs_ = DeviceBuffer(bytes(scores_floats_ * c.elem_bytes), "MLA GEMM probabilities");
-  outputs_ = DeviceBuffer(bytes(c.head_rows * c.dv * static_cast<int64_t>(sizeof(float))), "MLA GEMM outputs");
+  if (c.blocks) {
+    // The scores of one block: within the budget, never more than the largest step can use, never less
+    // than one query row of one head at max_context. (The fused kernel needs none of these.)
+    const int64_t ld_max = padded(max_context);
+    scores_floats_ = std::max(std::min(scores_bytes / static_cast<int64_t>(sizeof(float)), c.head_rows * ld_max), ld_max);
+    queries_ = DeviceBuffer(bytes(c.rows * c.heads * c.qk * c.elem_bytes), "MLA GEMM queries");
+    scores_ = DeviceBuffer(bytes(scores_floats_ * static_cast<int64_t>(sizeof(float))), "MLA GEMM scores");
+    probs_ = DeviceBuffer(bytes(scores_floats_ * c.elem_bytes), "MLA GEMM probabilities");
+    outputs_ = DeviceBuffer(bytes(c.head_rows * c.dv * static_cast<int64_t>(sizeof(float))), "MLA GEMM outputs");
+  }
   check_cublas(cublasCreate(&handle_), "handle");
   check_cublas(cublasSetStream(handle_, stream_), "stream");
   check_cublas(cublasSetWorkspace(handle_, workspace_.ptr, workspace_.bytes), "workspace");  // after SetStream, which resets it
@@ -170,7 +175,9 @@ void MlaGemmRunner::expand(const MlaGemmOp& op, const float* slot, int64_t visib
        ld_v, visible * ld_v, op.heads, op.type, "value expansion");
 }
 
-// The sequence's queries in blocks (mla_blocking): per block of rows [t0, t0 + rows) × heads
+// bf16 and f16 (op.flash()): one launch of the fused kernel (mla_flash.cuh) over every head and row,
+// reading q from the arena and writing the output rows. Else the sequence's queries in blocks
+// (mla_blocking): per block of rows [t0, t0 + rows) × heads
 // [h0, h0 + group), over the first `length` = context + t0 + rows positions (the block's causal bound):
 //  S_h = q_h·K_hᵀ·scale, column-major S_hᵀ [length, rows] = K_h·q_hᵀ (K_h row-major [visible, ld_k]:
 //    op(A) = Aᵀ; q_h column-major [qk, rows] at ldb heads·ld_q), fp32;
@@ -179,6 +186,29 @@ void MlaGemmRunner::expand(const MlaGemmOp& op, const float* slot, int64_t visib
 //    column-major [ld_v, visible]: op(A) = A), fp32; then scattered (and rounded) into the output rows.
 void MlaGemmRunner::attend(const MlaGemmOp& op, float* arena, const MlaSequence& seq) {
   const int64_t ld_q = padded(op.qk()), ld_k = ld_q, ld_v = padded(op.dv), e = type_bytes(op.type), visible = seq.context + seq.tokens;
+  if (op.flash()) {
+    MlaFlashArgs args;
+    args.q = arena + op.q_offset + seq.first_row * op.q_stride;
+    args.keys = keys_.as<uint16_t>();
+    args.values = values_.as<uint16_t>();
+    args.out = arena + op.out_offset + seq.first_row * op.width;
+    args.q_stride = op.q_stride;
+    args.width = op.width;
+    args.ld_k = static_cast<int32_t>(ld_k);
+    args.ld_v = static_cast<int32_t>(ld_v);
+    args.tokens = static_cast<int32_t>(seq.tokens);
+    args.context = static_cast<int32_t>(seq.context);
+    args.heads = static_cast<int32_t>(op.heads);
+    args.qk = static_cast<int32_t>(op.qk());
+    args.dv = static_cast<int32_t>(op.dv);
+    args.scale_log2 = op.scale * 1.44269504088896341f;  // log2(e)
+    args.act = op.act;
+    args.round_out = op.round_out;
+    launch_mla_flash(args, op.type, stream_);
+    flash_ += 1;
+    return;
+  }
+  if (!capacity_.blocks) fail("cuda: an MLA op attends in score blocks, its runner has no buffers for them (a sizing bug)");
   launch_mla_queries(arena + op.q_offset + seq.first_row * op.q_stride, op.q_stride, seq.tokens, op.heads, op.qk(), queries_.ptr, ld_q, op.type, stream_);
   const cudaDataType t = data_type(op.type);
   const MlaBlocking blocking = mla_blocking(seq.tokens, visible, op.heads, scores_floats_);

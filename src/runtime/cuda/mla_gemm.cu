@@ -1,10 +1,12 @@
 // Device side of the MLA prefill GEMMs (mla_gemm.h): the latent append (the op body's rounding), the
 // exact copies of cache rows and queries into the GEMMs' input type, the causal softmax (fp32, P rounded
 // to the activation dtype as cpu/ops/mla.cpp rounds it) and the scatter of the head outputs into the
-// op's output rows. One block per row, threads over its columns: coalesced on both sides.
+// op's output rows (one block per row, threads over its columns: coalesced on both sides); and the
+// launches of the fused attention (mla_flash.cuh) that replaces the last three for bf16 and f16.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "runtime/cuda/mla_flash.cuh"
 #include "runtime/cuda/ops/common.cuh"
 #include "runtime/cuda/kernels.h"  // declared in mla_gemm.h (host headers nvcc need not see)
 
@@ -71,9 +73,10 @@ __global__ void inputs_kernel(const float* cache, int64_t visible, int64_t rank,
   for (int64_t tau = blockIdx.x; tau < visible; tau += gridDim.x) {
     const float* row = cache + tau * latent;
     for (int64_t i = threadIdx.x; i < rank; i += kBlock) store_f(latents + tau * ld_c + i, row[i]);
-    for (int64_t i = threadIdx.x; i < heads * rope; i += kBlock) {
-      const int64_t h = i / rope, j = i % rope;
-      store_f(keys + (h * visible + tau) * ld_k + nope + j, row[rank + j]);
+    const int64_t tail = ld_k - nope;  // k_r, then the row's padding
+    for (int64_t i = threadIdx.x; i < heads * tail; i += kBlock) {
+      const int64_t h = i / tail, j = i % tail;
+      store_f(keys + (h * visible + tau) * ld_k + nope + j, j < rope ? row[rank + j] : 0.0f);
     }
   }
 }
@@ -114,7 +117,37 @@ __global__ void scatter_kernel(const float* o, int64_t ld_o, int64_t group, int6
   }
 }
 
+// One block per (head, query tile), heads fastest and query tiles last-first: the longest blocks (last
+// rows, most positions) start first, and the blocks running together share their tiles' positions.
+template <int QK, int DV, bool kF16>
+__global__ void __launch_bounds__(kMlaFlashThreads, 2) mla_flash_kernel(MlaFlashArgs args) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  mla_flash_block<QK, DV, kF16>(args, static_cast<int>(gridDim.y - 1 - blockIdx.y), static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x), smem);
+}
+
+template <int QK, int DV, bool kF16>
+void launch_flash(const MlaFlashArgs& args, cudaStream_t stream) {
+  constexpr int kBytes = MlaFlashLayout<QK, DV>::kBytes;
+  // Over 48 KiB of dynamic shared memory needs the opt-in; it is per device (tensor-parallel ranks may be
+  // threads of one process), so it is set at every launch (idempotent, a host call).
+  const cudaError_t error = cudaFuncSetAttribute(mla_flash_kernel<QK, DV, kF16>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+  if (error != cudaSuccess) cuda_failure("MLA flash attention shared memory", error);
+  const dim3 grid(static_cast<unsigned>(args.heads), static_cast<unsigned>((args.tokens + kMlaFlashRows - 1) / kMlaFlashRows));
+  mla_flash_kernel<QK, DV, kF16><<<grid, kMlaFlashThreads, kBytes, stream>>>(args);
+  check_launch("MLA flash attention");
+}
+
 }  // namespace
+
+void launch_mla_flash(const MlaFlashArgs& args, int32_t type, cudaStream_t stream) {
+  if (args.tokens == 0) return;
+  const bool f16 = type == kWF16;
+  if (args.qk <= kMlaFlashSmallDim && args.dv <= kMlaFlashSmallDim) {
+    f16 ? launch_flash<kMlaFlashSmallDim, kMlaFlashSmallDim, true>(args, stream) : launch_flash<kMlaFlashSmallDim, kMlaFlashSmallDim, false>(args, stream);
+  } else {
+    f16 ? launch_flash<kMlaFlashQk, kMlaFlashDv, true>(args, stream) : launch_flash<kMlaFlashQk, kMlaFlashDv, false>(args, stream);
+  }
+}
 
 void launch_mla_append(const float* kv_a, int64_t kv_stride, int64_t tokens, const DeviceWeight& norm, float eps, int64_t rank, int64_t rope, int32_t act,
                        float* cache, cudaStream_t stream) {

@@ -2,10 +2,12 @@
 // mla_attention op runs on the host between megakernel segments, in the EXPANDED form of the CPU
 // reference (cpu/ops/mla.cpp) with its rounding points: the step's latent rows appended to the cache
 // (the op body's rounding), then per sequence kv = act(c·kv_bᵀ) over every visible position (two
-// strided-batched GEMMs, heads as the batch), S = q·Kᵀ·scale (fp32), a causal softmax with P rounded
-// to the activation dtype, O = P·V (fp32 accumulate), rounded as the op's output. The scores are
-// computed in blocks of query rows × heads that never exceed a fixed budget. Internal to
-// src/runtime/cuda (backend.cpp, prefill_gemm.cpp).
+// strided-batched GEMMs, heads as the batch), then the attention: bf16 and f16 models in one fused
+// flash-attention kernel (mla_flash.cuh: P rounded before P·V, not after normalizing; the error it
+// adds is bounded there); fp32 models (and heads wider than the kernel's) as S = q·Kᵀ·scale (fp32), a
+// causal softmax with P rounded to the activation dtype, O = P·V (fp32 accumulate), rounded as the
+// op's output, the scores in blocks of query rows × heads that never exceed a fixed budget. Internal
+// to src/runtime/cuda (backend.cpp, prefill_gemm.cpp).
 #pragma once
 
 #include <cublas_v2.h>
@@ -17,6 +19,7 @@
 
 #include "plan/plan.h"
 #include "runtime/cuda/device_memory.h"
+#include "runtime/cuda/mla_flash.h"
 #include "runtime/cuda/stream_timer.h"
 
 namespace plow::cuda {
@@ -43,6 +46,7 @@ struct MlaGemmOp {
   int64_t latent() const { return rank + rope; }
   int64_t qk() const { return nope + rope; }
   int64_t per_head() const { return nope + dv; }
+  bool flash() const { return mla_flash_fits(qk(), dv, type); }  // attention in the fused kernel, not in score blocks
 };
 
 // The GEMM form of `op` (a kMlaAttention) with its weights on the device, when it has one: kv_b dense
@@ -51,10 +55,13 @@ struct MlaGemmOp {
 std::optional<MlaGemmOp> mla_gemm_form(const Plan& plan, const PlanOp& op, const std::vector<DeviceWeight>& weights, int32_t act);
 
 // Device memory the MLA GEMMs of some plans need: the most step rows and heads, the widest rows (padded
-// to 8 elements) and the GEMM element size; with the backend's max context it sizes MlaGemmRunner.
+// to 8 elements), the GEMM element size and whether an op attends in score blocks (the queries, scores,
+// probabilities and outputs buffers exist only then); with the backend's max context it sizes
+// MlaGemmRunner.
 struct MlaGemmCapacity {
   int64_t rows = 0, heads = 0, rank = 0, qk = 0, dv = 0, head_rows = 0;  // head_rows: heads·rows
   int64_t elem_bytes = 0;
+  bool blocks = false;
   void add(const MlaGemmOp& op, int64_t max_rows);
   void merge(const MlaGemmCapacity& other);
 };
@@ -88,6 +95,7 @@ class MlaGemmRunner {
 
   int64_t calls() const { return calls_; }    // ops run
   int64_t blocks() const { return blocks_; }  // score blocks run (tests: that the budget split a sequence)
+  int64_t flash() const { return flash_; }    // sequences attended by the fused kernel
   // Timing (benchmarks): with it on, each op's stream time is added up; timed_ms() synchronizes.
   void set_timing(bool on) { timing_ = on; }
   double timed_ms() { return timer_.total_ms(); }
@@ -102,7 +110,7 @@ class MlaGemmRunner {
   MlaGemmCapacity capacity_;
   int64_t max_context_ = 0, scores_floats_ = 0;
   DeviceBuffer workspace_, latents_, keys_, values_, queries_, scores_, probs_, outputs_;
-  int64_t calls_ = 0, blocks_ = 0;
+  int64_t calls_ = 0, blocks_ = 0, flash_ = 0;
   bool timing_ = false;
   StreamTimer timer_;
 };
@@ -115,7 +123,7 @@ void launch_mla_append(const float* kv_a, int64_t kv_stride, int64_t tokens, con
                        float* cache, cudaStream_t stream);
 // Cache rows [0, visible) into the GEMM inputs of type `type`: latents [visible, ld_c] (the rank
 // part), and k_r into columns [nope, nope + rope) of every head's key rows keys[h][τ][ld_k] (head h at
-// h·visible·ld_k).
+// h·visible·ld_k), zeros into their columns [nope + rope, ld_k) (the fused kernel reads whole rows).
 void launch_mla_inputs(const float* cache, int64_t visible, int64_t rank, int64_t rope, int64_t heads, int64_t nope, void* latents, int64_t ld_c, void* keys,
                        int64_t ld_k, int32_t type, cudaStream_t stream);
 // q rows [0, tokens) (row stride q_stride; head h at h·qk) into queries[t][h·ld_q + i] of type `type`.
@@ -126,6 +134,8 @@ void launch_mla_queries(const float* q, int64_t q_stride, int64_t tokens, int64_
 // `type` at probs + r·ld, zeros at positions [visible, length).
 void launch_mla_softmax(const float* scores, int64_t ld, int64_t rows, int64_t query_rows, int64_t first_visible, int64_t length, void* probs, int32_t type,
                         int32_t act, cudaStream_t stream);
+// The fused attention of one sequence (mla_flash.cuh), `type` bf16 or f16; every head, every query row.
+void launch_mla_flash(const MlaFlashArgs& args, int32_t type, cudaStream_t stream);
 // The block's outputs o[g][t][ld_o] (fp32) into out rows [t]: out[t·width + g·dv + i], rounded to the
 // activation dtype when round_out.
 void launch_mla_scatter(const float* o, int64_t ld_o, int64_t group, int64_t rows, int64_t dv, float* out, int64_t width, int32_t act, bool round_out,

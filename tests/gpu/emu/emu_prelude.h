@@ -1,5 +1,5 @@
 // Host emulation of the CUDA features the op bodies use: 512 cooperative fibers (ucontext) per block on
-// one OS thread; __syncthreads / __syncwarp are barriers the scheduler releases when every live fiber of
+// one OS thread (fewer for kernels of smaller blocks: run's `threads`, a multiple of 32); __syncthreads / __syncwarp are barriers the scheduler releases when every live fiber of
 // the block / warp has arrived (a divergent barrier deadlocks and is reported). Test scaffolding only.
 #pragma once
 #include <atomic>
@@ -42,9 +42,10 @@ struct EmuBlock {
   std::vector<char> stacks = std::vector<char>(kN * kStack);
   uint32_t xch[kN];
   int current = 0;
+  int n = kN;  // fibers of the block being run
   std::function<void()> body;
   static void entry();
-  void run(std::function<void()> fn);
+  void run(std::function<void()> fn, int threads = kN);
 };
 inline EmuBlock* emu_block = nullptr;
 inline void EmuBlock::entry() {
@@ -52,10 +53,12 @@ inline void EmuBlock::entry() {
   emu_block->wait[emu_block->current] = kDone;
   swapcontext(&emu_block->ctx[emu_block->current], &emu_block->sched);
 }
-inline void EmuBlock::run(std::function<void()> fn) {
+inline void EmuBlock::run(std::function<void()> fn, int threads) {
+  if (threads < 32 || threads > kN || threads % 32 != 0) { std::fprintf(stderr, "emu: a block of %d threads\n", threads); std::abort(); }
   body = std::move(fn);
   emu_block = this;
-  for (int i = 0; i < kN; ++i) {
+  n = threads;
+  for (int i = 0; i < n; ++i) {
     getcontext(&ctx[i]);
     ctx[i].uc_stack.ss_sp = stacks.data() + i * kStack;
     ctx[i].uc_stack.ss_size = kStack;
@@ -65,7 +68,7 @@ inline void EmuBlock::run(std::function<void()> fn) {
   }
   for (;;) {
     bool ran = false;
-    for (int i = 0; i < kN; ++i) {
+    for (int i = 0; i < n; ++i) {
       if (wait[i] != kRun) continue;
       current = i;
       threadIdx.x = static_cast<unsigned>(i);
@@ -73,15 +76,15 @@ inline void EmuBlock::run(std::function<void()> fn) {
       ran = true;
     }
     int done = 0, at_block = 0;
-    for (int i = 0; i < kN; ++i) done += wait[i] == kDone, at_block += wait[i] == kBlock;
-    if (done == kN) return;
+    for (int i = 0; i < n; ++i) done += wait[i] == kDone, at_block += wait[i] == kBlock;
+    if (done == n) return;
     bool released = false;
-    if (at_block > 0 && at_block + done == kN) {
+    if (at_block > 0 && at_block + done == n) {
       if (done > 0) { std::fprintf(stderr, "emu: __syncthreads with %d threads already exited\n", done); std::abort(); }
-      for (int i = 0; i < kN; ++i) wait[i] = kRun;
+      for (int i = 0; i < n; ++i) wait[i] = kRun;
       released = true;
     }
-    for (int w = 0; w < kN / 32; ++w) {
+    for (int w = 0; w < n / 32; ++w) {
       int at_warp = 0;
       for (int l = 0; l < 32; ++l) at_warp += wait[w * 32 + l] == kWarp;
       if (at_warp == 32) { for (int l = 0; l < 32; ++l) wait[w * 32 + l] = kRun; released = true; }
