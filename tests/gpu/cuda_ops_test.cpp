@@ -291,13 +291,31 @@ OpCase viewed(OpCase c) {
 
 // The same case over many rows on 132 workers (the H200's plans): a 600-row step (moe_topk: 38 tasks
 // of ~16 rows; row-reduction norms: each of the 132 tasks owns whole rows, common.cuh row_share;
-// gated_rms_norm: 75 tasks, most past its heads, of 8 rows each), a 200-row step (rms_norm, add_norm
-// column-sliced: fewer than 2 rows a task; gated_rms_norm still by rows) and a mixed step of 7 rows.
+// elementwise ops and the embedding: each task a contiguous range of whole rows, element_share;
+// gated_rms_norm: 75 tasks, most past its heads, of 8 rows each; short_conv_silu: its staged form),
+// a 200-row step (rms_norm, add_norm and the elementwise ops of ≥ 100 columns column-sliced: fewer than
+// 2 rows a task; gated_rms_norm still by rows) and a mixed step of 7 rows.
 OpCase many_rows(OpCase c) {
   c.name += "_rows600";
   c.steps = {{{0, 600}}, {{1, 200}}, {{0, 1}, {1, 1}, {2, 5}}};
   c.workers = 132;
   return c;
+}
+
+// Long sequences on few workers, for short_conv_silu's staged form (kda.cuh): a task's 343 or 147
+// columns in chunks of ≤ 128, a 600-token sequence in several tiles of history rows, a 20-token one
+// shorter than a wide kernel's window (the new window keeps old entries), then decode steps that read
+// the windows they left.
+OpCase long_rows(OpCase c) {
+  c.name += "_long";
+  c.steps = {{{0, 600}}, {{1, 200}, {2, 20}}, {{0, 1}, {1, 1}, {2, 5}}};
+  return c;
+}
+
+OpCase embedding(int64_t width) {
+  return {"embedding_" + std::to_string(width), Op::kEmbedding, [=](CaseGraph& g) {
+            g.op(Op::kEmbedding, {g.tokens}, {g.weight({"table", {kVocab, width}, 0.0f, 1.0f})}, {});
+          }, {0, 0}};
 }
 
 std::vector<OpCase> cases() {
@@ -320,6 +338,9 @@ std::vector<OpCase> cases() {
   all.push_back(short_conv(96, 4));
   all.push_back(short_conv(130, 4));
   all.push_back(short_conv(257, 3));
+  all.push_back(long_rows(short_conv(1030, 4)));
+  all.push_back(long_rows(short_conv(1030, 33)));
+  all.push_back(embedding(257));
   all.push_back(kda_gate(2, 16, false, 1.0f));
   all.push_back(kda_gate(3, 32, true, 1.0f));
   all.push_back(kda_gate(2, 16, false, 12.0f));
@@ -354,8 +375,12 @@ std::vector<OpCase> cases() {
     all.push_back(attn_res(values, values == 3 ? 257 : 96, false));
     all.push_back(attn_res(values, 130, true));
   }
-  for (OpCase c : {moe_topk({256, 8}, "e256_k8"), moe_topk({64, 6, 8, 3}, "e64_k6_g8"), rms_norm(1030), add_norm(1030), gated_rms_norm(4, 128),
-                   gated_rms_norm(3, 48)}) {
+  for (OpCase c : {moe_topk({256, 8}, "e256_k8"), moe_topk({64, 6, 8, 3}, "e64_k6_g8"), moe_topk({896, 16}, "e896_k16"), rms_norm(1030),
+                   add_norm(1030), gated_rms_norm(4, 128), gated_rms_norm(3, 48), gated_rms_norm(2, 160), elementwise("add_257", Op::kAdd, 257, 2, {}, exact),
+                   elementwise("silu_mul_130", Op::kSiluMul, 130, 2, {}, two_roundings), elementwise("sigmoid_96", Op::kSigmoid, 96, 1, {}, transcendental, true),
+                   elementwise("sigmoid_mul_257", Op::kSigmoidMul, 257, 2, {}, transcendental),
+                   elementwise("situ_mul_130", Op::kSituMul, 130, 2, {{"beta", 4.0}, {"linear_beta", 25.0}}, transcendental), short_conv(257, 4),
+                   kda_gate(3, 32, true, 1.0f), kda_gate(2, 64, false, 12.0f), embedding(1030)}) {
     all.push_back(many_rows(std::move(c)));
   }
   // Inputs through views (plan slices read in place): one case per body that reads activations.

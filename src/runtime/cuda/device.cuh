@@ -9,6 +9,16 @@
 
 namespace plow::cuda {
 
+// A tensor's rows as a loop indexes them: base and row stride read from the OpDesc once. Indexing
+// through TaskCtx::in/out inside a loop re-reads the descriptor after every store (the compiler cannot
+// prove that a store to the arena leaves the OpDesc alone), two dependent loads before each element's.
+template <typename T>
+struct Rows {
+  T* base;
+  int64_t stride;
+  __device__ T* operator[](int64_t row) const { return base + row * stride; }
+};
+
 // What an op body gets: its op, the arena, the step, the column slice [col_begin, col_end) of its
 // output, the block's dynamic shared memory (kSharedBytes) and global scratch (kScratchFloats), and
 // which of the op's op->tasks tasks it is.
@@ -24,6 +34,10 @@ struct TaskCtx {
   // Row `row` of input i: in_width(i) floats (a view's rows keep its source's stride).
   __device__ const float* in(int i, int64_t row) const { return arena + op->in_offset[i] + row * op->in_stride[i]; }
   __device__ float* out(int64_t row) const { return arena + op->out_offset + row * op->width; }
+  __device__ Rows<const float> in_rows(int i) const { return {arena + op->in_offset[i], op->in_stride[i]}; }
+  __device__ Rows<float> out_rows() const { return {arena + op->out_offset, op->width}; }
+  // The dtype the output is rounded to: round_act(out_act(), v) == round_out(*this, v).
+  __device__ int32_t out_act() const { return op->round_out ? op->act : kAF32; }
   __device__ int64_t in_width(int i) const { return op->in_width[i]; }
   __device__ const DeviceWeight& weight(int i) const { return op->weights[i]; }
   __device__ float attr(int i) const { return op->attr[i]; }

@@ -23,7 +23,6 @@ __device__ void run_task(const TaskCtx& ctx, int32_t opcode) {
     return;
   }
   switch (static_cast<Op>(opcode)) {
-    case Op::kEmbedding: op_embedding(ctx); return;
     case Op::kLinear: op_linear(ctx); return;
     case Op::kRouterLogits: op_router_logits(ctx); return;
     case Op::kNormLinear: op_norm_linear(ctx); return;
@@ -45,7 +44,6 @@ __device__ void run_task(const TaskCtx& ctx, int32_t opcode) {
 constexpr bool host_has_op(Op op) {
   switch (op) {
     case Op::kTokens:
-    case Op::kEmbedding:
     case Op::kLinear:
     case Op::kRouterLogits:
     case Op::kNormLinear:

@@ -94,6 +94,7 @@ bool pack_misc_attrs(const PlanOp& op, float* attr) {
     case Op::kMoeTopK:
       pack_router(op, attr);
       return true;
+    case Op::kEmbedding:
     case Op::kSigmoid:
     case Op::kSiluMul:
     case Op::kAdd:

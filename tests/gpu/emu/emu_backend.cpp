@@ -2,7 +2,7 @@
 // 512 emulated threads per task (emu_prelude.h), tasks one after another in plan order, the arena
 // poisoned with NaN before every step. It checks the bodies' logic (indexing, slices, state, barriers:
 // a divergent one aborts) without a GPU; it says nothing about speed, races across blocks or nvcc.
-// Only the ops of the op test graphs exist here: kTokens, kEmbedding and the bodies of run_misc_op.
+// Only the ops of the op test graphs exist here: kTokens and the bodies of run_misc_op (kEmbedding among them).
 #include <algorithm>
 #include <array>
 #include <map>
@@ -151,23 +151,11 @@ StepOutput CudaBackend::step(const StepInputs& in) {
     int32_t task_index = 0;
     for (const PlanTask& task : plan->tasks) {
       if (task.op != int32_t(oi)) continue;
-      if (op.op() == Op::kEmbedding) {
-        const DeviceWeight& table = ws[0];
-        for (int64_t t = 0; t < rows; ++t) {
-          const auto id = int64_t(arena[size_t(in_off[0] + t)]);
-          if (id < 0 || id >= table.rows) {
-            error = kErrBadToken;
-            continue;
-          }
-          for (int64_t c = task.col_begin; c < task.col_end; ++c) arena[size_t(op.offset + t * op.width + c)] = round_act(act, weight_at(table, 0, id, c));
-        }
-      } else {
-        TaskCtx ctx{&d, arena.data(), &view, task.col_begin, task.col_end, nullptr, nullptr, task_index++};
-        std::vector<unsigned char> smem(kSharedBytes);
-        std::vector<float> scratch(size_t(kScratchFloats), NAN);
-        ctx.smem = smem.data(), ctx.scratch = scratch.data();
-        run_block(ctx);
-      }
+      TaskCtx ctx{&d, arena.data(), &view, task.col_begin, task.col_end, nullptr, nullptr, task_index++};
+      std::vector<unsigned char> smem(kSharedBytes);
+      std::vector<float> scratch(size_t(kScratchFloats), NAN);
+      ctx.smem = smem.data(), ctx.scratch = scratch.data();
+      run_block(ctx);
     }
     for (unsigned c : sync) {
       if (c != 0 && error == 0) fail("emu: op {} left its counters at {} (the last task resets them)", op.label, c);

@@ -57,28 +57,78 @@ __device__ __forceinline__ void for_each_row_sum(int rows, float* red, Partial p
   __syncthreads();
 }
 
+// Whether a task of a row-parallel op (the norms, the elementwise ops, the embedding) takes whole rows
+// instead of its column slice of every row: steps of ≥ 8 rows and ≥ 2 rows a task, the same form for
+// every task of the step. Legal whatever the plan's slices say, because consumers and the op's
+// overwriters wait for all of its tasks.
+__device__ __forceinline__ bool shares_rows(const TaskCtx& ctx) {
+  const int rows = ctx.rows();
+  return rows >= 8 && rows >= 2 * ctx.op->tasks;
+}
+
 // What a task of a row-reduction op (rms_norm, add_norm: a whole input row reduced per output row;
 // gated_rms_norm: a head of a row) writes. Few rows (decode): every row, the task's column slice, each
-// task reducing every row. Many rows (≥ 8 and ≥ 2 per task; the same form for every task of the step):
-// rows task, task + tasks, … of all the op's columns, so each row is read and reduced once instead of
-// once per task (132× at 1024 rows × 2304 on 132 workers), and gated_rms_norm's tasks past its heads
-// get rows too — legal because consumers and the op's overwriters wait for all of its tasks. Both
-// forms reduce a row with for_each_row_sum's split for the step's rows (a head: with one warp), so the
-// results are bit-identical.
+// task reducing every row. Many rows (shares_rows): rows task, task + tasks, … of all the op's
+// columns, so each row is read and reduced once instead of once per task (132× at 1024 rows × 2304 on
+// 132 workers), and gated_rms_norm's tasks past its heads get rows too. Both forms reduce a row with
+// for_each_row_sum's split for the step's rows (a head: with one warp), so the results are
+// bit-identical.
 struct RowShare {
   int first_row, row_stride;
   int64_t col_begin, col_end;
 };
 __device__ __forceinline__ RowShare row_share(const TaskCtx& ctx) {
-  const int rows = ctx.rows(), tasks = ctx.op->tasks;
-  if (rows >= 8 && rows >= 2 * tasks) return {ctx.task, tasks, 0, ctx.op->width};
+  if (shares_rows(ctx)) return {ctx.task, ctx.op->tasks, 0, ctx.op->width};
   return {0, 1, ctx.col_begin, ctx.col_end};
 }
 
-// Calls fn(t, c) for every row t < rows and column c of [col_begin, col_begin + n): element t·n + (c −
-// col_begin) on thread (that index) mod kThreads, as a flat loop would, but the row and column advance
-// by constant steps instead of a 64-bit division and remainder per element (about 70 instructions each,
-// more than an elementwise op's own work).
+// Loads a thread has in flight in the loops below: each issues the loads of its next kLoadBatch
+// elements before it uses them. A loop that loads, computes and stores one element at a time waits a
+// DRAM latency per element (after the descriptor re-reads Rows avoids), because the compiler must
+// assume the store may alias the next element's inputs: with one block of kThreads per SM that is 2 KiB
+// in flight per input and SM, ~0.6 TB/s over 132 SMs (the 48B's 1,024-row add: ~45 µs for 28 MB).
+// Eight elements give 16 KiB, about what covers the DRAM latency at the H200's bandwidth.
+inline constexpr int kLoadBatch = 8;
+
+// Two values a batched loop's load hands to its store (an element's operands).
+struct Operands {
+  float a, b;
+};
+
+// Calls store(t, c, load(t, c)) for every row t of [row_begin, row_end) and column c of [col_begin,
+// col_begin + n): element i of that rectangle (row-major) on thread i mod kThreads, the row and column
+// advanced by constant steps instead of a 64-bit division and remainder per element (about 70
+// instructions each, more than an elementwise op's own work). load returns the element's operands (any
+// type); a thread's loads of kLoadBatch elements come before their stores.
+template <typename Load, typename Store>
+__device__ __forceinline__ void for_each_element(int row_begin, int row_end, int64_t col_begin, int n, Load load, Store store) {
+  if (n <= 0) return;
+  const int dt = kThreads / n, dc = kThreads % n;
+  int t = row_begin + static_cast<int>(threadIdx.x) / n, c = static_cast<int>(threadIdx.x) % n;
+  while (t < row_end) {
+    int ts[kLoadBatch], cs[kLoadBatch];
+    decltype(load(t, col_begin)) v[kLoadBatch] = {};
+#pragma unroll
+    for (int k = 0; k < kLoadBatch; ++k) {
+      ts[k] = t;
+      cs[k] = c;
+      if (t < row_end) v[k] = load(t, col_begin + c);
+      t += dt;
+      c += dc;
+      if (c >= n) {
+        c -= n;
+        ++t;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kLoadBatch; ++k) {
+      if (ts[k] < row_end) store(ts[k], col_begin + cs[k], v[k]);
+    }
+  }
+}
+
+// Calls fn(t, c) for every row t < rows and column c of [col_begin, col_begin + n), element by element
+// in for_each_element's order (for bodies whose elements read what they load once, from L1).
 template <typename Fn>
 __device__ __forceinline__ void for_each_row_col(int rows, int64_t col_begin, int n, Fn fn) {
   if (n <= 0) return;
@@ -94,10 +144,65 @@ __device__ __forceinline__ void for_each_row_col(int rows, int64_t col_begin, in
   }
 }
 
-// Calls fn(t, c) for every row t of the step and every column c of the task's slice.
-template <typename Fn>
-__device__ __forceinline__ void for_each_slice_element(const TaskCtx& ctx, Fn fn) {
-  for_each_row_col(ctx.rows(), ctx.col_begin, static_cast<int>(ctx.col_end - ctx.col_begin), fn);
+// What a task of an elementwise op (or the embedding) writes: its column slice of every row, or in
+// steps of many rows (shares_rows) a contiguous range of whole rows: a 17-column slice of a 2304-wide
+// row (132 workers) is 68 bytes a row, three 32-byte sectors fetched for two used, in 1024 short
+// pieces; whole rows stream one contiguous block per task.
+struct ElementShare {
+  int row_begin, row_end;
+  int64_t col_begin, col_end;
+};
+__device__ __forceinline__ ElementShare element_share(const TaskCtx& ctx) {
+  const int rows = ctx.rows();
+  if (!shares_rows(ctx)) return {0, rows, ctx.col_begin, ctx.col_end};
+  const int64_t tasks = ctx.op->tasks;
+  return {static_cast<int>(rows * ctx.task / tasks), static_cast<int>(rows * (ctx.task + 1) / tasks), 0, ctx.op->width};
+}
+
+// for_each_element over the task's element_share.
+template <typename Load, typename Store>
+__device__ __forceinline__ void for_each_share_element(const TaskCtx& ctx, Load load, Store store) {
+  const ElementShare s = element_share(ctx);
+  for_each_element(s.row_begin, s.row_end, s.col_begin, static_cast<int>(s.col_end - s.col_begin), load, store);
+}
+
+// Calls store(i, load(i)) for i = first, first + stride, … below end, kLoadBatch loads before their
+// stores (for_each_element's reason).
+template <typename Load, typename Store>
+__device__ __forceinline__ void for_each_strided(int64_t first, int64_t end, int stride, Load load, Store store) {
+  for (int64_t i = first; i < end; i += static_cast<int64_t>(kLoadBatch) * stride) {
+    decltype(load(i)) v[kLoadBatch] = {};
+#pragma unroll
+    for (int k = 0; k < kLoadBatch; ++k) {
+      if (i + k * stride < end) v[k] = load(i + k * stride);
+    }
+#pragma unroll
+    for (int k = 0; k < kLoadBatch; ++k) {
+      if (i + k * stride < end) store(i + k * stride, v[k]);
+    }
+  }
+}
+
+// add(…add(add(0, load(first)), load(first + stride))…) over i < end, in that order (the split a row
+// reduction's results depend on), with kSumBatch loads in flight instead of one: twice kLoadBatch,
+// because a warp reduces a whole row alone (2304 columns: 72 loads a lane) and a task of a long step
+// has fewer rows (~8) than warps.
+inline constexpr int kSumBatch = 2 * kLoadBatch;
+template <typename Load, typename Add>
+__device__ __forceinline__ float strided_sum(int64_t first, int64_t end, int stride, Load load, Add add) {
+  float sum = 0.0f;
+  for (int64_t i = first; i < end; i += static_cast<int64_t>(kSumBatch) * stride) {
+    float v[kSumBatch] = {};
+#pragma unroll
+    for (int k = 0; k < kSumBatch; ++k) {
+      if (i + k * stride < end) v[k] = load(i + k * stride);
+    }
+#pragma unroll
+    for (int k = 0; k < kSumBatch; ++k) {
+      if (i + k * stride < end) sum = add(sum, v[k]);
+    }
+  }
+  return sum;
 }
 
 // The slot's buffer of a stateful op's state (fp32).

@@ -1,4 +1,4 @@
-// Weight-streaming op bodies: embedding, x·Wᵀ and its fused forms (norm / activation / gated norm in
+// Weight-streaming op bodies: x·Wᵀ and its fused forms (norm / activation / gated norm in
 // the prologue, residual add or gate·up activation in the epilogue), the router logits and the routed
 // experts.
 // Shape of the work: a task owns output columns [col_begin, col_end); one warp per column streams that
@@ -241,21 +241,6 @@ __device__ __forceinline__ void stage_rms_norm(const TaskCtx& ctx, const DeviceW
 }
 
 // ---- op bodies --------------------------------------------------------------------------------------
-
-// kEmbedding: out[t, c] = table[id_t, c]. attrs: none.
-__device__ __noinline__ void op_embedding(const TaskCtx& ctx) {
-  const DeviceWeight& table = ctx.weight(0);
-  for (int t = 0; t < ctx.rows(); ++t) {
-    const float idf = ctx.in(0, t)[0];
-    const int64_t id = static_cast<int64_t>(idf);
-    if (!(idf >= 0.0f) || id >= table.rows) {
-      if (threadIdx.x == 0) report_error(ctx, kErrBadToken);
-      continue;
-    }
-    float* out = ctx.out(t);
-    for (int64_t c = ctx.col_begin + threadIdx.x; c < ctx.col_end; c += kThreads) out[c] = round_out(ctx, weight_at(table, 0, id, c));
-  }
-}
 
 __device__ __forceinline__ auto plain_stage(const TaskCtx& ctx) {
   return [&ctx](float* xs, int ld, int t0, int count) { stage_rows(ctx, 0, xs, ld, t0, count, padded(count)); };

@@ -9,23 +9,78 @@
 
 namespace plow::cuda {
 
+// Sequences of at least this many tokens of the step run short_conv_silu_staged; shorter ones
+// (decode) compute each output straight from the window and the input rows.
+inline constexpr int kShortConvStagedMinTokens = 16;
+// Columns a staged pass holds at once: taps [m, K] and history [rows + K − 1, m] fit the shared memory
+// for every K ≤ kShortConvMaxKernel with at least 65 rows a tile.
+inline constexpr int kShortConvStageCols = 128;
+
+// The staged form of short_conv_silu for sequences of ≥ kShortConvStagedMinTokens tokens, over the
+// task's columns in chunks of ≤ kShortConvStageCols: taps and a tile of history rows (window, then input
+// rows) go to shared memory in coalesced batches (for_each_element), then every output reads its K
+// history values from there. Reading them from global memory per output, one output at a time per
+// thread, waited a DRAM latency per output (87 µs an op at 1024 × 4096 on the H200, 8× the bytes'
+// time). The same sum, term by term, as the direct form. `history(p, c)`: position p of channel c.
+template <typename History>
+__device__ __forceinline__ void short_conv_silu_staged(const TaskCtx& ctx, const DeviceWeight& taps, int kernel, Rows<float> out, int32_t act, int first,
+                                                       int tokens, float* window, History history) {
+  const int keep = kernel - 1;
+  float* smem = smem_floats(ctx);
+  for (int64_t cb = ctx.col_begin; cb < ctx.col_end; cb += kShortConvStageCols) {
+    const int m = static_cast<int>(ctx.col_end - cb < kShortConvStageCols ? ctx.col_end - cb : kShortConvStageCols);
+    float* tap = smem;                  // [m][K]
+    float* hist = smem + m * kernel;    // [rows + keep][m]
+    const int tile = (static_cast<int>(kSharedBytes / sizeof(float)) - m * kernel) / m - keep;
+    for (int i = static_cast<int>(threadIdx.x); i < m * kernel; i += kThreads) tap[i] = weight_flat(taps, cb * kernel + i);
+    for (int t0 = 0; t0 < tokens; t0 += tile) {
+      const int rows = tokens - t0 < tile ? tokens - t0 : tile;
+      for_each_element(
+          0, rows + keep, 0, m, [&](int p, int64_t j) { return history(t0 + p, cb + j); }, [&](int p, int64_t j, float v) { hist[p * m + j] = v; });
+      __syncthreads();
+      for_each_element(
+          0, rows, 0, m,
+          [&](int t, int64_t j) {
+            float sum = 0.0f;
+            for (int k = 0; k < kernel; ++k) sum += tap[j * kernel + k] * hist[(t + k) * m + j];
+            return sum;
+          },
+          [&](int t, int64_t j, float sum) { out[first + t0 + t][cb + j] = round_act(act, siluf_(sum)); });
+      if (t0 + rows == tokens) {  // new window = history[tokens, tokens + keep): the tile's last keep rows
+        for (int i = static_cast<int>(threadIdx.x); i < m * keep; i += kThreads) {
+          const int j = i / keep, q = i % keep;
+          window[(cb + j) * keep + q] = hist[(rows + q) * m + j];
+        }
+      }
+      __syncthreads();  // the next tile (or chunk, or sequence) overwrites hist
+    }
+  }
+}
+
 // kShortConvSilu: out[t,c] = act(SiLU(Σ_j C[c,0,j]·hist[t+j])), hist = window[c] ++ this step's inputs of
 // channel c, per sequence. attrs: [0] kernel K. Weight C [P,1,K]. State: window [P, K−1] per slot,
 // oldest column first (the last K−1 pre-conv inputs), updated for the slice's channels only.
 __device__ __noinline__ void op_short_conv_silu(const TaskCtx& ctx) {
-  const DeviceWeight& taps = ctx.weight(0);
+  const DeviceWeight taps = ctx.weight(0);
   const int kernel = static_cast<int>(ctx.attr(0)), keep = kernel - 1;
   const int64_t cols = ctx.col_end - ctx.col_begin;
+  const Rows<const float> x = ctx.in_rows(0);
+  const Rows<float> out = ctx.out_rows();
+  const int32_t act = ctx.out_act();
   const StepView& step = *ctx.step;
   for (int s = 0; s < step.num_seqs; ++s) {
     const int first = step.seq_first_row[s], tokens = step.seq_tokens[s];
     float* window = state_of(ctx, step.seq_slot[s]);
     // history position p of channel c: the window for p < keep, else input row first + p − keep.
-    auto history = [&](int64_t p, int64_t c) { return p < keep ? window[c * keep + p] : ctx.in(0, first + p - keep)[c]; };
+    auto history = [&](int64_t p, int64_t c) { return p < keep ? window[c * keep + p] : x[first + p - keep][c]; };
+    if (tokens >= kShortConvStagedMinTokens) {
+      short_conv_silu_staged(ctx, taps, kernel, out, act, first, tokens, window, history);
+      continue;
+    }
     for_each_row_col(tokens, ctx.col_begin, static_cast<int>(cols), [&](int t, int64_t c) {
       float sum = 0.0f;
       for (int j = 0; j < kernel; ++j) sum += weight_flat(taps, c * kernel + j) * history(t + j, c);
-      ctx.out(first + t)[c] = round_out(ctx, siluf_(sum));
+      out[first + t][c] = round_act(act, siluf_(sum));
     });
     __syncthreads();  // every output above read the old window
     // New window = history[tokens .. tokens + keep): ascending j reads position tokens + j ≥ j, never a
@@ -39,18 +94,22 @@ __device__ __noinline__ void op_short_conv_silu(const TaskCtx& ctx) {
 // kKdaGate, fp32 output: g = −exp(A_log[h])·softplus(f + dt_bias) (softplus returns z above 20), or
 // with a lower bound lb (K3, §7.5) g = lb·σ(exp(A_log[h])·(f + dt_bias)). attrs: [0] head_dim,
 // [1] bounded (0/1), [2] lower_bound. Weights A_log [heads], dt_bias [P] (fp32 in checkpoints).
+// Over the task's element_share, with z and A_log[h] loaded in the batched loop's load phase.
 __device__ __noinline__ void op_kda_gate(const TaskCtx& ctx) {
-  const DeviceWeight& a_log = ctx.weight(0);
-  const DeviceWeight& dt_bias = ctx.weight(1);
-  const auto d = static_cast<int64_t>(ctx.attr(0));
+  const DeviceWeight a_log = ctx.weight(0), dt_bias = ctx.weight(1);
+  const auto d = static_cast<int>(ctx.attr(0));
   const bool bounded = ctx.attr(1) != 0.0f;
   const float lower_bound = ctx.attr(2);
-  for_each_slice_element(ctx, [&](int64_t t, int64_t c) {
-    const float rate = expf(weight_flat(a_log, c / d));
-    const float z = ctx.in(0, t)[c] + weight_flat(dt_bias, c);
-    const float softplus = z > 20.0f ? z : logf(1.0f + expf(z));
-    ctx.out(t)[c] = round_out(ctx, bounded ? lower_bound * sigmoidf_(rate * z) : -rate * softplus);
-  });
+  const int32_t act = ctx.out_act();
+  const Rows<const float> f = ctx.in_rows(0);
+  const Rows<float> out = ctx.out_rows();
+  for_each_share_element(
+      ctx, [&](int t, int64_t c) { return Operands{f[t][c] + weight_flat(dt_bias, c), weight_flat(a_log, static_cast<int>(c) / d)}; },
+      [&](int t, int64_t c, Operands v) {
+        const float rate = expf(v.b), z = v.a;
+        const float softplus = z > 20.0f ? z : logf(1.0f + expf(z));
+        out[t][c] = round_act(act, bounded ? lower_bound * sigmoidf_(rate * z) : -rate * softplus);
+      });
 }
 
 // The delta rule for one head over the tokens of one sequence, state on chip, one pass per group of at

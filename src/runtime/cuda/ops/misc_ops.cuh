@@ -1,12 +1,13 @@
 // The non-GEMV op bodies in one include for the megakernel's translation unit, and their dispatch:
 // run_misc_op runs the body of ctx.op->opcode and returns true, or returns false for an opcode it does
-// not own (the caller's switch handles the linear family, experts, tokens and embedding).
+// not own (the caller's switch handles the linear family, experts and tokens).
 #pragma once
 
 #include "graph/op_table.h"
 #include "runtime/cuda/ops/all_reduce.cuh"
 #include "runtime/cuda/ops/attn_res.cuh"
 #include "runtime/cuda/ops/elementwise.cuh"
+#include "runtime/cuda/ops/embedding.cuh"
 #include "runtime/cuda/ops/kda.cuh"
 #include "runtime/cuda/ops/mla.cuh"
 #include "runtime/cuda/ops/moe_topk.cuh"
@@ -19,6 +20,7 @@ static_assert(kPackedAttrs == kMaxAttrs, "ops_attrs.h and device.cuh disagree on
 
 __device__ inline bool run_misc_op(const TaskCtx& ctx) {
   switch (static_cast<Op>(ctx.op->opcode)) {
+    case Op::kEmbedding: op_embedding(ctx); return true;
     case Op::kRmsNorm: op_rms_norm(ctx); return true;
     case Op::kGatedRmsNorm: op_gated_rms_norm(ctx); return true;
     case Op::kAddNorm: op_add_norm(ctx); return true;
@@ -42,7 +44,7 @@ __device__ inline bool run_misc_op(const TaskCtx& ctx) {
 // Whether run_misc_op has a body for `opcode` (host side too: for CudaBackend::has_op).
 __host__ __device__ constexpr bool is_misc_op(uint8_t opcode) {
   switch (static_cast<Op>(opcode)) {
-    case Op::kRmsNorm: case Op::kGatedRmsNorm: case Op::kAddNorm: case Op::kShortConvSilu: case Op::kKdaGate:
+    case Op::kEmbedding: case Op::kRmsNorm: case Op::kGatedRmsNorm: case Op::kAddNorm: case Op::kShortConvSilu: case Op::kKdaGate:
     case Op::kKdaDeltaRule: case Op::kMlaAttention: case Op::kSigmoid: case Op::kSiluMul: case Op::kAdd:
     case Op::kSituMul: case Op::kSigmoidMul: case Op::kMoeTopK: case Op::kAttnResMix:
     case Op::kAttnResNorm: case Op::kAllReduce:

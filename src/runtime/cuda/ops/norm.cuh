@@ -12,83 +12,131 @@ namespace plow::cuda {
 
 // kRmsNorm: out = act(w ⊙ act(x · rsqrt(mean(x²) + ε))). attrs: [0] eps. Weight w [F].
 __device__ __noinline__ void op_rms_norm(const TaskCtx& ctx) {
-  const DeviceWeight& w = ctx.weight(0);
+  const DeviceWeight w = ctx.weight(0);
   const int64_t n = ctx.op->width;
   const float eps = ctx.attr(0);
-  const int32_t act = ctx.op->act;
+  const int32_t act = ctx.op->act, out_act = ctx.out_act();
+  const Rows<const float> x = ctx.in_rows(0);
+  const Rows<float> out = ctx.out_rows();
   const RowShare share = row_share(ctx);
   for_each_row_sum(
       ctx.rows(), smem_floats(ctx),
       [&](int t, int first, int stride) {
-        const float* x = ctx.in(0, t);
-        float sum = 0.0f;
-        for (int64_t i = first; i < n; i += stride) sum += x[i] * x[i];
-        return sum;
+        const float* xt = x[t];
+        return strided_sum(first, n, stride, [&](int64_t i) { return xt[i]; }, [](float sum, float v) { return sum + v * v; });
       },
       [&](int t, float total, int first, int stride) {
         const float scale = inv_rms(total, n, eps);
-        const float* x = ctx.in(0, t);
-        float* out = ctx.out(t);
-        for (int64_t i = share.col_begin + first; i < share.col_end; i += stride) out[i] = round_out(ctx, weight_flat(w, i) * round_act(act, x[i] * scale));
+        const float* xt = x[t];
+        float* ot = out[t];
+        for_each_strided(
+            share.col_begin + first, share.col_end, stride, [&](int64_t i) { return Operands{xt[i], weight_flat(w, i)}; },
+            [&](int64_t i, Operands v) { ot[i] = round_act(out_act, v.b * round_act(act, v.a * scale)); });
       },
       share.first_row, share.row_stride);
 }
 
+// Elements of a head a lane holds in gated_rms_norm's batched form (d ≤ 128: every KDA head), and
+// the units a warp loads before reducing any: one unit at a time waited a DRAM latency per unit (16
+// units a warp at 1024 rows × 32 heads on 132 workers).
+inline constexpr int kGatedNormPerLane = 4, kGatedNormUnits = 4;
+
 // kGatedRmsNorm (KDA output norm, §4.2 K7): per head of d channels, out = act(w ⊙ (o·rsqrt(mean(o²)+ε)) ⊙ σ(z)),
 // fp32 throughout, one rounding. attrs: [0] head_dim, [1] eps. Inputs o, z [T, heads·d]; weight w [d].
 // Units of the task's row_share (its heads of every row, or every head of its rows; a task past the
-// heads has none in the first form), one warp each: a unit's sum is the same whichever task owns it.
+// heads has none in the first form), one warp each, lane l summing channels l, l + 32, … in order: a
+// unit's sum is the same whichever task owns it and whichever form loads it.
 __device__ __noinline__ void op_gated_rms_norm(const TaskCtx& ctx) {
-  const DeviceWeight& w = ctx.weight(0);
+  const DeviceWeight w = ctx.weight(0);
   const auto d = static_cast<int64_t>(ctx.attr(0));
   const float eps = ctx.attr(1);
+  const int32_t act = ctx.out_act();
+  const Rows<const float> o_rows = ctx.in_rows(0), z_rows = ctx.in_rows(1);
+  const Rows<float> out = ctx.out_rows();
   const RowShare share = row_share(ctx);
   const int64_t first_head = share.col_begin / d, heads = (share.col_end - share.col_begin) / d;
   const int rows = ctx.rows();
   const int64_t share_rows = share.first_row < rows ? (rows - share.first_row + share.row_stride - 1) / share.row_stride : 0;
   const int64_t units = share_rows * heads;
   const int lane = lane_id();
-  for (int64_t u = warp_id(); u < units; u += kWarps) {
-    const int64_t t = share.first_row + u / heads * share.row_stride, h = first_head + u % heads;
-    const float* o = ctx.in(0, t) + h * d;
-    const float* z = ctx.in(1, t) + h * d;
-    float* out = ctx.out(t) + h * d;
-    float sum = 0.0f;
-    for (int64_t j = lane; j < d; j += 32) sum += o[j] * o[j];
-    const float scale = inv_rms(warp_sum(sum), d, eps);
-    for (int64_t j = lane; j < d; j += 32) out[j] = round_out(ctx, weight_flat(w, j) * (o[j] * scale) * sigmoidf_(z[j]));
+  // Unit u: head first_head + u mod heads of row first_row + (u / heads)·row_stride, at column offset h·d.
+  auto unit_row = [&](int64_t u) { return share.first_row + u / heads * share.row_stride; };
+  auto unit_col = [&](int64_t u) { return (first_head + u % heads) * d; };
+  if (d > 32 * kGatedNormPerLane) {
+    for (int64_t u = warp_id(); u < units; u += kWarps) {
+      const float* o = o_rows[unit_row(u)] + unit_col(u);
+      const float* z = z_rows[unit_row(u)] + unit_col(u);
+      float* ot = out[unit_row(u)] + unit_col(u);
+      float sum = 0.0f;
+      for (int64_t j = lane; j < d; j += 32) sum += o[j] * o[j];
+      const float scale = inv_rms(warp_sum(sum), d, eps);
+      for (int64_t j = lane; j < d; j += 32) ot[j] = round_act(act, weight_flat(w, j) * (o[j] * scale) * sigmoidf_(z[j]));
+    }
+    return;
+  }
+  float wj[kGatedNormPerLane];
+#pragma unroll
+  for (int i = 0; i < kGatedNormPerLane; ++i) wj[i] = lane + 32 * i < d ? weight_flat(w, lane + 32 * i) : 0.0f;
+  for (int64_t u0 = warp_id(); u0 < units; u0 += kGatedNormUnits * kWarps) {
+    float o[kGatedNormUnits][kGatedNormPerLane] = {}, z[kGatedNormUnits][kGatedNormPerLane] = {};
+#pragma unroll
+    for (int k = 0; k < kGatedNormUnits; ++k) {
+      const int64_t u = u0 + k * kWarps;
+      if (u >= units) break;
+      const float* ou = o_rows[unit_row(u)] + unit_col(u);
+      const float* zu = z_rows[unit_row(u)] + unit_col(u);
+#pragma unroll
+      for (int i = 0; i < kGatedNormPerLane; ++i) {
+        if (lane + 32 * i < d) o[k][i] = ou[lane + 32 * i], z[k][i] = zu[lane + 32 * i];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kGatedNormUnits; ++k) {
+      const int64_t u = u0 + k * kWarps;  // the same for the whole warp: warp_sum below is uniform
+      if (u >= units) break;
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kGatedNormPerLane; ++i) {
+        if (lane + 32 * i < d) sum += o[k][i] * o[k][i];
+      }
+      const float scale = inv_rms(warp_sum(sum), d, eps);
+      float* ot = out[unit_row(u)] + unit_col(u);
+#pragma unroll
+      for (int i = 0; i < kGatedNormPerLane; ++i) {
+        if (lane + 32 * i < d) ot[lane + 32 * i] = round_act(act, wj[i] * (o[k][i] * scale) * sigmoidf_(z[k][i]));
+      }
+    }
   }
 }
 
 // kAddNorm: [T, 2F] = concat(s, rms_norm(s; w)) with s = act(a + b). attrs: [0] eps. Weight w [F].
 __device__ __noinline__ void op_add_norm(const TaskCtx& ctx) {
-  const DeviceWeight& w = ctx.weight(0);
+  const DeviceWeight w = ctx.weight(0);
   const int64_t half = ctx.op->width / 2;
   const float eps = ctx.attr(0);
   const int32_t act = ctx.op->act;
+  const Rows<const float> a = ctx.in_rows(0), b = ctx.in_rows(1);
+  const Rows<float> out = ctx.out_rows();
   const RowShare share = row_share(ctx);
   for_each_row_sum(
       ctx.rows(), smem_floats(ctx),
       [&](int t, int first, int stride) {
-        const float* a = ctx.in(0, t);
-        const float* b = ctx.in(1, t);
-        float sum = 0.0f;
-        for (int64_t i = first; i < half; i += stride) {
-          const float s = round_act(act, a[i] + b[i]);
-          sum += s * s;
-        }
-        return sum;
+        const float *at = a[t], *bt = b[t];
+        return strided_sum(
+            first, half, stride, [&](int64_t i) { return round_act(act, at[i] + bt[i]); }, [](float sum, float s) { return sum + s * s; });
       },
       [&](int t, float total, int first, int stride) {
         const float scale = inv_rms(total, half, eps);
-        const float* a = ctx.in(0, t);
-        const float* b = ctx.in(1, t);
-        float* out = ctx.out(t);
-        for (int64_t c = share.col_begin + first; c < share.col_end; c += stride) {
-          const int64_t i = c < half ? c : c - half;
-          const float s = round_act(act, a[i] + b[i]);
-          out[c] = c < half ? s : round_act(act, weight_flat(w, i) * round_act(act, s * scale));
-        }
+        const float *at = a[t], *bt = b[t];
+        float* ot = out[t];
+        // Column c < half is s[c]; c ≥ half is the norm of s[c − half].
+        for_each_strided(
+            share.col_begin + first, share.col_end, stride,
+            [&](int64_t c) {
+              const int64_t i = c < half ? c : c - half;
+              return Operands{round_act(act, at[i] + bt[i]), c < half ? 0.0f : weight_flat(w, i)};
+            },
+            [&](int64_t c, Operands v) { ot[c] = c < half ? v.a : round_act(act, v.b * round_act(act, v.a * scale)); });
       },
       share.first_row, share.row_stride);
 }

@@ -1,17 +1,12 @@
-// The task of an op the host ran (a prefill GEMM, prefill_gemm.h): its columns of the fp32 output,
-// every row of the step, rounded in place to the activation dtype, as the GEMV body rounds its dots.
+// The task of an op the host ran (a prefill GEMM, prefill_gemm.h): its share of the fp32 output (its
+// columns of every row, or whole rows in long steps: element_share), rounded in place to the activation
+// dtype, as the GEMV body rounds its dots.
 #pragma once
 
-#include "runtime/cuda/ops/common.cuh"
+#include "runtime/cuda/ops/elementwise.cuh"
 
 namespace plow::cuda {
 
-__device__ __noinline__ void op_round_rows(const TaskCtx& ctx) {
-  if (!ctx.op->round_out || ctx.op->act == kAF32) return;
-  for_each_slice_element(ctx, [&](int t, int64_t c) {
-    float* v = ctx.out(t) + c;
-    *v = round_act(ctx.op->act, *v);
-  });
-}
+__device__ __noinline__ void op_round_rows(const TaskCtx& ctx) { round_in_place(ctx); }
 
 }  // namespace plow::cuda
