@@ -29,7 +29,7 @@ run racecheck_mega 120 compute-sanitizer --tool racecheck --error-exitcode 9 "$B
 mla='MlaLong/CudaMlaLongTest.MatchesReference/h2_rank512_ctx700_b3_w3_bf16'
 run memcheck_mla 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$mla"
 run racecheck_mla 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$mla"
-kda='Ops/CudaOpTest.MatchesReference/kda_prefill_h2_d64_strong_f32_w3'
+kda='Ops/CudaOpTest.MatchesReference/kda_prefill_h2_d64_strong_f32_*'  # the worker count suffix follows the case's index
 run memcheck_kda 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$kda:*kda_prefill_h4_d128_bounded_bf16_w132"
 run racecheck_kda 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$kda"
 for line in "${summary[@]}"; do echo "$line"; done
