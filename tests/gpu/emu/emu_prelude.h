@@ -135,6 +135,7 @@ inline unsigned atomicExch(unsigned* p, unsigned v) {
 inline void __threadfence() {}
 inline void __threadfence_system() {}
 struct float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline float __expf(float x) { return std::exp(x); }  // the device's fast exp: the host's exact one here
 inline int max(int a, int b) { return a > b ? a : b; }

@@ -100,7 +100,7 @@ struct KdaRecord {
 
 // Shared memory of a prep item, in floats after the ticket (32 floats). Channel-major [c][t] arrays have
 // row stride kLd ≡ 8 (mod 32): a warp reading one channel of 32 positions, the mma fragments (8
-// positions × 4 channels) and kda_for_each_tc's tiles all hit 32 banks.
+// positions × 4 channels) and the staging's tiles (the same) all hit 32 banks.
 //   γ, k̂, q̂ [D][kLd]   cumulative log-decay, normalized k and q (q times 1/√d); zero past n and d
 //   AM [C][kAld]        M(r, j) at [r][j] (j ≤ r), A(r, j) at [j][r] (j < r)
 //   T [C][kAld]         (I + A)⁻¹ at [r][c] (c ≤ r)
@@ -121,15 +121,6 @@ struct KdaPrepLayout {
   static_assert(kFloats * 4 <= kSharedBytes, "a prep item's tiles must fit the block's shared memory");
 };
 
-// Calls fn(t, c) for every position t < C and channel c < D, a warp taking 8 positions × 4 channels (lane
-// 8·(c mod 4) + t mod 8): [c][t] arrays of row stride ≡ 8 (mod 32) are read and written without bank
-// conflicts, and [t][c] rows in global memory in 16-byte pieces.
-template <int D, typename Fn>
-__device__ __forceinline__ void kda_for_each_tc(Fn fn) {
-  const int lane = lane_id();
-  for (int tile = warp_id(); tile < kKdaChunk / 8 * (D / 4); tile += kWarps) fn(tile % 8 * 8 + lane % 8, tile / 8 * 4 + lane / 8);
-}
-
 // Stages positions [row0, row0 + n) of head h: q, k and g into [c][t], β; then the norms (ε = 1e−6 on the
 // sum, inside the root; q also times 1/√d: times scale / norm where the CPU divides, then scales — a few
 // ulps, far inside the op's bound), and γ as a sequential sum per channel (the CPU's order). Ends with
@@ -139,13 +130,29 @@ __device__ void kda_prep_stage(const TaskCtx& ctx, int row0, int n, int64_t h, i
   using PL = KdaPrepLayout<D>;
   float* sm = smem_floats(ctx);
   float *gamma = sm + PL::kGamma, *kh = sm + PL::kK, *qh = sm + PL::kQ;
-  const int tid = static_cast<int>(threadIdx.x);
-  kda_for_each_tc<D>([&](int t, int c) {
-    const bool real = t < n && c < d;
-    qh[c * PL::kLd + t] = real ? ctx.in(0, row0 + t)[h * d + c] : 0.0f;
-    kh[c * PL::kLd + t] = real ? ctx.in(1, row0 + t)[h * d + c] : 0.0f;
-    gamma[c * PL::kLd + t] = real ? ctx.in(3, row0 + t)[h * d + c] : 0.0f;
-  });
+  const int tid = static_cast<int>(threadIdx.x), lane = lane_id();
+  {  // a warp takes tiles of 8 positions × 4 channels (lane 8·(c mod 4) + t mod 8: global rows read in
+     // 16-byte pieces), every load of the thread in flight before its first store
+    constexpr int kPerWarp = kKdaChunk / 8 * (D / 4) / kWarps;
+    const Rows<const float> q = ctx.in_rows(0), k = ctx.in_rows(1), g = ctx.in_rows(3);
+    float vq[kPerWarp], vk[kPerWarp], vg[kPerWarp];
+#pragma unroll
+    for (int i = 0; i < kPerWarp; ++i) {
+      const int tile = warp_id() + kWarps * i, t = tile % 8 * 8 + lane % 8, c = tile / 8 * 4 + lane / 8;
+      const bool real = t < n && c < d;
+      vq[i] = real ? q[row0 + t][h * d + c] : 0.0f;
+      vk[i] = real ? k[row0 + t][h * d + c] : 0.0f;
+      vg[i] = real ? g[row0 + t][h * d + c] : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kPerWarp; ++i) {
+      const int tile = warp_id() + kWarps * i, t = tile % 8 * 8 + lane % 8, c = tile / 8 * 4 + lane / 8;
+      qh[c * PL::kLd + t] = vq[i];
+      kh[c * PL::kLd + t] = vk[i];
+      gamma[c * PL::kLd + t] = vg[i];
+    }
+    static_assert(kKdaChunk / 8 * (D / 4) % kWarps == 0, "whole rounds of tiles");
+  }
   for (int t = tid; t < kKdaChunk; t += kThreads) sm[PL::kBeta + t] = t < n ? ctx.in(4, row0 + t)[h] : 0.0f;
   __syncthreads();
   {  // thread (which, part, t): Σ x_c² over c ≡ part (mod 4)
@@ -186,30 +193,40 @@ template <int D>
 __device__ void kda_prep_pairs(const TaskCtx& ctx, int n) {
   using PL = KdaPrepLayout<D>;
   constexpr int kBlock = 16, kBlockPairs = kBlock * (kBlock + 1) / 2;
-  constexpr int kPairs = (kKdaChunk / kBlock * kBlockPairs + kThreads - 1) / kThreads;
   const float* sm = smem_floats(ctx);
   const float *gamma = sm + PL::kGamma, *kh = sm + PL::kK, *qh = sm + PL::kQ, *beta = sm + PL::kBeta;
   float* am = smem_floats(ctx) + PL::kAm;
   const int tid = static_cast<int>(threadIdx.x);
-  // Diagonal blocks: pair q of block b = q / 136 in row order inside the block; r past n: none.
-#pragma unroll
-  for (int m = 0; m < kPairs; ++m) {
-    const int q = tid + kThreads * m, b = q / kBlockPairs, w = q % kBlockPairs;
+  // Diagonal blocks: unit u is quarter u mod 4 (channels ≡ it mod 4) of pair u / 4, pair q of block
+  // b = q / 136 in row order inside the block; the quarters of a pair are adjacent lanes, summed by
+  // shuffles (the 544 pairs alone left 480 threads idle through a second round of every channel).
+  constexpr int kRounds = (kKdaChunk / kBlock * kBlockPairs * 4 + kThreads - 1) / kThreads;
+#pragma unroll 1
+  for (int m = 0; m < kRounds; ++m) {
+    const int u = tid + kThreads * m, quarter = u % 4, q = u / 4, b = q / kBlockPairs, w = q % kBlockPairs;
     int rr = static_cast<int>((sqrtf(8.0f * static_cast<float>(w) + 1.0f) - 1.0f) * 0.5f);
     while (rr * (rr + 1) / 2 > w) --rr;  // exact whatever sqrtf's rounding
     while ((rr + 1) * (rr + 2) / 2 <= w) ++rr;
     const int r = kBlock * b + rr, j = kBlock * b + w - rr * (rr + 1) / 2;
-    if (b >= kKdaChunk / kBlock || r >= n) continue;
+    const bool real = b < kKdaChunk / kBlock && r < n;
     float acc_k = 0.0f, acc_q = 0.0f;
+    if (real) {
 #pragma unroll 4
-    for (int c = 0; c < D; ++c) {
-      const float* g = gamma + c * PL::kLd;
-      const float kj = kh[c * PL::kLd + j] * __expf(g[r] - g[j]);  // ≤ 1: fast exp's error is absolute ≲ 1e−7
-      acc_k += kh[c * PL::kLd + r] * kj;
-      acc_q += qh[c * PL::kLd + r] * kj;
+      for (int c = quarter; c < D; c += 4) {
+        const float* g = gamma + c * PL::kLd;
+        const float kj = kh[c * PL::kLd + j] * __expf(g[r] - g[j]);  // ≤ 1: fast exp's error is absolute ≲ 1e−7
+        acc_k += kh[c * PL::kLd + r] * kj;
+        acc_q += qh[c * PL::kLd + r] * kj;
+      }
     }
-    am[r * PL::kAld + j] = acc_q;
-    if (j < r) am[j * PL::kAld + r] = beta[r] * acc_k;
+    acc_k += __shfl_xor_sync(0xffffffffu, acc_k, 1);
+    acc_q += __shfl_xor_sync(0xffffffffu, acc_q, 1);
+    acc_k += __shfl_xor_sync(0xffffffffu, acc_k, 2);
+    acc_q += __shfl_xor_sync(0xffffffffu, acc_q, 2);
+    if (real && quarter == 0) {
+      am[r * PL::kAld + j] = acc_q;
+      if (j < r) am[j * PL::kAld + r] = beta[r] * acc_k;
+    }
   }
   // Below the diagonal.
   const int lane = lane_id(), g = lane / 4, t4 = lane % 4, warp = warp_id();
@@ -277,19 +294,38 @@ __device__ __noinline__ void kda_prep_item(const TaskCtx& ctx, int row0, int n, 
   kda_prep_inverse<D>(ctx, n);
   const float* sm = smem_floats(ctx);
   const float *gamma = sm + PL::kGamma, *kh = sm + PL::kK, *qh = sm + PL::kQ, *am = sm + PL::kAm, *T = sm + PL::kT, *beta = sm + PL::kBeta;
-  for (int i = static_cast<int>(threadIdx.x); i < kKdaChunk * kKdaChunk; i += kThreads) {
-    const int r = i / kKdaChunk, j = i % kKdaChunk;
-    const bool lower = r < n && j <= r;
-    rec[RL::kT + i] = lower ? T[r * PL::kAld + j] * beta[j] : 0.0f;
-    rec[RL::kM + i] = lower ? am[r * PL::kAld + j] : 0.0f;
+  // 16-byte stores: T' and M by 4 columns of a row; the decayed rows by 4 channels of a position (lanes
+  // take consecutive positions: the [c][t] reads hit 32 banks).
+  for (int i = static_cast<int>(threadIdx.x); i < kKdaChunk * kKdaChunk / 4; i += kThreads) {
+    const int r = i / (kKdaChunk / 4), j0 = 4 * (i % (kKdaChunk / 4));
+    float tv[4], mv[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = j0 + e;
+      const bool lower = r < n && j <= r;
+      tv[e] = lower ? T[r * PL::kAld + j] * beta[j] : 0.0f;
+      mv[e] = lower ? am[r * PL::kAld + j] : 0.0f;
+    }
+    reinterpret_cast<float4*>(rec + RL::kT)[i] = make_float4(tv[0], tv[1], tv[2], tv[3]);
+    reinterpret_cast<float4*>(rec + RL::kM)[i] = make_float4(mv[0], mv[1], mv[2], mv[3]);
   }
-  kda_for_each_tc<D>([&](int t, int c) {  // zero past n and d: k̂ and q̂ are
-    const float* g = gamma + c * PL::kLd;
-    const float decayed = __expf(g[t]), to_end = __expf(g[n - 1] - g[t]);  // arguments ≤ 0
-    rec[RL::kQ + t * D + c] = qh[c * PL::kLd + t] * decayed;
-    rec[RL::kK + t * D + c] = kh[c * PL::kLd + t] * decayed;
-    rec[RL::kKEnd + t * D + c] = kh[c * PL::kLd + t] * to_end;
-  });
+  for (int i = static_cast<int>(threadIdx.x); i < kKdaChunk * D / 4; i += kThreads) {  // zero past n and d: k̂ and q̂ are
+    const int t = i % kKdaChunk, c0 = 4 * (i / kKdaChunk);
+    float qv[4], kv[4], ev[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float* g = gamma + (c0 + e) * PL::kLd;
+      const float decayed = __expf(g[t]), to_end = __expf(g[n - 1] - g[t]);  // arguments ≤ 0
+      const float k = kh[(c0 + e) * PL::kLd + t];
+      qv[e] = qh[(c0 + e) * PL::kLd + t] * decayed;
+      kv[e] = k * decayed;
+      ev[e] = k * to_end;
+    }
+    const int64_t at = (static_cast<int64_t>(t) * D + c0) / 4;
+    reinterpret_cast<float4*>(rec + RL::kQ)[at] = make_float4(qv[0], qv[1], qv[2], qv[3]);
+    reinterpret_cast<float4*>(rec + RL::kK)[at] = make_float4(kv[0], kv[1], kv[2], kv[3]);
+    reinterpret_cast<float4*>(rec + RL::kKEnd)[at] = make_float4(ev[0], ev[1], ev[2], ev[3]);
+  }
   for (int c = static_cast<int>(threadIdx.x); c < D; c += kThreads) rec[RL::kDecay + c] = c < d ? __expf(gamma[c * PL::kLd + n - 1]) : 0.0f;
 }
 
@@ -345,15 +381,19 @@ __device__ void kda_scan_chunk(const TaskCtx& ctx, const float* rec, const float
   cp_async_wait<1>();  // all but the newest group: K⊙e^γ, T', M
   __syncthreads();
   // X = V − (K⊙e^γ)S₀; rows past n are zero (so are K's).
+  const Rows<const float> values = ctx.in_rows(2);
   for (int i = warp_id(); i < kKdaChunk / 16 * kColTiles; i += kWarps) {
     const int m0 = i / kColTiles * 16, n0 = i % kColTiles * 8;
-    float acc[4] = {};
-    kda_tile_product(acc, kbuf, SL::kSt, S, SL::kSld, m0, n0, D);
+    float v[4];  // loaded before the product, in flight behind it
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int t = m0 + g + 8 * (q / 2), c = n0 + 2 * t4 + q % 2;
-      X[t * SL::kXld + c] = (t < n && c < cols ? ctx.in(2, row0 + t)[h * d + c0 + c] : 0.0f) - acc[q];
+      v[q] = t < n && c < cols ? values[row0 + t][h * d + c0 + c] : 0.0f;
     }
+    float acc[4] = {};
+    kda_tile_product(acc, kbuf, SL::kSt, S, SL::kSld, m0, n0, D);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) X[(m0 + g + 8 * (q / 2)) * SL::kXld + n0 + 2 * t4 + q % 2] = v[q] - acc[q];
   }
   __syncthreads();
   kda_copy_rows<D>(kbuf, SL::kSt, rec + RL::kKEnd);  // K⊙e^{γ_C−γ}, for the update
@@ -369,6 +409,8 @@ __device__ void kda_scan_chunk(const TaskCtx& ctx, const float* rec, const float
   cp_async_wait<1>();  // Q⊙e^γ and e^{γ_C}
   __syncthreads();
   // O = (Q⊙e^γ)S₀ + M·U.
+  const Rows<float> out = ctx.out_rows();
+  const int32_t act = ctx.out_act();
   for (int i = warp_id(); i < kKdaChunk / 16 * kColTiles; i += kWarps) {
     const int m0 = i / kColTiles * 16, n0 = i % kColTiles * 8;
     if (m0 >= n) continue;  // warp-uniform
@@ -378,7 +420,7 @@ __device__ void kda_scan_chunk(const TaskCtx& ctx, const float* rec, const float
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int t = m0 + g + 8 * (q / 2), c = n0 + 2 * t4 + q % 2;
-      if (t < n && c < cols) ctx.out(row0 + t)[h * d + c0 + c] = round_out(ctx, acc[q]);
+      if (t < n && c < cols) out[row0 + t][h * d + c0 + c] = round_act(act, acc[q]);
     }
   }
   __syncthreads();
