@@ -190,6 +190,8 @@ TEST_F(BadInput, ServeChatAndBenchServeOptions) {
   expect_rejected(run("serve" + m + " --port 0 --prefix-cache-mb -1"), "--prefix-cache-mb must be >= 0");
   expect_rejected(run("serve" + m + " --port 0 --backend tpu"), "--backend 'tpu': expected cpu, cpu-plan, cuda or cuda-eager");
   expect_rejected(run("serve" + m + " --port 0 --backend cpu-plan --workers -2"), "--workers must be >= 1");
+  expect_rejected(run("serve" + m + " --port 0 --max-num-batched-tokens -5"), "--max-num-batched-tokens must be >= 1 (0: the backend's default), found -5");
+  expect_rejected(run("serve" + m + " --port 0 --max-prefill-chunk 512"), "--max-prefill-chunk 512 exceeds the step's 256 tokens");
   expect_rejected(run("chat" + m + " </dev/null"), "has no tokenizer.json");
   expect_rejected(run("chat" + m + " --max-tokens 0 </dev/null"), "--max-tokens must be >= 1");
   expect_rejected(run("bench serve"), "exactly one of --model DIR");
