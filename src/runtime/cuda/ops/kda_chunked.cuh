@@ -257,30 +257,64 @@ __device__ void kda_prep_pairs(const TaskCtx& ctx, int n) {
   __syncthreads();
 }
 
-// T = (I + A)⁻¹ (unit lower triangular) by forward substitution, column c by 8 adjacent lanes (T(c, c) =
-// 1, T(t, c) = −Σ_{c≤j<t} A(t, j) T(j, c) for t = c+1 … n−1), rows in order. Ends with the block
+// T = (I + A)⁻¹ (unit lower triangular) by 16-position blocks (rows past n are left undefined; nothing
+// reads them):
+//  1. the four diagonal blocks T_bb = (I + A_bb)⁻¹ side by side, by forward substitution: column c by 8
+//     adjacent lanes, T(c, c) = 1, T(t, c) = −Σ_{c≤j<t} A(t, j) T(j, c) for t up to the block's end;
+//  2. the blocks below by distance from the diagonal (L = 1, 2, 3), from (I + A)T = I:
+//     T_ij = −T_ii·X with X = Σ_{j≤k<i} A_ik T_kj (blocks j = i − L, all of one distance at once), on
+//     SIMT, X in `scratch` ([3][16][17] floats).
+// The one substitution over 64 rows ran a 63-step chain on the warp of column 0 (~20% of an item's
+// samples with the barrier waiting on it); the diagonal blocks' chains are 15 steps. Ends with the block
 // synchronized.
 template <int D>
-__device__ void kda_prep_inverse(const TaskCtx& ctx, int n) {
+__device__ void kda_prep_inverse(const TaskCtx& ctx, int n, float* scratch) {
   using PL = KdaPrepLayout<D>;
-  const float* am = smem_floats(ctx) + PL::kAm;
+  constexpr int kBlock = 16, kXld = kBlock + 1;
+  const float* am = smem_floats(ctx) + PL::kAm;  // A(r, j) at [j][r]
   float* T = smem_floats(ctx) + PL::kT;
-  const int c = static_cast<int>(threadIdx.x) / 8, part = static_cast<int>(threadIdx.x) % 8;
-  static_assert(kThreads == 8 * kKdaChunk, "eight lanes a column");
-  if (part == 0) T[c * PL::kAld + c] = 1.0f;
-  __syncwarp();
-  for (int t = 1; t < n; ++t) {
-    float sum = 0.0f;
-    if (t > c) {
-      for (int j = c + part; j < t; j += 8) sum += am[j * PL::kAld + t] * T[j * PL::kAld + c];
+  const int tid = static_cast<int>(threadIdx.x);
+  {
+    const int c = tid / 8, part = tid % 8, first = c / kBlock * kBlock;
+    const int end = n < first + kBlock ? n : first + kBlock;  // warp-uniform: a warp's 4 columns share a block
+    static_assert(kThreads == 8 * kKdaChunk, "eight lanes a column");
+    if (part == 0) T[c * PL::kAld + c] = 1.0f;
+    __syncwarp();
+    for (int t = first + 1; t < end; ++t) {
+      float sum = 0.0f;
+      if (t > c) {
+        for (int j = c + part; j < t; j += 8) sum += am[j * PL::kAld + t] * T[j * PL::kAld + c];
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+      if (part == 0 && t > c) T[t * PL::kAld + c] = -sum;
+      __syncwarp();  // row t is read by the column's lanes from the next row on
     }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-    if (part == 0 && t > c) T[t * PL::kAld + c] = -sum;
-    __syncwarp();  // row t is read by the column's lanes from the next row on
   }
   __syncthreads();
+  for (int distance = 1; distance < kKdaChunk / kBlock; ++distance) {
+    const int outputs = (kKdaChunk / kBlock - distance) * kBlock * kBlock;  // blocks (i, i − distance), i ≥ distance
+    for (int o = tid; o < outputs; o += kThreads) {
+      const int bi = o / (kBlock * kBlock), i = distance + bi, r = o / kBlock % kBlock, cc = o % kBlock;
+      const int row = kBlock * i + r, col = kBlock * (i - distance) + cc;
+      float sum = 0.0f;
+      if (row < n) {
+        for (int k = col; k < kBlock * i; ++k) sum += am[k * PL::kAld + row] * T[k * PL::kAld + col];  // T(k, col) = 0 for k < col
+      }
+      scratch[(bi * kBlock + r) * kXld + cc] = sum;
+    }
+    __syncthreads();
+    for (int o = tid; o < outputs; o += kThreads) {
+      const int bi = o / (kBlock * kBlock), i = distance + bi, r = o / kBlock % kBlock, cc = o % kBlock;
+      const int row = kBlock * i + r, col = kBlock * (i - distance) + cc;
+      if (row >= n) continue;
+      float sum = scratch[(bi * kBlock + r) * kXld + cc];  // T_ii's unit diagonal
+      for (int m = 0; m < r; ++m) sum += T[row * PL::kAld + kBlock * i + m] * scratch[(bi * kBlock + m) * kXld + cc];
+      T[row * PL::kAld + col] = -sum;
+    }
+    __syncthreads();
+  }
 }
 
 // One prep item: positions [row0, row0 + n) of head h into the record `rec` (KdaRecord<D>). Not inlined:
@@ -291,24 +325,11 @@ __device__ __noinline__ void kda_prep_item(const TaskCtx& ctx, int row0, int n, 
   using RL = KdaRecord<D>;
   kda_prep_stage<D>(ctx, row0, n, h, d);
   kda_prep_pairs<D>(ctx, n);
-  kda_prep_inverse<D>(ctx, n);
-  const float* sm = smem_floats(ctx);
+  float* sm = smem_floats(ctx);
   const float *gamma = sm + PL::kGamma, *kh = sm + PL::kK, *qh = sm + PL::kQ, *am = sm + PL::kAm, *T = sm + PL::kT, *beta = sm + PL::kBeta;
-  // 16-byte stores: T' and M by 4 columns of a row; the decayed rows by 4 channels of a position (lanes
-  // take consecutive positions: the [c][t] reads hit 32 banks).
-  for (int i = static_cast<int>(threadIdx.x); i < kKdaChunk * kKdaChunk / 4; i += kThreads) {
-    const int r = i / (kKdaChunk / 4), j0 = 4 * (i % (kKdaChunk / 4));
-    float tv[4], mv[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int j = j0 + e;
-      const bool lower = r < n && j <= r;
-      tv[e] = lower ? T[r * PL::kAld + j] * beta[j] : 0.0f;
-      mv[e] = lower ? am[r * PL::kAld + j] : 0.0f;
-    }
-    reinterpret_cast<float4*>(rec + RL::kT)[i] = make_float4(tv[0], tv[1], tv[2], tv[3]);
-    reinterpret_cast<float4*>(rec + RL::kM)[i] = make_float4(mv[0], mv[1], mv[2], mv[3]);
-  }
+  // 16-byte stores: the decayed rows by 4 channels of a position (lanes take consecutive positions: the
+  // [c][t] reads hit 32 banks), T' and M by 4 columns of a row. The rows first: then γ, k̂ and q̂ are
+  // done with, and the inverse takes q̂'s room for its scratch.
   for (int i = static_cast<int>(threadIdx.x); i < kKdaChunk * D / 4; i += kThreads) {  // zero past n and d: k̂ and q̂ are
     const int t = i % kKdaChunk, c0 = 4 * (i / kKdaChunk);
     float qv[4], kv[4], ev[4];
@@ -327,6 +348,20 @@ __device__ __noinline__ void kda_prep_item(const TaskCtx& ctx, int row0, int n, 
     reinterpret_cast<float4*>(rec + RL::kKEnd)[at] = make_float4(ev[0], ev[1], ev[2], ev[3]);
   }
   for (int c = static_cast<int>(threadIdx.x); c < D; c += kThreads) rec[RL::kDecay + c] = c < d ? __expf(gamma[c * PL::kLd + n - 1]) : 0.0f;
+  kda_prep_inverse<D>(ctx, n, sm + PL::kQ);  // its first barrier orders the reads of q̂ above before the scratch's writes
+  for (int i = static_cast<int>(threadIdx.x); i < kKdaChunk * kKdaChunk / 4; i += kThreads) {
+    const int r = i / (kKdaChunk / 4), j0 = 4 * (i % (kKdaChunk / 4));
+    float tv[4], mv[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = j0 + e;
+      const bool lower = r < n && j <= r;
+      tv[e] = lower ? T[r * PL::kAld + j] * beta[j] : 0.0f;
+      mv[e] = lower ? am[r * PL::kAld + j] : 0.0f;
+    }
+    reinterpret_cast<float4*>(rec + RL::kT)[i] = make_float4(tv[0], tv[1], tv[2], tv[3]);
+    reinterpret_cast<float4*>(rec + RL::kM)[i] = make_float4(mv[0], mv[1], mv[2], mv[3]);
+  }
 }
 
 // Shared memory of a scan pass, in floats after the ticket. Row strides: S and X/U ≡ 8 (mod 32) (read as
