@@ -32,11 +32,12 @@ struct PrefillFlops {
   double total() const { return dense + experts + attention; }
 };
 
-// FLOPs of a `tokens`-token prompt: 2·(elements of every ≥ 2-D weight but the embedding table)·tokens,
-// 2·(one expert's elements)·top_k·tokens per expert stack, and per MLA layer the causal QK and PV
-// products of the standard (not absorbed) form: 2·heads·(qk_dim + v_dim)·tokens·(tokens + 1)/2. KDA's
-// chunked delta rule is not counted.
-PrefillFlops prefill_flops(const LoadedModel& model, int64_t tokens) {
+// FLOPs of a `tokens`-token prompt after `prefix` cached positions: 2·(elements of every ≥ 2-D weight
+// but the embedding table)·tokens, 2·(one expert's elements)·top_k·tokens per expert stack, and per MLA
+// layer the QK and PV products of the standard (not absorbed) form over the prefix and the causal
+// pairs: 2·heads·(qk_dim + v_dim)·tokens·(prefix + (tokens + 1)/2). KDA's chunked delta rule is not
+// counted.
+PrefillFlops prefill_flops(const LoadedModel& model, int64_t tokens, int64_t prefix = 0) {
   PrefillFlops flops;
   const auto t = static_cast<double>(tokens);
   for (const Node& node : model.graph.nodes()) {
@@ -56,7 +57,8 @@ PrefillFlops prefill_flops(const LoadedModel& model, int64_t tokens) {
   int64_t mla_layers = 0;
   for (const StateDecl& state : model.graph.states()) mla_layers += state.kind == StateKind::kMlaLatent ? 1 : 0;
   const ModelConfig& c = model.config;
-  flops.attention = static_cast<double>(mla_layers) * 2.0 * static_cast<double>(c.num_attention_heads * (c.mla_qk_head_dim() + c.v_head_dim)) * t * (t + 1) / 2;
+  flops.attention = static_cast<double>(mla_layers) * 2.0 * static_cast<double>(c.num_attention_heads * (c.mla_qk_head_dim() + c.v_head_dim)) * t *
+                    (static_cast<double>(prefix) + (t + 1) / 2);
   return flops;
 }
 
@@ -72,9 +74,11 @@ std::map<std::pair<int64_t, int64_t>, int> linear_shapes(const Plan& plan) {
   return shapes;
 }
 
-std::vector<int32_t> prompt_ids(int64_t tokens, int64_t vocab) {
+// A prompt's token ids: a fixed LCG sequence below `vocab`; `stream` picks another sequence (the
+// cached prefix's).
+std::vector<int32_t> prompt_ids(int64_t tokens, int64_t vocab, uint64_t stream = 1) {
   std::vector<int32_t> ids;
-  uint64_t x = 0x9E3779B97F4A7C15ull;
+  uint64_t x = 0x9E3779B97F4A7C15ull * stream;
   for (int64_t i = 0; i < tokens; ++i) {
     x = x * 6364136223846793005ull + 1442695040888963407ull;
     ids.push_back(static_cast<int32_t>((x >> 33) % static_cast<uint64_t>(vocab)));
@@ -82,23 +86,29 @@ std::vector<int32_t> prompt_ids(int64_t tokens, int64_t vocab) {
   return ids;
 }
 
-// Wall-clock ms of the whole prompt, chunk by chunk from an empty slot, up to the first token's logits
-// on the host, per run; `reps` runs after a warm-up of the first chunk (kernels and cuBLAS loaded),
-// `after_warmup` called between them.
-std::vector<double> time_prompt(Backend& backend, const std::vector<int32_t>& ids, int64_t chunk, int reps, const std::function<void()>& after_warmup = {}) {
-  std::vector<double> runs;
-  for (int r = 0; r < reps + 1; ++r) {
-    if (r == 1 && after_warmup) after_warmup();
-    backend.reset_slot(0);
-    const auto start = std::chrono::steady_clock::now();
-    const size_t end = r == 0 ? std::min(ids.size(), static_cast<size_t>(chunk)) : ids.size();
+// Wall-clock ms of the whole prompt, chunk by chunk, up to the first token's logits on the host, per
+// run; `reps` runs after a warm-up of the first chunk (kernels and cuBLAS loaded). Each run starts from
+// an empty slot and first prefills `prefix` (untimed, in the same chunks: a cached prefix, as a later
+// turn of a conversation finds it); `on_timed(true)` and `on_timed(false)` bracket each timed part.
+std::vector<double> time_prompt(Backend& backend, const std::vector<int32_t>& prefix, const std::vector<int32_t>& ids, int64_t chunk, int reps,
+                                const std::function<void(bool)>& on_timed = {}) {
+  auto run = [&](const std::vector<int32_t>& tokens, size_t end) {
     for (size_t first = 0; first < end; first += static_cast<size_t>(chunk)) {
       StepInputs in;
-      in.token_ids.assign(ids.begin() + static_cast<std::ptrdiff_t>(first), ids.begin() + static_cast<std::ptrdiff_t>(std::min(end, first + static_cast<size_t>(chunk))));
+      in.token_ids.assign(tokens.begin() + static_cast<std::ptrdiff_t>(first), tokens.begin() + static_cast<std::ptrdiff_t>(std::min(end, first + static_cast<size_t>(chunk))));
       in.sequences = {{0, static_cast<int64_t>(in.token_ids.size())}};
-      backend.step(in);
+      backend.step(in);  // returns with the logits on the host: the GPU is idle after it
     }
+  };
+  std::vector<double> runs;
+  for (int r = 0; r < reps + 1; ++r) {
+    backend.reset_slot(0);
+    run(prefix, prefix.size());
+    if (r > 0 && on_timed) on_timed(true);
+    const auto start = std::chrono::steady_clock::now();
+    run(ids, r == 0 ? std::min(ids.size(), static_cast<size_t>(chunk)) : ids.size());
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    if (r > 0 && on_timed) on_timed(false);
     if (r > 0) runs.push_back(ms);
   }
   return runs;
@@ -165,6 +175,7 @@ void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
   cmd->add_option("--seed", args.seed, "weights' seed");
   cmd->add_option("--prompt", args.prompts, "prompt lengths in tokens, comma-separated")->delimiter(',');
   cmd->add_option("--chunk", args.chunk, "tokens per prefill step (default 1024, or the prompt when shorter)");
+  cmd->add_option("--cached-prefix", args.cached_prefix, "tokens already in the slot before each prompt (prefilled untimed): a later turn's TTFT");
   cmd->add_option("--reps", args.reps, "timed runs per prompt (after a one-chunk warm-up); the median is reported");
   cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
   cmd->add_flag("--gemv-peer", args.gemv_peer, "also time today's path (fused prefill plans, GEMV bodies) on the same weights");
@@ -187,12 +198,13 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
     if (p < 1 || p > (int64_t{1} << 20)) fail("--prompt {}: expected 1..1048576", p);
   }
   if (args.chunk < 0 || args.chunk > PlanLimits::kMaxTokens) fail("--chunk {}: expected 1..{}", args.chunk, PlanLimits::kMaxTokens);
+  if (args.cached_prefix < 0 || args.cached_prefix > (int64_t{1} << 20)) fail("--cached-prefix {}: expected 0..1048576", args.cached_prefix);
   if (args.reps < 1) fail("--reps must be >= 1, found {}", args.reps);
   const std::unique_ptr<LoadedModel> model = LoadedModel::describe(args.config_path);
   const DType dtype = config_dtype(model->config);
   if (args.flops_only) {
     for (int64_t p : args.prompts) {
-      const PrefillFlops f = prefill_flops(*model, p);
+      const PrefillFlops f = prefill_flops(*model, p, args.cached_prefix);
       std::cout << json{{"prompt_tokens", p}, {"dense", f.dense}, {"experts_routed", f.experts}, {"attention_qk_pv", f.attention}, {"total", f.total()}}.dump() << "\n";
     }
     return 0;
@@ -205,7 +217,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
   auto chunk_of = [&](int64_t prompt) { return std::min(args.chunk > 0 ? args.chunk : int64_t{1024}, prompt); };
   std::set<int64_t> chunks;
   for (int64_t p : args.prompts) chunks.insert(chunk_of(p));
-  const int64_t max_context = *std::max_element(args.prompts.begin(), args.prompts.end()) + 8;
+  const int64_t max_context = args.cached_prefix + *std::max_element(args.prompts.begin(), args.prompts.end()) + 8;
   std::cerr << fmt::format("bench prefill: {} ({} SMs), {} activations\n", device, sms, dtype_name(dtype));
 
   // The kernel peers first, on an idle GPU: one layer's shape at each prompt length.
@@ -234,15 +246,19 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
   for (int64_t p : args.prompts) {
     const int64_t chunk = chunk_of(p);
     const int64_t mla_ops_before = backend->prefill_mla_ops();
-    const std::vector<double> runs = time_prompt(*backend, prompt_ids(p, model->config.vocab_size), chunk, args.reps, [&] {
-      backend->reset_expert_ms();
-      backend->reset_mla_ms();
+    // The prefix: other ids than the prompt's (a different seed of the same generator).
+    const std::vector<int32_t> prefix = prompt_ids(args.cached_prefix, model->config.vocab_size, 2);
+    const std::vector<int32_t> ids = prompt_ids(p, model->config.vocab_size);
+    double expert_sum = 0, mla_sum = 0;  // the timed parts' shares (the prefix's ops excluded)
+    const std::vector<double> runs = time_prompt(*backend, prefix, ids, chunk, args.reps, [&](bool start) {
+      expert_sum += start ? -backend->expert_ms() : backend->expert_ms();
+      mla_sum += start ? -backend->mla_ms() : backend->mla_ms();
     });
-    const double expert_ms = backend->expert_ms() / args.reps;
-    const double mla_ms = backend->mla_ms() / args.reps;
+    const double expert_ms = expert_sum / args.reps;
+    const double mla_ms = mla_sum / args.reps;
     const bool mla_gemm = backend->prefill_mla_ops() > mla_ops_before;
     const double ttft = median(runs);
-    const PrefillFlops flops = prefill_flops(*model, p);
+    const PrefillFlops flops = prefill_flops(*model, p, args.cached_prefix);
     const Plan* plan = &backend->plan(1);  // plans: decode, then the prefill chunks in ascending order
     for (int i = 2; plan->max_tokens != chunk; ++i) plan = &backend->plan(i);
     // Kernel level, at this chunk: every plain linear shape of the plan, ours vs cuBLAS alone.
@@ -265,6 +281,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                                        "segments; MLA on its op body"},
                    {"dtype", std::string(dtype_name(dtype))},
                    {"prompt_tokens", p},
+                   {"cached_prefix", args.cached_prefix},
                    {"chunk", chunk},
                    {"ttft_ms", ttft},
                    {"ttft_ms_runs", runs},
@@ -282,15 +299,15 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"git_rev", rev},
                    {"command", args.command_line},
                    {"peers", {{"gemm_shapes", shapes}}}};
-    std::cerr << fmt::format("prompt {:6d} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s; routed experts {:8.1f} ms; MLA {:8.1f} ms{}\n", p,
-                             chunk, ttft, static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9), expert_ms, mla_ms, mla_gemm ? "" : " (op body: not timed)");
+    std::cerr << fmt::format("prompt {:6d}{} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s; routed experts {:8.1f} ms; MLA {:8.1f} ms{}\n", p,
+                             args.cached_prefix > 0 ? fmt::format(" after {} cached", args.cached_prefix) : "", chunk, ttft, static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9), expert_ms, mla_ms, mla_gemm ? "" : " (op body: not timed)");
     if (gemv) {
-      const double ms = median(time_prompt(*gemv, prompt_ids(p, model->config.vocab_size), chunk, 1));
+      const double ms = median(time_prompt(*gemv, prefix, ids, chunk, 1));
       record["peers"]["gemv_path"] = {{"ttft_ms", ms}, {"tflops", flops.total() / (ms * 1e9)}, {"plans", "fused prefill plans, GEMV bodies (one run after a one-chunk warm-up)"}};
       std::cerr << fmt::format("  today's path (fused plans, GEMV bodies): TTFT {:9.1f} ms\n", ms);
     }
     if (mla_body) {
-      const double ms = median(time_prompt(*mla_body, prompt_ids(p, model->config.vocab_size), chunk, 1));
+      const double ms = median(time_prompt(*mla_body, prefix, ids, chunk, 1));
       record["peers"]["mla_body"] = {{"ttft_ms", ms}, {"tflops", flops.total() / (ms * 1e9)},
                                      {"plans", "the same GEMM path with mla_attention on its op body (one run after a one-chunk warm-up)"}};
       std::cerr << fmt::format("  MLA on its op body: TTFT {:9.1f} ms\n", ms);
@@ -300,7 +317,9 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
       // timed runs: no megakernel, a host wait per step).
       backend->set_op_timing(true);
       backend->reset_op_times();
-      const double ms = median(time_prompt(*backend, prompt_ids(p, model->config.vocab_size), chunk, 1, [&] { backend->reset_op_times(); }));
+      const double ms = median(time_prompt(*backend, prefix, ids, chunk, 1, [&](bool start) {
+        if (start) backend->reset_op_times();
+      }));
       backend->set_op_timing(false);
       json rows = json::array();
       double total = 0;
@@ -336,8 +355,9 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
       record["peers"]["sdpa_attention"] =
           peer_entry(mla_peer, p, ours,
                      fmt::format("PyTorch SDPA, causal, one layer: {} tokens x {} heads, q/k {} and v {} wide, bf16; ours: mla_ops_ms per layer "
-                                 "(expansion of K/V included)",
-                                 p, cfg.num_attention_heads, cfg.mla_qk_head_dim(), cfg.v_head_dim),
+                                 "(expansion of K/V included){}",
+                                 p, cfg.num_attention_heads, cfg.mla_qk_head_dim(), cfg.v_head_dim,
+                                 args.cached_prefix > 0 ? fmt::format("; ours also attends to the {} cached positions, SDPA does not", args.cached_prefix) : ""),
                      "MLA");
     }
     append_records(args.output, json::array({record}));  // each prompt's record as soon as it is measured

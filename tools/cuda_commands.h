@@ -93,6 +93,7 @@ struct BenchPrefillArgs {
   uint64_t seed = 0;
   std::vector<int64_t> prompts{1024};
   int64_t chunk = 0;  // 0: 1024, or the prompt when shorter
+  int64_t cached_prefix = 0;  // tokens already in the slot before each prompt (prefilled untimed): a later turn's TTFT
   int reps = 3;
   int workers = 0;
   bool gemv_peer = false;  // also time today's path: fused prefill plans on the GEMV bodies
