@@ -26,11 +26,6 @@
 #include "runtime/cuda/mla_flash.h"
 #include "runtime/cuda/ops/common.cuh"
 
-#ifdef PLOW_CUDA_EMU
-#include <cstring>
-#include <vector>
-#endif
-
 namespace plow::cuda {
 
 // Shared memory of a block: two stages of K [keys][kLdK] then V [keys][kLdV], then q [rows][kLdK],
@@ -113,47 +108,17 @@ __device__ __forceinline__ uint32_t flash_pack(float low, float high) {
 #else  // PLOW_CUDA_EMU: one OS thread runs the block's fibers; per-fiber state indexed by threadIdx.x.
 
 struct MlaFlashEmu {
-  struct Copy {
-    void* dst;
-    const void* src;
-    int bytes, group;
-  };
-  std::vector<Copy> pending[EmuBlock::kN];
-  int committed[EmuBlock::kN] = {};
   const uint16_t* rows[EmuBlock::kN] = {};
   uint32_t regs[EmuBlock::kN][6] = {};
-  bool eager = false;  // copies land at issue (a device may be that early); else at the wait covering them (that late)
 };
 inline MlaFlashEmu mla_flash_emu;
 
-inline void flash_emu_land(const MlaFlashEmu::Copy& c) {
-  std::memcpy(c.dst, c.src, static_cast<size_t>(c.bytes));
-  std::memset(static_cast<char*>(c.dst) + c.bytes, 0, static_cast<size_t>(16 - c.bytes));
-}
-inline void flash_cp_async(void* dst, const void* src, int src_bytes) {
-  if (src_bytes != 0 && src_bytes != 16) std::abort();
-  const unsigned t = threadIdx.x;
-  const MlaFlashEmu::Copy c{dst, src, src_bytes, mla_flash_emu.committed[t]};
-  if (mla_flash_emu.eager) {
-    flash_emu_land(c);
-  } else {
-    mla_flash_emu.pending[t].push_back(c);
-  }
-}
-inline void flash_cp_commit() { mla_flash_emu.committed[threadIdx.x] += 1; }
+// cp.async through the emulator's deferred copies (emu_prelude.h emu_cp).
+inline void flash_cp_async(void* dst, const void* src, int src_bytes) { emu_cp_async(dst, src, src_bytes); }
+inline void flash_cp_commit() { emu_cp_commit(); }
 template <int kPending>
 inline void flash_cp_wait() {
-  std::vector<MlaFlashEmu::Copy>& pending = mla_flash_emu.pending[threadIdx.x];
-  const int below = mla_flash_emu.committed[threadIdx.x] - kPending;
-  std::vector<MlaFlashEmu::Copy> later;
-  for (const MlaFlashEmu::Copy& c : pending) {
-    if (c.group < below) {
-      flash_emu_land(c);
-    } else {
-      later.push_back(c);
-    }
-  }
-  pending = std::move(later);
+  emu_cp_wait(kPending);
 }
 
 template <bool kTrans>

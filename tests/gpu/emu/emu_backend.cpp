@@ -156,6 +156,9 @@ StepOutput CudaBackend::step(const StepInputs& in) {
       std::vector<float> scratch(size_t(kScratchFloats), NAN);
       ctx.smem = smem.data(), ctx.scratch = scratch.data();
       run_block(ctx);
+      for (const auto& pending : emu_cp.pending) {  // the copies' shared memory dies with the task
+        if (!pending.empty()) fail("emu: a task of op {} ended with cp.async copies never waited for", op.label);
+      }
     }
     for (unsigned c : sync) {
       if (c != 0 && error == 0) fail("emu: op {} left its counters at {} (the last task resets them)", op.label, c);

@@ -140,6 +140,49 @@ inline int min(int a, int b) { return a < b ? a : b; }
 inline float __expf(float x) { return std::exp(x); }  // the device's fast exp: the host's exact one here
 inline int max(int a, int b) { return a > b ? a : b; }
 inline float __ldcg(const float* p) { return *p; }
+// cp.async: each fiber's copies stay pending in their commit group until a wait covers them (as late as
+// a device may land them), or land at issue with `eager` (as early); `src_bytes` < 16 zero-fills the
+// rest. Blocks run one after another, so a block must wait for all its copies before it ends (the
+// tests check `pending` is empty).
+struct EmuCpAsync {
+  struct Copy {
+    void* dst;
+    const void* src;
+    int bytes, group;
+  };
+  std::vector<Copy> pending[EmuBlock::kN];
+  int committed[EmuBlock::kN] = {};
+  bool eager = false;
+};
+inline EmuCpAsync emu_cp;
+inline void emu_cp_land(const EmuCpAsync::Copy& c) {
+  std::memcpy(c.dst, c.src, static_cast<size_t>(c.bytes));
+  std::memset(static_cast<char*>(c.dst) + c.bytes, 0, static_cast<size_t>(16 - c.bytes));
+}
+inline void emu_cp_async(void* dst, const void* src, int src_bytes) {
+  if (src_bytes != 0 && src_bytes != 16) std::abort();
+  const unsigned t = threadIdx.x;
+  const EmuCpAsync::Copy c{dst, src, src_bytes, emu_cp.committed[t]};
+  if (emu_cp.eager) {
+    emu_cp_land(c);
+  } else {
+    emu_cp.pending[t].push_back(c);
+  }
+}
+inline void emu_cp_commit() { emu_cp.committed[threadIdx.x] += 1; }
+inline void emu_cp_wait(int keep) {  // all but this fiber's newest `keep` groups have landed
+  std::vector<EmuCpAsync::Copy>& pending = emu_cp.pending[threadIdx.x];
+  const int below = emu_cp.committed[threadIdx.x] - keep;
+  std::vector<EmuCpAsync::Copy> later;
+  for (const EmuCpAsync::Copy& c : pending) {
+    if (c.group < below) {
+      emu_cp_land(c);
+    } else {
+      later.push_back(c);
+    }
+  }
+  pending = std::move(later);
+}
 inline float4 __ldcg(const float4* p) { return *p; }
 inline int atomicCAS(int* p, int expected, int desired) {
   const int old = *p;

@@ -110,7 +110,7 @@ std::vector<float> run_blocks(const MlaFlashArgs& args) {
     for (int tile = 0; tile < (a.tokens + kMlaFlashRows - 1) / kMlaFlashRows; ++tile) {
       std::memset(smem.data(), 0xff, smem.size());  // NaN in bf16 and f16
       block.run([&] { mla_flash_block<QK, DV, kF16>(a, tile, h, static_cast<int>(threadIdx.x), aligned); }, kMlaFlashThreads);
-      for (int t = 0; t < kMlaFlashThreads; ++t) EXPECT_TRUE(mla_flash_emu.pending[t].empty()) << "copies never waited for";
+      for (int t = 0; t < kMlaFlashThreads; ++t) EXPECT_TRUE(emu_cp.pending[t].empty()) << "copies never waited for";
     }
   }
   return out;
@@ -165,7 +165,7 @@ TEST(MlaFlashEmu, MatchesPlainAttention) {
         args.scale_log2 = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.qk)) / std::log(2.0));
         args.act = c.f16 ? kAF16 : kABF16;
         args.round_out = round;
-        mla_flash_emu.eager = eager;
+        emu_cp.eager = eager;
         const std::vector<float> have = c.f16 ? run_case<true>(c, args) : run_case<false>(c, args);
         double worst = 0;
         for (int t = 0; t < c.tokens; ++t) {
@@ -190,7 +190,7 @@ TEST(MlaFlashEmu, MatchesPlainAttention) {
       }
     }
   }
-  mla_flash_emu.eager = false;
+  emu_cp.eager = false;
 }
 
 }  // namespace

@@ -256,24 +256,29 @@ __device__ __forceinline__ void op_leave(const TaskCtx& ctx, unsigned* leavers) 
 // Asynchronous 16-byte copies from global to shared memory (sm_80+ cp.async, L2 only: data other blocks
 // wrote during the launch is never read from a stale L1 line). cp_async_wait<N> waits until at most N of
 // this thread's committed groups are in flight; a __syncthreads after it makes every thread's copies
-// visible. Emulator builds copy at once.
+// visible. Emulator builds defer each copy to the wait that covers it (emu_prelude.h emu_cp), so a
+// missing wait reads stale shared memory there too.
 __device__ __forceinline__ void cp_async16(float* smem, const float* global) {
 #ifndef PLOW_CUDA_EMU
   const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global) : "memory");
 #else
-  for (int i = 0; i < 4; ++i) smem[i] = global[i];
+  emu_cp_async(smem, global, 16);
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() {
 #ifndef PLOW_CUDA_EMU
   asm volatile("cp.async.commit_group;" ::: "memory");
+#else
+  emu_cp_commit();
 #endif
 }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
 #ifndef PLOW_CUDA_EMU
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#else
+  emu_cp_wait(N);
 #endif
 }
 
