@@ -142,6 +142,13 @@ void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
   cmd->add_option("--steps", args.steps, "timed decode steps per point");
   cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
   cmd->add_flag("--profile", args.profile, "per-opcode time, bytes and bandwidth; the megakernel's wait and run time");
+  cmd->add_flag("--gemm-plans", args.gemm_plans,
+                "also time batches of at least --gemm-min-rows sequences on an unfused prefill plan (projections and experts as GEMMs, the rest on op bodies), as "
+                "`plow serve` runs them: peer cuda-gemm-plan");
+  cmd->add_option("--gemm-min-rows", args.gemm_min_rows, "with --gemm-plans: the fewest rows a step runs on the GEMM path with (default: serving's, 8)")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--gemm-plan-tokens", args.gemm_plan_tokens,
+                  "with --gemm-plans: one prefill plan of this many rows for every such batch (serve's is --max-num-batched-tokens; default: one per batch, of its size)")
+      ->check(CLI::Range(1, 1 << 20));
   cmd->add_flag("--bytes-only", args.bytes_only, "print the bytes each point must read (the roofline's numerator) and stop; needs no GPU");
   cmd->add_flag("--diagnose", args.diagnose, "time the first batch's decode ops one launch at a time (10 s timeout each), then stop");
   cmd->add_option("-o,--output", args.output, "JSON array the records are appended to");
@@ -240,6 +247,17 @@ int run_bench_decode(const BenchDecodeArgs& args) {
     auto weights = args.model_dir.empty() ? cuda::random_device_weights(model->graph, args.seed, dtype) : cuda::upload_weights(model->graph, *model->weights);
     std::vector<Plan> plans;
     for (int64_t b : args.batches) plans.push_back(compile_plan(*model, PlanPhase::kDecode, b, workers, max_context));
+    // The GEMM path's prefill plans after the decode plans (plan_info[bi] stays the batch's decode plan).
+    const int64_t gemm_min_rows = args.gemm_min_rows > 0 ? args.gemm_min_rows : cuda::kGemmMinRows;
+    const auto on_gemm_path = [&](int64_t b) { return args.gemm_plans && b >= gemm_min_rows; };
+    if (args.gemm_plans && args.gemm_plan_tokens > 0) {
+      if (args.gemm_plan_tokens < max_batch) fail("bench decode: --gemm-plan-tokens {} holds no batch of {}", args.gemm_plan_tokens, max_batch);
+      plans.push_back(compile_plan(*model, PlanPhase::kPrefill, args.gemm_plan_tokens, workers, max_context, false));
+    } else {
+      for (int64_t b : args.batches) {
+        if (on_gemm_path(b)) plans.push_back(compile_plan(*model, PlanPhase::kPrefill, b, workers, max_context, false));
+      }
+    }
     std::vector<json> plan_info;
     for (const Plan& p : plans) plan_info.push_back({{"max_tokens", p.max_tokens}, {"tasks", p.tasks.size()}, {"ops", p.ops.size()}});
     cuda::CudaOptions options;
@@ -248,6 +266,7 @@ int run_bench_decode(const BenchDecodeArgs& args) {
     options.max_context_tokens = max_context;
     options.device = gpu;
     options.comm = comm.get();
+    options.gemm_min_rows = gemm_min_rows;
     cuda::CudaBackend backend(model->graph, weights, std::move(plans), options);
     if (!quiet) std::cerr << fmt::format("weights on the device: {:.2f} GB\n", static_cast<double>(cuda::device_weight_bytes(*weights)) / 1e9);
     if (args.diagnose) {
@@ -272,6 +291,8 @@ int run_bench_decode(const BenchDecodeArgs& args) {
         backend.set_eager(true);
         const double eager = backend.timed_decode_steps(static_cast<int>(batch), std::max(5, args.steps / 3));
         backend.set_eager(false);
+        const bool on_gemm = on_gemm_path(batch);
+        const double gemm = on_gemm ? backend.timed_decode_steps(static_cast<int>(batch), args.steps, true) : 0.0;
         const double bytes = decode_bytes(*model, batch, context, dtype);
         const double gbps = bytes / (mega * 1e-3) / 1e9;
         json record = {{"kind", "decode"},
@@ -293,6 +314,10 @@ int run_bench_decode(const BenchDecodeArgs& args) {
                        {"git_rev", rev},
                        {"command", args.command_line},
                        {"peers", {{"cuda-eager", {{"ms_per_step", eager}}}}}};
+        if (on_gemm) {
+          record["peers"]["cuda-gemm-plan"] = {{"ms_per_step", gemm},
+                                               {"plan", fmt::format("prefill of {} rows, unfused, GEMM path from {} rows", args.gemm_plan_tokens > 0 ? args.gemm_plan_tokens : batch, gemm_min_rows)}};
+        }
         if (args.tp > 1) {
           // Bytes and the roofline are one rank's (every rank reads its own block at the same time).
           record["tp"] = args.tp;
@@ -312,9 +337,30 @@ int run_bench_decode(const BenchDecodeArgs& args) {
                             {"weight_gbps", p.ms > 0 ? p.bytes / (p.ms * 1e-3) / 1e9 : 0.0}});
           }
           record["profile"] = {{"eager_ops_ms", total}, {"rows", rows}};
+          if (on_gemm) {
+            // The GEMM path's step, every op its own launch between events (host GEMMs included):
+            // timed_decode_steps runs 3 warm-up steps and 2 timed ones, all five timed here.
+            constexpr int kProfiledSteps = 5;
+            backend.set_eager(true);
+            backend.set_op_timing(true);
+            backend.reset_op_times();
+            backend.timed_decode_steps(static_cast<int>(batch), kProfiledSteps - 3, true);
+            backend.set_op_timing(false);
+            backend.set_eager(false);
+            double gemm_total = 0;
+            for (const cuda::OpcodeProfile& o : backend.op_times()) gemm_total += o.ms / kProfiledSteps;
+            json gemm_rows = json::array();
+            for (const cuda::OpcodeProfile& o : backend.op_times()) {
+              gemm_rows.push_back({{"op", o.op}, {"tasks", o.tasks / kProfiledSteps}, {"ms", o.ms / kProfiledSteps}, {"share", o.ms / kProfiledSteps / gemm_total}});
+            }
+            record["profile_gemm_plan"] = {{"ops_ms", gemm_total}, {"rows", gemm_rows}};
+          }
         }
-        if (!quiet) std::cerr << fmt::format("batch {:3d} context {:6d}: {:8.3f} ms/step (eager {:8.3f}{}), {:7.1f} GB/s = {:5.1f}% of {:.0f}\n", batch, context, mega,
-                                 eager, in_kernel ? fmt::format(", NCCL segments {:8.3f}", nccl) : "", gbps, 100.0 * gbps / roofline_gbps, roofline_gbps);
+        if (!quiet) {
+          std::cerr << fmt::format("batch {:3d} context {:6d}: {:8.3f} ms/step (eager {:8.3f}{}{}), {:7.1f} GB/s = {:5.1f}% of {:.0f}\n", batch, context, mega,
+                                   eager, in_kernel ? fmt::format(", NCCL segments {:8.3f}", nccl) : "", on_gemm ? fmt::format(", GEMM plan {:8.3f}", gemm) : "",
+                                   gbps, 100.0 * gbps / roofline_gbps, roofline_gbps);
+        }
         records.push_back(std::move(record));
       }
     }

@@ -73,6 +73,9 @@ struct BenchDecodeArgs {
   int steps = 30;
   int workers = 0;
   bool profile = false;
+  bool gemm_plans = false;      // also time batches of ≥ gemm_min_rows on a prefill plan's GEMM path
+  int64_t gemm_min_rows = 0;     // CudaOptions::gemm_min_rows (0: cuda::kGemmMinRows)
+  int64_t gemm_plan_tokens = 0;  // that prefill plan's rows (0: one plan per such batch, of its size)
   bool diagnose = false;
   bool bytes_only = false;  // run the first batch's decode ops one by one with a timeout, then stop
   std::string output = "bench/results/decode.json";

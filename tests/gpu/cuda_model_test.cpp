@@ -1,6 +1,7 @@
 // The cuda backend vs cpu/reference on every checkpoint fixture of tests/data (label gpu): greedy
 // tokens identical over 64 decode steps for batch 1 and for a batch of three sequences decoded
-// together (each against its own solo reference run), megakernel and eager, several worker counts;
+// together (each against its own solo reference run; on the decode plan, and on the prefill plan's
+// GEMM path as serving decodes ≥ 32 sequences), megakernel and eager, several worker counts;
 // logits within the fp32 reassociation bound; the megakernel bit-identical from run to run.
 // PLOW_TEST_DATA in the environment overrides the compiled-in path (the GPU machine runs a copy).
 #include <gtest/gtest.h>
@@ -50,7 +51,10 @@ GenerateResult reference_run(const LoadedModel& model, const std::vector<int32_t
   return generate(reference, 0, options);
 }
 
-std::unique_ptr<cuda::CudaBackend> make_cuda(const LoadedModel& model, int batch, int workers, bool eager, DType act, int64_t chunk) {
+// `gemm_rows` > 0: steps of that many rows or more take the prefill plan's GEMM path, decode steps
+// included (CudaOptions::decode_gemm_min_rows, cuda::kDecodeGemmMinRows by default; lowered so
+// that the batch of three reaches it).
+std::unique_ptr<cuda::CudaBackend> make_cuda(const LoadedModel& model, int batch, int workers, bool eager, DType act, int64_t chunk, int64_t gemm_rows = 0) {
   std::vector<Plan> plans;
   plans.push_back(compile_plan(model, PlanPhase::kDecode, batch, workers, kMaxContext));
   plans.push_back(compile_plan(model, PlanPhase::kPrefill, chunk, workers, kMaxContext));
@@ -59,6 +63,7 @@ std::unique_ptr<cuda::CudaBackend> make_cuda(const LoadedModel& model, int batch
   options.num_slots = batch;
   options.max_context_tokens = kMaxContext;
   options.eager = eager;
+  if (gemm_rows > 0) options.gemm_min_rows = options.decode_gemm_min_rows = gemm_rows;
   static std::map<const LoadedModel*, std::shared_ptr<cuda::DeviceWeightSet>> uploaded;
   auto& weights = uploaded[&model];
   if (!weights) weights = cuda::upload_weights(model.graph, *model.weights);
@@ -147,29 +152,41 @@ TEST_P(CudaModelTest, GreedyTokensMatchTheReferenceBatchOneAndThree) {
   }
 
   // Batch 3: prefill each sequence alone (one step each), then decode all three together, feeding back
-  // the reference's tokens (equal to the GPU's own wherever the check above demands identity).
-  auto backend = make_cuda(model, 3, c.workers, c.eager, act, 128);
-  for (int s = 0; s < 3; ++s) {
-    StepInputs in;
-    in.token_ids = prompts[static_cast<size_t>(s)];
-    in.sequences = {{s, static_cast<int64_t>(prompts[static_cast<size_t>(s)].size())}};
-    const StepOutput out = backend->step(in);
-    const auto& want = expected[static_cast<size_t>(s)].logits;
-    check_row(want.data() + (prompts[static_cast<size_t>(s)].size() - 1) * static_cast<size_t>(vocab), out.logits.data(), vocab, act,
-              c.fixture + " batched prefill of sequence " + std::to_string(s), tally);
-  }
-  for (int64_t n = 1; n < kSteps; ++n) {
-    StepInputs in;
+  // the reference's tokens (equal to the GPU's own wherever the check above demands identity): on the
+  // batch-3 decode plan, then with decode steps of 3 rows on the prefill plan's GEMM path (as serving
+  // runs batches of ≥ kDecodeGemmMinRows).
+  for (const bool on_gemm : {false, true}) {
+    auto backend = make_cuda(model, 3, c.workers, c.eager, act, 128, on_gemm ? 3 : 0);
+    const std::string path = on_gemm ? " (decode on the GEMM path)" : "";
     for (int s = 0; s < 3; ++s) {
-      in.token_ids.push_back(expected[static_cast<size_t>(s)].generated[static_cast<size_t>(n - 1)]);
-      in.sequences.push_back({s, 1});
-    }
-    const StepOutput out = backend->step(in);
-    for (int s = 0; s < 3; ++s) {
+      StepInputs in;
+      in.token_ids = prompts[static_cast<size_t>(s)];
+      in.sequences = {{s, static_cast<int64_t>(prompts[static_cast<size_t>(s)].size())}};
+      const StepOutput out = backend->step(in);
       const auto& want = expected[static_cast<size_t>(s)].logits;
-      const size_t row = prompts[static_cast<size_t>(s)].size() - 1 + static_cast<size_t>(n);
-      check_row(want.data() + row * static_cast<size_t>(vocab), out.logits.data() + static_cast<size_t>(s) * static_cast<size_t>(vocab), vocab, act,
-                c.fixture + " batched sequence " + std::to_string(s) + " step " + std::to_string(n), tally);
+      check_row(want.data() + (prompts[static_cast<size_t>(s)].size() - 1) * static_cast<size_t>(vocab), out.logits.data(), vocab, act,
+                c.fixture + " batched prefill of sequence " + std::to_string(s) + path, tally);
+    }
+    const int64_t gemms_before_decode = backend->prefill_gemms();
+    for (int64_t n = 1; n < kSteps; ++n) {
+      StepInputs in;
+      for (int s = 0; s < 3; ++s) {
+        in.token_ids.push_back(expected[static_cast<size_t>(s)].generated[static_cast<size_t>(n - 1)]);
+        in.sequences.push_back({s, 1});
+      }
+      const StepOutput out = backend->step(in);
+      for (int s = 0; s < 3; ++s) {
+        const auto& want = expected[static_cast<size_t>(s)].logits;
+        const size_t row = prompts[static_cast<size_t>(s)].size() - 1 + static_cast<size_t>(n);
+        check_row(want.data() + row * static_cast<size_t>(vocab), out.logits.data() + static_cast<size_t>(s) * static_cast<size_t>(vocab), vocab, act,
+                  c.fixture + " batched sequence " + std::to_string(s) + " step " + std::to_string(n) + path, tally);
+      }
+    }
+    // The decode steps ran on the path this pass is about.
+    if (on_gemm) {
+      EXPECT_GT(backend->prefill_gemms(), gemms_before_decode) << c.fixture << ": decode steps of 3 rows never ran a GEMM";
+    } else {
+      EXPECT_EQ(backend->prefill_gemms(), gemms_before_decode) << c.fixture << ": a decode step ran a GEMM on the decode plan";
     }
   }
   EXPECT_LE(tally.flips * 32, tally.rows) << tally.flips << " near-tie flips in " << tally.rows << " rows";

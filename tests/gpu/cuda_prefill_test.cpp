@@ -237,7 +237,7 @@ TEST(CudaPrefillGemm, OddShapesMatchTheCpuLinear) {
       const int64_t gemms = shape == Shape::kSingle ? 1 : 2;
       expect_gpu_matches_cpu(graph, random_checkpoint(graph, 5, dtype, "prefill-gemm"), dtype, "shape " + std::to_string(static_cast<int>(shape)), 1e-5f, 2.0f,
                              [&](const cuda::CudaBackend&, int64_t rows, PathCounts ran, const std::string& where) {
-                               EXPECT_EQ(ran.gemms, rows >= 32 ? gemms : 0) << where;
+                               EXPECT_EQ(ran.gemms, rows >= cuda::kGemmMinRows ? gemms : 0) << where;
                              });
     }
   }
@@ -255,7 +255,7 @@ TEST(CudaPrefillGemm, RouterLogitsMatchTheCpuUnrounded) {
   for (DType dtype : {DType::F32, DType::BF16}) {
     expect_gpu_matches_cpu(
         g, random_checkpoint(g, 7, dtype, "prefill-router"), dtype, "router logits", 1e-5f, 0.0f,
-        [&](const cuda::CudaBackend&, int64_t rows, PathCounts ran, const std::string& where) { EXPECT_EQ(ran.gemms, rows >= 32 ? 1 : 0) << where; }, true);
+        [&](const cuda::CudaBackend&, int64_t rows, PathCounts ran, const std::string& where) { EXPECT_EQ(ran.gemms, rows >= cuda::kGemmMinRows ? 1 : 0) << where; }, true);
   }
 }
 
@@ -332,9 +332,9 @@ TEST(CudaPrefillGemm, RoutedExpertsMatchTheCpuOps) {
     for (DType dtype : {DType::F32, DType::BF16}) {
       const Graph graph = moe_graph(c);
       auto check = [&](const cuda::CudaBackend& gpu, int64_t rows, PathCounts ran, const std::string& where) {
-        ASSERT_EQ(ran.expert_ops, rows >= 32 ? 2 : 0) << where;
-        EXPECT_EQ(ran.gemms, rows >= 32 ? (c.add ? 2 : 1) : 0) << where << ": the router logits (and the shared linear) as GEMMs";
-        if (rows < 32) return;
+        ASSERT_EQ(ran.expert_ops, rows >= cuda::kGemmMinRows ? 2 : 0) << where;
+        EXPECT_EQ(ran.gemms, rows >= cuda::kGemmMinRows ? (c.add ? 2 : 1) : 0) << where << ": the router logits (and the shared linear) as GEMMs";
+        if (rows < cuda::kGemmMinRows) return;
         const std::vector<int32_t> tokens = gpu.last_expert_tokens();
         ASSERT_EQ(static_cast<int64_t>(tokens.size()), c.experts) << where;
         int64_t pairs = 0;

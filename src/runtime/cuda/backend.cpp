@@ -330,7 +330,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
         if (op.op() == Op::kAllReduce) peer_slot = std::max(peer_slot, plan.max_tokens * op.width);
       }
     }
-    if (options.prefill_gemm) prepared.gemm = plan_gemm_path(plan, plan_weights, by_task, reduce, act, options.prefill_mla_gemm);
+    if (options.prefill_gemm) prepared.gemm = plan_gemm_path(plan, plan_weights, by_task, reduce, act, options.prefill_mla_gemm, options.gemm_min_rows);
     max_gemm_input = std::max(max_gemm_input, prepared.gemm.max_input_elems);
     moe_capacity.merge(prepared.gemm.moe_capacity);
     mla_capacity.merge(prepared.gemm.mla_capacity);
@@ -473,7 +473,7 @@ StepOutput CudaBackend::step(const StepInputs& inputs) {
     decode = decode && seq.query_tokens == 1;
   }
   if (covered != rows) fail("cuda: sequences cover {} tokens, the step has {}", covered, rows);
-  const int chosen = m.choose(decode, rows);
+  const int chosen = m.choose_step(decode, rows);
   Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(chosen)];
   if (m.options.poison_arena) check(cudaMemsetAsync(m.arena.ptr, 0xFF, m.arena.bytes, m.stream), "arena poison");  // 0xFFFFFFFF is a NaN
   const StepView view = m.upload_step(prepared, inputs.token_ids, inputs.sequences);

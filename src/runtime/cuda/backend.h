@@ -35,6 +35,16 @@ double measure_read_bandwidth_gbps(int64_t bytes, int device = 0);
 
 inline constexpr int64_t kPeerReduceMaxRows = 64;
 
+// Default row thresholds of the GEMM path (CudaOptions::gemm_min_rows, decode_gemm_min_rows), from
+// `plow bench decode --gemm-plans` on the H200, 48B shape, context 4096, ms a step on the decode
+// plan's megakernel / eager / a 2,048-row prefill plan's GEMM path: batch 4 16.1 / 14.8 / 15.1,
+// batch 8 26.2 / 24.1 / 17.5, batch 16 45.6 / 42.2 / 21.8, batch 32 85.7 / 79.0 / 28.9. The routed
+// experts make the difference: the decode bodies stream each token's experts on their own, the GEMM
+// path groups the step's tokens by expert (moe_gemm.h). Below 8 rows the megakernel's decode plans
+// stay (batch 1: 8.5 ms a step).
+inline constexpr int64_t kGemmMinRows = 8;  // a step on a prefill plan takes its GEMM path from this many rows
+inline constexpr int64_t kDecodeGemmMinRows = 8;  // decode steps of this many sequences run on a prefill plan
+
 struct CudaOptions {
   DType act_dtype = DType::F32;
   int num_slots = 1;
@@ -49,9 +59,13 @@ struct CudaOptions {
   // inside the kernel over peer-mapped memory (peer_reduce.h), without NCCL calls or segment cuts;
   // false, or GPUs that cannot map each other's memory: NCCL between segments.
   bool peer_all_reduce = true;
-  // Prefill steps of ≥ 32 rows run the plan's plain linear ops as cuBLAS GEMMs between megakernel
+  // Prefill steps of ≥ gemm_min_rows rows run the plan's plain linear ops as cuBLAS GEMMs between megakernel
   // segments (prefill_gemm.h); false: every op on its plan body (the GEMV path, for comparison).
   bool prefill_gemm = true;
+  int64_t gemm_min_rows = kGemmMinRows;
+  // Decode steps of ≥ this many sequences run on the smallest prefill plan that holds them and has a
+  // GEMM path active at that many rows, instead of a decode plan (0: never; kDecodeGemmMinRows above).
+  int64_t decode_gemm_min_rows = kDecodeGemmMinRows;
   // On that path, mla_attention ops run as cuBLAS GEMMs in the expanded form too (mla_gemm.h), in steps
   // where a sequence brings ≥ 32 tokens; false: their op body (split-KV, absorbed), for comparison.
   bool prefill_mla_gemm = true;
@@ -98,7 +112,9 @@ class CudaBackend : public Backend {
 
   // Benchmarks: runs a decode step over `batch` sequences in slots 0..batch−1 at their current context
   // without downloading logits (greedy ids stay on the device and feed the next step). Returns ms.
-  double timed_decode_steps(int batch, int steps);
+  // `prefill_plan`: on the smallest prefill plan that holds the batch (its GEMM path) instead of a
+  // decode plan.
+  double timed_decode_steps(int batch, int steps, bool prefill_plan = false);
   // Sets every slot's context to `tokens` (caches filled with the values already there) so a decode
   // step attends over that many cached positions — for benchmarks at long context.
   void fake_context(int64_t tokens);

@@ -37,7 +37,7 @@ struct CudaBackend::Impl {
     // segment the host enqueues the NCCL all-reduces that open it. None without all_reduce ops.
     std::vector<Segment> segments;
     bool peer_reduce = false;  // small enough for the in-kernel all_reduce (peer_reduce.h)
-    GemmPath gemm;  // prefill steps of ≥ kGemmMinRows rows: linears as cuBLAS GEMMs (prefill_gemm.h)
+    GemmPath gemm;  // steps of ≥ options.gemm_min_rows rows: linears as cuBLAS GEMMs (prefill_gemm.h)
   };
 
   std::shared_ptr<DeviceWeightSet> weights;
@@ -74,6 +74,21 @@ struct CudaBackend::Impl {
     std::string available;
     for (const auto& prepared : plans) available += fmt::format("{}{} ≤ {}", available.empty() ? "" : ", ", phase_name(prepared->plan.phase), prepared->plan.max_tokens);
     fail("cuda: no {} plan holds a step of {} tokens (plans: {})", phase_name(phase), rows, available);
+  }
+
+  // The plan a step runs on: a decode step of ≥ options.decode_gemm_min_rows sequences on the smallest
+  // prefill plan whose GEMM path takes it, when there is one; otherwise choose().
+  int choose_step(bool decode, int64_t rows) const {
+    if (decode && options.decode_gemm_min_rows > 0 && rows >= options.decode_gemm_min_rows) {
+      int best = -1;
+      for (size_t i = 0; i < plans.size(); ++i) {
+        const PreparedPlan& p = *plans[i];
+        if (p.plan.phase != PlanPhase::kPrefill || p.plan.max_tokens < rows || !p.gemm.active(rows, options.gemm_min_rows)) continue;
+        if (best < 0 || p.plan.max_tokens < plans[static_cast<size_t>(best)]->plan.max_tokens) best = static_cast<int>(i);
+      }
+      if (best >= 0) return best;
+    }
+    return choose(decode, rows);
   }
 
   // Uploads the step view (sequences as StepView arrays) and writes the token ids into the arena.
@@ -218,7 +233,7 @@ struct CudaBackend::Impl {
   }
 
   void launch(PreparedPlan& prepared, const KernelParams& p, bool eager) {
-    const bool gemm = prepared.gemm.active(p.step.tokens);
+    const bool gemm = prepared.gemm.active(p.step.tokens, options.gemm_min_rows);
     const bool mla = gemm && mla_gemm_step();
     if (gemm && moe_runner) moe_runner->new_step();  // the last step's routing is stale
     if (mla) mla_runner->new_step();

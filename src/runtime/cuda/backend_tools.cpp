@@ -54,11 +54,11 @@ void CudaBackend::fake_context(int64_t tokens) {
   std::fill(m.contexts.begin(), m.contexts.end(), tokens);
 }
 
-double CudaBackend::timed_decode_steps(int batch, int steps) {
+double CudaBackend::timed_decode_steps(int batch, int steps, bool prefill_plan) {
   Impl& m = *impl_;
   m.use_device();
   if (batch < 1 || batch > num_slots()) fail("cuda: a decode batch of {} needs {} slots, the backend has {}", batch, batch, num_slots());
-  Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(m.choose(true, batch))];
+  Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(m.choose(!prefill_plan, batch))];
   const StepView view = m.upload_decode_step(prepared, batch);
   const PlanOp& head = prepared.plan.op(prepared.plan.output_op);
   float* token_out = prepared.token_offsets.empty() ? nullptr : m.arena.as<float>() + prepared.token_offsets.front();

@@ -86,9 +86,9 @@ GemmSchedule gemm_schedule(const Plan& plan, const std::vector<Instr>& by_task, 
 }  // namespace
 
 GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weights, const std::vector<Instr>& by_task, const std::vector<bool>& reduce,
-                        int32_t act, bool mla) {
+                        int32_t act, bool mla, int64_t min_rows) {
   GemmPath path;
-  if (plan.phase != PlanPhase::kPrefill || plan.max_tokens < kGemmMinRows) return path;
+  if (plan.phase != PlanPhase::kPrefill || plan.max_tokens < min_rows) return path;
   path.ops.resize(plan.ops.size());
   path.moe_ops.resize(plan.ops.size());
   path.mla_ops.resize(plan.ops.size());

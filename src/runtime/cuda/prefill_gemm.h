@@ -1,5 +1,5 @@
 // Prefill on tensor cores (issue H, first slice): a prefill plan's plain linear and router_logits ops
-// run as one cuBLAS GEMM each, between megakernel segments, when a step has ≥ kGemmMinRows rows; the op's own tasks then
+// run as one cuBLAS GEMM each, between megakernel segments, when a step has ≥ CudaOptions::gemm_min_rows rows (backend.h); the op's own tasks then
 // only round the fp32 GEMM output to the activation dtype (ops/round_rows.cuh), as the GEMV body
 // rounds its dots. Internal to src/runtime/cuda (backend.cpp).
 #pragma once
@@ -17,7 +17,6 @@
 
 namespace plow::cuda {
 
-inline constexpr int64_t kGemmMinRows = 32;  // below it the GEMV bodies (one weight pass per 8 rows) win
 
 // One linear op as a GEMM: y[T, out] = x[T, in]·Wᵀ with W [out, in] row-major; x rows at arena +
 // x_offset (row stride x_stride), y rows at arena + y_offset (row stride `out`), both fp32.
@@ -62,15 +61,16 @@ struct GemmPath {
   int64_t max_input_elems = 0;  // the largest GEMM input (rows × in) the plan can bring
   MoeGemmCapacity moe_capacity;  // what its MoE ops need at max_tokens rows
   MlaGemmCapacity mla_capacity;  // what its MLA ops need at max_tokens rows
-  bool active(int64_t rows) const { return !all_host.segments.empty() && rows >= kGemmMinRows; }
+  bool available() const { return !all_host.segments.empty(); }
+  bool active(int64_t rows, int64_t min_rows) const { return available() && rows >= min_rows; }
   // The schedule of a GEMM step; `mla`: its MLA ops run as GEMMs.
   const GemmSchedule& schedule(bool mla) const { return mla || mla_body.segments.empty() ? all_host : mla_body; }
 };
-// Empty for decode plans, plans of fewer than kGemmMinRows rows and plans without any GEMM form.
+// Empty for decode plans, plans of fewer than `min_rows` rows and plans without any GEMM form.
 // `weights`: the plan's weights on the device; `reduce`: its all_reduce ops (host ops on every path);
 // `mla`: whether mla_attention ops may take their GEMM form.
 GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weights, const std::vector<Instr>& by_task, const std::vector<bool>& reduce,
-                        int32_t act, bool mla);
+                        int32_t act, bool mla, int64_t min_rows);
 
 // cuBLAS on one stream: a handle, its workspace, and the bf16/f16 copy of a GEMM's input.
 class GemmRunner {
