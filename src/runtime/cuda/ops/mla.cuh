@@ -8,11 +8,13 @@
 // take the per-head body of mla_heads.cuh instead (faster there: no cross-block phases).
 // Split-KV: the op has one task per worker (spreads_over_workers) and its tasks take work items from a
 // ticket counter (OpDesc::sync[0]) in three phases, every item of a phase before any of the next:
-//  A (block of kMlaRowBlock query rows × head): q_abs into the workspace; the head-0 item also appends
-//    those rows' fresh latents to the cache.
+//  A (block of kMlaRowBlock query rows × head × part of kMlaSplitAC): q_abs into the workspace, the
+//    part's share of its latent columns; the (head 0, part 0) item also appends those rows' fresh latents
+//    to the cache.
 //  B (sequence × split of cache positions × group of kMlaGroup queries (token, head)): rows staged in
 //    shared memory once serve the group's queries; writes each query's partial (max, sum, u).
-//  C (row block × head): merges a query's partials with log-sum-exp rescaling; o = W_UV,h·u.
+//  C (row block × head × part): merges a query's partials with log-sum-exp rescaling (every part of a
+//    head, the same merge); o = W_UV,h·u for the part's share of the value rows.
 // A B item waits until every A item is done (sync[1]), a C item until every B item is (sync[2]). That
 // wait cannot deadlock, in the megakernel or in eager mode with blocks not co-resident: tickets are
 // taken in order and only by running blocks, so every item below a waiting one is held by a running
@@ -36,15 +38,37 @@ inline constexpr int kMlaTileRows = 16;       // cache rows staged in shared mem
 inline constexpr int kMlaRowBlock = 8;        // query rows of an A or C item (one read of the head's kv_b rows)
 inline constexpr int kMlaMinSplitRows = 64;   // cache rows of a split, at least (a B item loads kMlaGroup q_abs)
 inline constexpr int kMlaMaxSplits = 1024;    // splits of one sequence, at most (C weights in shared memory)
+// A and C items per (row block, head): at batch 1 one item a head left A and C on `heads` SMs (32 of
+// 132 on the H200), each streaming its head's 128 KB of kv_b rows alone. Parts split the columns of
+// q_abs (A) and the value rows (C), so each output element is still summed by one thread or warp in
+// the same order: the results do not depend on the split.
+inline constexpr int kMlaSplitAC = 4;
 inline constexpr int kMlaStagePerThread = kMlaTileRows * kMlaMaxLatent / kThreads;
 static_assert(kMlaTileRows == kWarps && kMlaMaxRank <= kThreads && kMlaTileRows * kMlaMaxLatent % kThreads == 0, "MLA tiling");
 
-// The step's work items. B items of sequence s: splits(s) × groups(s), split-major (consecutive tickets
-// read the same cache rows for different query groups, from L2). split_rows: the positions of a split,
-// chosen so that B has about 2 × tasks items (never fewer than kMlaMinSplitRows positions).
+// The step's work items. A and C have a_items each (row blocks × heads × kMlaSplitAC). B items of
+// sequence s: splits(s) × groups(s), split-major (consecutive tickets read the same cache rows for
+// different query groups, from L2). split_rows: the positions of a split, chosen so that B has about
+// 2 × tasks items (never fewer than kMlaMinSplitRows positions).
 struct MlaSchedule {
   int a_items, b_items, split_rows;
 };
+
+// An A or C item: rows [r0, r0 + n), head h, part `part`; the parts of one (row block, head) take
+// consecutive tickets (they read neighbouring columns of the same kv_b rows).
+struct MlaAcItem {
+  int r0, n, h, part;
+};
+__device__ __forceinline__ MlaAcItem mla_ac_item(const TaskCtx& ctx, const MlaShape& sh, int item) {
+  MlaAcItem it;
+  it.part = item % kMlaSplitAC;
+  it.h = item / kMlaSplitAC % sh.heads;
+  it.r0 = item / kMlaSplitAC / sh.heads * kMlaRowBlock;
+  it.n = ctx.rows() - it.r0 < kMlaRowBlock ? ctx.rows() - it.r0 : kMlaRowBlock;
+  return it;
+}
+// Part p's share [begin(p), begin(p + 1)) of `count` columns or rows: near-equal, covering [0, count).
+__device__ __forceinline__ int mla_part_begin(int count, int part) { return count * part / kMlaSplitAC; }
 
 __device__ __forceinline__ int mla_groups(const StepView& step, int s, int heads) { return (step.seq_tokens[s] * heads + kMlaGroup - 1) / kMlaGroup; }
 __device__ __forceinline__ int mla_splits(const StepView& step, int s, int split_rows) {
@@ -54,7 +78,7 @@ __device__ __forceinline__ int mla_splits(const StepView& step, int s, int split
 __device__ inline MlaSchedule mla_schedule(const TaskCtx& ctx, const MlaShape& sh) {
   const StepView& step = *ctx.step;
   MlaSchedule m;
-  m.a_items = (step.tokens + kMlaRowBlock - 1) / kMlaRowBlock * sh.heads;
+  m.a_items = (step.tokens + kMlaRowBlock - 1) / kMlaRowBlock * sh.heads * kMlaSplitAC;
   int64_t work = 0, longest = 0;  // Σ positions × groups; the longest sequence
   for (int s = 0; s < step.num_seqs; ++s) {
     const int64_t visible = static_cast<int64_t>(step.seq_context[s]) + step.seq_tokens[s];
@@ -128,16 +152,20 @@ __device__ inline void mla_append_latents(const TaskCtx& ctx, const MlaShape& sh
       });
 }
 
-// A item: q_abs[row][h] = [q_nope·W_UK,h | q_rope] for the block's rows (one read of W_UK,h).
+// A item: q_abs[row][h] = [q_nope·W_UK,h | q_rope] for the block's rows, columns of its part: rank
+// columns [c0, c1) and rope columns rank + [t0, t1) (one read of the part's columns of W_UK,h).
 __device__ __noinline__ void mla_absorb_item(const TaskCtx& ctx, const MlaShape& sh, int item, float* qabs, float* red) {
   const DeviceWeight& kv_b = ctx.weight(1);  // [heads·(nope+v), rank]
-  const int h = item % sh.heads, r0 = item / sh.heads * kMlaRowBlock;
-  const int n = ctx.rows() - r0 < kMlaRowBlock ? ctx.rows() - r0 : kMlaRowBlock;
+  const MlaAcItem it = mla_ac_item(ctx, sh, item);
+  const int h = it.h, r0 = it.r0, n = it.n;
+  const int c0 = mla_part_begin(sh.rank, it.part), c1 = mla_part_begin(sh.rank, it.part + 1);
+  const int t0 = mla_part_begin(sh.rope, it.part), t1 = mla_part_begin(sh.rope, it.part + 1);
   // The block's q_nope rows of head h in shared memory (after `red`): the loop below reads each n times.
   float* qs = red + 32;
   for (int idx = static_cast<int>(threadIdx.x); idx < n * sh.nope; idx += kThreads) qs[idx] = ctx.in(0, r0 + idx / sh.nope)[h * sh.qk + idx % sh.nope];
   __syncthreads();
-  for (int e = static_cast<int>(threadIdx.x); e < sh.latent; e += kThreads) {
+  for (int j = static_cast<int>(threadIdx.x); j < c1 - c0 + t1 - t0; j += kThreads) {
+    const int e = j < c1 - c0 ? c0 + j : sh.rank + t0 + (j - (c1 - c0));
     float acc[kMlaRowBlock];
 #pragma unroll
     for (int r = 0; r < kMlaRowBlock; ++r) acc[r] = r < n && e >= sh.rank ? ctx.in(0, r0 + r)[h * sh.qk + sh.nope + e - sh.rank] : 0.0f;
@@ -158,7 +186,7 @@ __device__ __noinline__ void mla_absorb_item(const TaskCtx& ctx, const MlaShape&
       if (r < n) qabs[(static_cast<int64_t>(r0 + r) * sh.heads + h) * sh.latent + e] = acc[r];
     }
   }
-  if (h == 0) mla_append_latents(ctx, sh, r0, n, red);  // ends with __syncthreads
+  if (h == 0 && it.part == 0) mla_append_latents(ctx, sh, r0, n, red);  // ends with __syncthreads
 }
 
 // Cache rows [r0, r0 + n) (contiguous) into registers, kMlaStagePerThread floats per thread.
@@ -296,23 +324,24 @@ __device__ __forceinline__ bool mla_uv_vector(const DeviceWeight& kv_b, const Ml
   return (kv_b.type == kWBF16 || kv_b.type == kWF16) && sh.rank % 256 == 0 && sh.rank <= kMlaMaxRank;
 }
 
-__device__ __noinline__ void mla_uv_rows(const TaskCtx& ctx, const MlaShape& sh, int h, int r0, int n, const float* usum) {
+// Value rows [i_begin, i_end) of head h for the block's rows r0 + [0, n).
+__device__ __noinline__ void mla_uv_rows(const TaskCtx& ctx, const MlaShape& sh, int h, int r0, int n, int i_begin, int i_end, const float* usum) {
   const DeviceWeight& kv_b = ctx.weight(1);
   const int lane = lane_id(), chunks = sh.rank / 8 / 32;  // 16-byte chunks per lane and row (≤ 2)
   constexpr int kRowsAtOnce = 2, kMaxChunks = kMlaMaxRank / 8 / 32;
-  for (int i0 = warp_id() * kRowsAtOnce; i0 < sh.dv; i0 += kWarps * kRowsAtOnce) {
+  for (int i0 = i_begin + warp_id() * kRowsAtOnce; i0 < i_end; i0 += kWarps * kRowsAtOnce) {
     uint4 v[kRowsAtOnce][kMaxChunks];
 #pragma unroll
     for (int q = 0; q < kRowsAtOnce; ++q) {
 #pragma unroll
       for (int c = 0; c < kMaxChunks; ++c) {
         const int64_t row = static_cast<int64_t>(h) * sh.per_head + sh.nope + i0 + q;
-        if (i0 + q < sh.dv && c < chunks) v[q][c] = load_stream(kv_b.data + (row * sh.rank + (lane + 32 * c) * 8) * 2);
+        if (i0 + q < i_end && c < chunks) v[q][c] = load_stream(kv_b.data + (row * sh.rank + (lane + 32 * c) * 8) * 2);
       }
     }
 #pragma unroll
     for (int q = 0; q < kRowsAtOnce; ++q) {
-      if (i0 + q >= sh.dv) break;  // warp-uniform
+      if (i0 + q >= i_end) break;  // warp-uniform
       float acc[kMlaRowBlock];
 #pragma unroll
       for (int r = 0; r < kMlaRowBlock; ++r) acc[r] = 0.0f;
@@ -341,11 +370,13 @@ __device__ __noinline__ void mla_uv_rows(const TaskCtx& ctx, const MlaShape& sh,
 #endif
 
 // C item: for each row of the block, head h: u = Σ_k e^(m_k − M)·u_k / Σ_k e^(m_k − M)·l_k over the
-// query's splits, then out[row][h·dv + i] = act(W_UV,h[i]·u) (one read of W_UV,h for the block).
+// query's splits (all of u: every part needs it), then out[row][h·dv + i] = act(W_UV,h[i]·u) for the
+// part's value rows [i_begin, i_end) (one read of those rows of W_UV,h for the block).
 __device__ __noinline__ void mla_combine_item(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched, int item, const MlaWorkspace& ws, float* smem) {
   const StepView& step = *ctx.step;
-  const int h = item % sh.heads, r0 = item / sh.heads * kMlaRowBlock;
-  const int n = ctx.rows() - r0 < kMlaRowBlock ? ctx.rows() - r0 : kMlaRowBlock;
+  const MlaAcItem it = mla_ac_item(ctx, sh, item);
+  const int h = it.h, r0 = it.r0, n = it.n;
+  const int i_begin = mla_part_begin(sh.dv, it.part), i_end = mla_part_begin(sh.dv, it.part + 1);
   float* wts = smem;                    // [kMlaMaxSplits]
   float* usum = wts + kMlaMaxSplits;    // [kMlaRowBlock][rank]
   float* red = usum + kMlaRowBlock * sh.rank;  // 32
@@ -378,11 +409,11 @@ __device__ __noinline__ void mla_combine_item(const TaskCtx& ctx, const MlaShape
   const int lane = lane_id();
 #ifndef PLOW_CUDA_EMU
   if (mla_uv_vector(kv_b, sh)) {
-    mla_uv_rows(ctx, sh, h, r0, n, usum);
+    mla_uv_rows(ctx, sh, h, r0, n, i_begin, i_end, usum);
     return;
   }
 #endif
-  for (int i = warp_id(); i < sh.dv; i += kWarps) {
+  for (int i = i_begin + warp_id(); i < i_end; i += kWarps) {
     const int64_t row = static_cast<int64_t>(h) * sh.per_head + sh.nope + i;
     float acc[kMlaRowBlock];
 #pragma unroll
@@ -446,7 +477,7 @@ __device__ __noinline__ void op_mla_attention(const TaskCtx& ctx) {
   const MlaShape sh = mla_shape(ctx);
   const MlaSchedule sched = mla_schedule(ctx, sh);
   if (!mla_step_fits(ctx, sh, sched)) return;
-  const int a_items = sched.a_items, b_items = sched.b_items, total = 2 * a_items + b_items;
+  const int a_items = sched.a_items, b_items = sched.b_items, total = 2 * a_items + b_items;  // C: as many as A
   float* const ws_base = ctx.op->workspace;
   const MlaWorkspace ws{ws_base, ws_base + static_cast<int64_t>(ctx.rows()) * sh.heads * sh.latent,
                         ws_base + static_cast<int64_t>(ctx.rows()) * sh.heads * sh.latent + static_cast<int64_t>(b_items) * kMlaGroup * 2};
