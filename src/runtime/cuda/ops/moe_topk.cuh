@@ -31,32 +31,56 @@ __device__ __forceinline__ void warp_argmax(float& value, int& index) {
 }
 
 // Selects and weights the experts of one row (one warp). logits: the row's E logits (the input row in
-// the arena, read only); buf: this warp's shared memory (E choice values, then G group scores).
+// the arena, read only); buf: this warp's shared memory (E values: logits, then scores, the choice
+// values during the group scans; then G group scores).
 // kPerLane ≥ E / 32 candidates per lane, unrolled, and the scores computed in a plain loop: one body
 // for E ≤ 1024 (32 per lane, a score inlined in each) was ~13K SASS instructions, most of them run for
 // every row whatever E. On the H200 the op took ~27 µs for one decode row and ~35 µs for 1,024 rows
 // on 64 SMs, one warp a row at an IPC of 0.25 (ncu), as if fetching instructions.
+// The lane's logits and biases are loaded by one unrolled loop, all in flight together (a loop bounded
+// by E issued them one DRAM round trip at a time: one decode row at E = 256 took 15.9 µs, long
+// scoreboard); the scores are still computed in a plain loop, from shared memory.
 template <int kPerLane>
 __device__ __noinline__ void router_select_row(const TaskCtx& ctx, const RouterArgs& a, const float* logits, float* buf, float* out) {
   const DeviceWeight& bias = ctx.weight(0);
   const int lane = lane_id(), experts = a.experts;
+  float logit[kPerLane], choice[kPerLane];  // candidate e = lane + 32m; choice holds its bias until the choice value
+#pragma unroll
+  for (int m = 0; m < kPerLane; ++m) {
+    const int e = lane + 32 * m;
+    logit[m] = e < experts ? logits[e] : 0.0f;
+    choice[m] = e < experts ? weight_flat(bias, e) : 0.0f;
+  }
+  // Stored after all the loads: buf may alias logits as far as the compiler knows, and a store between
+  // them would hold the later loads back.
+#pragma unroll
+  for (int m = 0; m < kPerLane; ++m) {
+    if (lane + 32 * m < experts) buf[lane + 32 * m] = logit[m];
+  }
+  // Each lane reads back only what it wrote until the __syncwarp below.
   float max_logit = 0.0f, soft_total = 1.0f;
   if (a.softmax) {
     float m = -INFINITY;
-    for (int e = lane; e < experts; e += 32) m = fmaxf(m, logits[e]);
+    for (int e = lane; e < experts; e += 32) m = fmaxf(m, buf[e]);
     max_logit = warp_max(m);
     float sum = 0.0f;
-    for (int e = lane; e < experts; e += 32) sum += expf(logits[e] - max_logit);
+    for (int e = lane; e < experts; e += 32) sum += expf(buf[e] - max_logit);
     soft_total = warp_sum(sum);
   }
-  auto score = [&](int e) { return a.softmax ? expf(logits[e] - max_logit) / soft_total : sigmoidf_(logits[e]); };
-  // Choice values, in buf for the per-group scans and in registers (candidate e = lane + 32m).
-  for (int e = lane; e < experts; e += 32) buf[e] = score(e) + weight_flat(bias, e);
-  __syncwarp();
-  float choice[kPerLane];
+  for (int e = lane; e < experts; e += 32) buf[e] = a.softmax ? expf(buf[e] - max_logit) / soft_total : sigmoidf_(buf[e]);
 #pragma unroll
-  for (int m = 0; m < kPerLane; ++m) choice[m] = lane + 32 * m < experts ? buf[lane + 32 * m] : -INFINITY;
+  for (int m = 0; m < kPerLane; ++m) choice[m] = lane + 32 * m < experts ? buf[lane + 32 * m] + choice[m] : -INFINITY;
+  __syncwarp();  // buf holds the scores: the picks' weights read them there (after the group scans)
   if (a.groups > 1) {
+    // The choice values in buf for the per-group scans, the scores in registers meanwhile.
+    float score[kPerLane];
+#pragma unroll
+    for (int m = 0; m < kPerLane; ++m) {
+      const int e = lane + 32 * m;
+      score[m] = e < experts ? buf[e] : 0.0f;
+      if (e < experts) buf[e] = choice[m];
+    }
+    __syncwarp();
     const int per_group = experts / a.groups;
     float* group_score = buf + experts;
     for (int g = lane; g < a.groups; g += 32) {
@@ -89,12 +113,18 @@ __device__ __noinline__ void router_select_row(const TaskCtx& ctx, const RouterA
       const int e = lane + 32 * m;
       if (e < experts && group_score[e / per_group] == 0.0f) choice[m] = -INFINITY;
     }
+    __syncwarp();  // the masks have read the kept flags
+#pragma unroll
+    for (int m = 0; m < kPerLane; ++m) {
+      if (lane + 32 * m < experts) buf[lane + 32 * m] = score[m];
+    }
     __syncwarp();
   }
   // Top-k of the choice values: k rounds of argmax over the candidates not taken yet. Every lane gets
-  // each round's winner (the butterfly leaves it in all lanes); lane k % 32 keeps pick k.
+  // each round's winner (the butterfly leaves it in all lanes); lane k % 32 keeps pick k, in pick0 for
+  // k < 32, pick1 above (named, not an array indexed by k: that would live in local memory).
   uint32_t taken = 0;
-  int pick[2] = {0, 0};
+  int pick0 = 0, pick1 = 0;
   for (int k = 0; k < a.top_k; ++k) {
     float value = -INFINITY;
     int index = INT_MAX;
@@ -105,21 +135,22 @@ __device__ __noinline__ void router_select_row(const TaskCtx& ctx, const RouterA
     }
     warp_argmax(value, index);
     if (index != INT_MAX && index % 32 == lane) taken |= 1u << (index / 32);  // top_k ≤ E: always found
-    if (k % 32 == lane) pick[k / 32] = index;
+    if (k == lane) pick0 = index;
+    if (k == lane + 32) pick1 = index;
   }
   // Weights from the unbiased scores, each lane its picks' (in parallel), summed in selection order as
   // the CPU does (every lane forms the same sum from the shuffled scores).
-  const float picked[2] = {lane < a.top_k ? score(pick[0]) : 0.0f, lane + 32 < a.top_k ? score(pick[1]) : 0.0f};
+  const float picked0 = lane < a.top_k ? buf[pick0] : 0.0f, picked1 = lane + 32 < a.top_k ? buf[pick1] : 0.0f;
   float total = 0.0f;
-  for (int k = 0; k < a.top_k; ++k) total += __shfl_sync(0xffffffffu, picked[k / 32], k % 32);
+  for (int k = 0; k < a.top_k; ++k) total += __shfl_sync(0xffffffffu, k < 32 ? picked0 : picked1, k % 32);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int k = lane + 32 * half;
     if (k >= a.top_k) continue;
-    float w = picked[half];
+    float w = half == 0 ? picked0 : picked1;
     if (a.renormalize) w = w / (total + 1e-20f);
     out[k] = round_out(ctx, w * a.scale);
-    out[a.top_k + k] = static_cast<float>(pick[half]);
+    out[a.top_k + k] = static_cast<float>(half == 0 ? pick0 : pick1);
   }
   __syncwarp();
 }
