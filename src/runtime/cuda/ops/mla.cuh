@@ -8,7 +8,7 @@
 // take the per-head body of mla_heads.cuh instead (faster there: no cross-block phases).
 // Split-KV: the op has one task per worker (spreads_over_workers) and its tasks take work items from a
 // ticket counter (OpDesc::sync[0]) in three phases, every item of a phase before any of the next:
-//  A (block of kMlaRowBlock query rows × head × part of kMlaSplitAC): q_abs into the workspace, the
+//  A (block of kMlaRowBlock query rows × head × part, ≤ kMlaSplitAC parts): q_abs into the workspace, the
 //    part's share of its latent columns; the (head 0, part 0) item also appends those rows' fresh latents
 //    to the cache.
 //  B (sequence × split of cache positions × group of kMlaGroup queries (token, head)): rows staged in
@@ -38,20 +38,24 @@ inline constexpr int kMlaTileRows = 16;       // cache rows staged in shared mem
 inline constexpr int kMlaRowBlock = 8;        // query rows of an A or C item (one read of the head's kv_b rows)
 inline constexpr int kMlaMinSplitRows = 64;   // cache rows of a split, at least (a B item loads kMlaGroup q_abs)
 inline constexpr int kMlaMaxSplits = 1024;    // splits of one sequence, at most (C weights in shared memory)
-// A and C items per (row block, head): at batch 1 one item a head left A and C on `heads` SMs (32 of
-// 132 on the H200), each streaming its head's 128 KB of kv_b rows alone. Parts split the columns of
-// q_abs (A) and the value rows (C), so each output element is still summed by one thread or warp in
-// the same order: the results do not depend on the split.
+// A and C items per (row block, head), at most: at batch 1 one item a head left A and C on `heads` SMs
+// (32 of 132 on the H200), each streaming its head's 128 KB of kv_b rows alone. Parts split the columns
+// of q_abs (A) and the value rows (C), so each output element is still summed by one thread or warp in
+// the same order: the results do not depend on the split. A step splits only as far as its (row block,
+// head) pairs leave tasks idle (mla_schedule): every C part redoes its head's merge of the partials, and
+// four parts at batch 32 × 4096 (128 pairs for 132 tasks) took MLA from 5.5 to 7.2 ms a step, where at
+// batch 8 they took it from 2.6 to 2.1 (H200, 48B shape).
 inline constexpr int kMlaSplitAC = 4;
 inline constexpr int kMlaStagePerThread = kMlaTileRows * kMlaMaxLatent / kThreads;
 static_assert(kMlaTileRows == kWarps && kMlaMaxRank <= kThreads && kMlaTileRows * kMlaMaxLatent % kThreads == 0, "MLA tiling");
 
-// The step's work items. A and C have a_items each (row blocks × heads × kMlaSplitAC). B items of
+// The step's work items. A and C have a_items each (row blocks × heads × ac_parts). B items of
 // sequence s: splits(s) × groups(s), split-major (consecutive tickets read the same cache rows for
 // different query groups, from L2). split_rows: the positions of a split, chosen so that B has about
 // 2 × tasks items (never fewer than kMlaMinSplitRows positions).
 struct MlaSchedule {
   int a_items, b_items, split_rows;
+  int ac_parts;  // parts of an A or C (row block, head): tasks / pairs, within [1, kMlaSplitAC]
 };
 
 // An A or C item: rows [r0, r0 + n), head h, part `part`; the parts of one (row block, head) take
@@ -59,16 +63,16 @@ struct MlaSchedule {
 struct MlaAcItem {
   int r0, n, h, part;
 };
-__device__ __forceinline__ MlaAcItem mla_ac_item(const TaskCtx& ctx, const MlaShape& sh, int item) {
+__device__ __forceinline__ MlaAcItem mla_ac_item(const TaskCtx& ctx, const MlaShape& sh, int parts, int item) {
   MlaAcItem it;
-  it.part = item % kMlaSplitAC;
-  it.h = item / kMlaSplitAC % sh.heads;
-  it.r0 = item / kMlaSplitAC / sh.heads * kMlaRowBlock;
+  it.part = item % parts;
+  it.h = item / parts % sh.heads;
+  it.r0 = item / parts / sh.heads * kMlaRowBlock;
   it.n = ctx.rows() - it.r0 < kMlaRowBlock ? ctx.rows() - it.r0 : kMlaRowBlock;
   return it;
 }
 // Part p's share [begin(p), begin(p + 1)) of `count` columns or rows: near-equal, covering [0, count).
-__device__ __forceinline__ int mla_part_begin(int count, int part) { return count * part / kMlaSplitAC; }
+__device__ __forceinline__ int mla_part_begin(int count, int part, int parts) { return count * part / parts; }
 
 __device__ __forceinline__ int mla_groups(const StepView& step, int s, int heads) { return (step.seq_tokens[s] * heads + kMlaGroup - 1) / kMlaGroup; }
 __device__ __forceinline__ int mla_splits(const StepView& step, int s, int split_rows) {
@@ -78,7 +82,10 @@ __device__ __forceinline__ int mla_splits(const StepView& step, int s, int split
 __device__ inline MlaSchedule mla_schedule(const TaskCtx& ctx, const MlaShape& sh) {
   const StepView& step = *ctx.step;
   MlaSchedule m;
-  m.a_items = (step.tokens + kMlaRowBlock - 1) / kMlaRowBlock * sh.heads * kMlaSplitAC;
+  const int pairs = (step.tokens + kMlaRowBlock - 1) / kMlaRowBlock * sh.heads;
+  const int idle_share = static_cast<int>(ctx.op->tasks) / pairs;
+  m.ac_parts = idle_share < 1 ? 1 : idle_share > kMlaSplitAC ? kMlaSplitAC : idle_share;
+  m.a_items = pairs * m.ac_parts;
   int64_t work = 0, longest = 0;  // Σ positions × groups; the longest sequence
   for (int s = 0; s < step.num_seqs; ++s) {
     const int64_t visible = static_cast<int64_t>(step.seq_context[s]) + step.seq_tokens[s];
@@ -154,12 +161,12 @@ __device__ inline void mla_append_latents(const TaskCtx& ctx, const MlaShape& sh
 
 // A item: q_abs[row][h] = [q_nope·W_UK,h | q_rope] for the block's rows, columns of its part: rank
 // columns [c0, c1) and rope columns rank + [t0, t1) (one read of the part's columns of W_UK,h).
-__device__ __noinline__ void mla_absorb_item(const TaskCtx& ctx, const MlaShape& sh, int item, float* qabs, float* red) {
+__device__ __noinline__ void mla_absorb_item(const TaskCtx& ctx, const MlaShape& sh, int parts, int item, float* qabs, float* red) {
   const DeviceWeight& kv_b = ctx.weight(1);  // [heads·(nope+v), rank]
-  const MlaAcItem it = mla_ac_item(ctx, sh, item);
+  const MlaAcItem it = mla_ac_item(ctx, sh, parts, item);
   const int h = it.h, r0 = it.r0, n = it.n;
-  const int c0 = mla_part_begin(sh.rank, it.part), c1 = mla_part_begin(sh.rank, it.part + 1);
-  const int t0 = mla_part_begin(sh.rope, it.part), t1 = mla_part_begin(sh.rope, it.part + 1);
+  const int c0 = mla_part_begin(sh.rank, it.part, parts), c1 = mla_part_begin(sh.rank, it.part + 1, parts);
+  const int t0 = mla_part_begin(sh.rope, it.part, parts), t1 = mla_part_begin(sh.rope, it.part + 1, parts);
   // The block's q_nope rows of head h in shared memory (after `red`): the loop below reads each n times.
   float* qs = red + 32;
   for (int idx = static_cast<int>(threadIdx.x); idx < n * sh.nope; idx += kThreads) qs[idx] = ctx.in(0, r0 + idx / sh.nope)[h * sh.qk + idx % sh.nope];
@@ -374,9 +381,9 @@ __device__ __noinline__ void mla_uv_rows(const TaskCtx& ctx, const MlaShape& sh,
 // part's value rows [i_begin, i_end) (one read of those rows of W_UV,h for the block).
 __device__ __noinline__ void mla_combine_item(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched, int item, const MlaWorkspace& ws, float* smem) {
   const StepView& step = *ctx.step;
-  const MlaAcItem it = mla_ac_item(ctx, sh, item);
+  const MlaAcItem it = mla_ac_item(ctx, sh, sched.ac_parts, item);
   const int h = it.h, r0 = it.r0, n = it.n;
-  const int i_begin = mla_part_begin(sh.dv, it.part), i_end = mla_part_begin(sh.dv, it.part + 1);
+  const int i_begin = mla_part_begin(sh.dv, it.part, sched.ac_parts), i_end = mla_part_begin(sh.dv, it.part + 1, sched.ac_parts);
   float* wts = smem;                    // [kMlaMaxSplits]
   float* usum = wts + kMlaMaxSplits;    // [kMlaRowBlock][rank]
   float* red = usum + kMlaRowBlock * sh.rank;  // 32
@@ -487,7 +494,7 @@ __device__ __noinline__ void op_mla_attention(const TaskCtx& ctx) {
     const int item = take_ticket(ctx, sync);
     if (item >= total) break;  // block-uniform
     if (item < a_items) {
-      mla_absorb_item(ctx, sh, item, ws.qabs, smem);
+      mla_absorb_item(ctx, sh, sched.ac_parts, item, ws.qabs, smem);
       block_arrive(sync + 1);
     } else if (item < a_items + b_items) {
       block_wait(sync + 1, a_items);
