@@ -1,7 +1,8 @@
 // Prefill on tensor cores (issue H, first slice): a prefill plan's plain linear and router_logits ops
-// run as one cuBLAS GEMM each, between megakernel segments, when a step has ≥ CudaOptions::gemm_min_rows rows (backend.h); the op's own tasks then
-// only round the fp32 GEMM output to the activation dtype (ops/round_rows.cuh), as the GEMV body
-// rounds its dots. Internal to src/runtime/cuda (backend.cpp).
+// run as one cuBLAS GEMM each, between megakernel segments, when a step has ≥ CudaOptions::gemm_min_rows
+// rows (backend.h: 8 by default; decode batches that large run here too); the op's own tasks then only
+// round the fp32 GEMM output to the activation dtype (ops/round_rows.cuh), as the GEMV body rounds its
+// dots. Internal to src/runtime/cuda (backend.cpp).
 #pragma once
 
 #include <cublas_v2.h>
@@ -16,7 +17,6 @@
 #include "runtime/cuda/moe_gemm.h"
 
 namespace plow::cuda {
-
 
 // One linear op as a GEMM: y[T, out] = x[T, in]·Wᵀ with W [out, in] row-major; x rows at arena +
 // x_offset (row stride x_stride), y rows at arena + y_offset (row stride `out`), both fp32.
