@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -241,7 +242,10 @@ int run_bench_decode(const BenchDecodeArgs& args) {
   }
 
   const int64_t max_batch = *std::max_element(args.batches.begin(), args.batches.end());
-  const int64_t max_context = *std::max_element(args.contexts.begin(), args.contexts.end()) + 8;
+  // Every plan's bucket must fit a slot's context (lower_to_plan): at context 0 a batch of 32 alone
+  // failed ("max_context 8 is below the bucket's 32 tokens").
+  const int64_t max_context = std::max({*std::max_element(args.contexts.begin(), args.contexts.end()) + 8, max_batch,
+                                        args.gemm_plans ? args.gemm_plan_tokens : int64_t{0}});
   json records = json::array();
   {
     auto weights = args.model_dir.empty() ? cuda::random_device_weights(model->graph, args.seed, dtype) : cuda::upload_weights(model->graph, *model->weights);
