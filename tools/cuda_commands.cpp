@@ -343,12 +343,12 @@ int run_bench_decode(const BenchDecodeArgs& args) {
           record["profile"] = {{"eager_ops_ms", total}, {"rows", rows}};
           if (on_gemm) {
             // The GEMM path's step, every op its own launch between events (host GEMMs included):
-            // timed_decode_steps runs 3 warm-up steps and 2 timed ones, all five timed here.
-            constexpr int kProfiledSteps = 5;
+            // timed_decode_steps' warm-up steps and two timed ones, all of them timed here.
+            constexpr int kProfiledSteps = cuda::CudaBackend::kDecodeWarmupSteps + 2;
             backend.set_eager(true);
             backend.set_op_timing(true);
             backend.reset_op_times();
-            backend.timed_decode_steps(static_cast<int>(batch), kProfiledSteps - 3, true);
+            backend.timed_decode_steps(static_cast<int>(batch), kProfiledSteps - cuda::CudaBackend::kDecodeWarmupSteps, true);
             backend.set_op_timing(false);
             backend.set_eager(false);
             double gemm_total = 0;

@@ -113,7 +113,8 @@ class CudaBackend : public Backend {
   // Benchmarks: runs a decode step over `batch` sequences in slots 0..batch−1 at their current context
   // without downloading logits (greedy ids stay on the device and feed the next step). Returns ms.
   // `prefill_plan`: on the smallest prefill plan that holds the batch (its GEMM path) instead of a
-  // decode plan.
+  // decode plan. kDecodeWarmupSteps untimed steps run first.
+  static constexpr int kDecodeWarmupSteps = 3;
   double timed_decode_steps(int batch, int steps, bool prefill_plan = false);
   // Sets every slot's context to `tokens` (caches filled with the values already there) so a decode
   // step attends over that many cached positions — for benchmarks at long context.

@@ -62,14 +62,21 @@ struct CudaBackend::Impl {
   int max_workers = 0;
   int last_plan = -1;
 
-  int choose(bool decode, int64_t rows) const {
-    const PlanPhase phase = decode ? PlanPhase::kDecode : PlanPhase::kPrefill;
+  // The plan of `phase` with the fewest max_tokens that holds `rows` and passes `also`; −1 if none.
+  template <typename Pred>
+  int smallest_plan(PlanPhase phase, int64_t rows, Pred also) const {
     int best = -1;
     for (size_t i = 0; i < plans.size(); ++i) {
-      const Plan& p = plans[i]->plan;
-      if (p.phase != phase || p.max_tokens < rows) continue;
-      if (best < 0 || p.max_tokens < plans[static_cast<size_t>(best)]->plan.max_tokens) best = static_cast<int>(i);
+      const PreparedPlan& p = *plans[i];
+      if (p.plan.phase != phase || p.plan.max_tokens < rows || !also(p)) continue;
+      if (best < 0 || p.plan.max_tokens < plans[static_cast<size_t>(best)]->plan.max_tokens) best = static_cast<int>(i);
     }
+    return best;
+  }
+
+  int choose(bool decode, int64_t rows) const {
+    const PlanPhase phase = decode ? PlanPhase::kDecode : PlanPhase::kPrefill;
+    const int best = smallest_plan(phase, rows, [](const PreparedPlan&) { return true; });
     if (best >= 0) return best;
     std::string available;
     for (const auto& prepared : plans) available += fmt::format("{}{} ≤ {}", available.empty() ? "" : ", ", phase_name(prepared->plan.phase), prepared->plan.max_tokens);
@@ -80,12 +87,7 @@ struct CudaBackend::Impl {
   // prefill plan whose GEMM path takes it, when there is one; otherwise choose().
   int choose_step(bool decode, int64_t rows) const {
     if (decode && options.decode_gemm_min_rows > 0 && rows >= options.decode_gemm_min_rows) {
-      int best = -1;
-      for (size_t i = 0; i < plans.size(); ++i) {
-        const PreparedPlan& p = *plans[i];
-        if (p.plan.phase != PlanPhase::kPrefill || p.plan.max_tokens < rows || !p.gemm.active(rows, options.gemm_min_rows)) continue;
-        if (best < 0 || p.plan.max_tokens < plans[static_cast<size_t>(best)]->plan.max_tokens) best = static_cast<int>(i);
-      }
+      const int best = smallest_plan(PlanPhase::kPrefill, rows, [&](const PreparedPlan& p) { return p.gemm.active(rows, options.gemm_min_rows); });
       if (best >= 0) return best;
     }
     return choose(decode, rows);

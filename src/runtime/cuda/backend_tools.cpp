@@ -73,7 +73,7 @@ double CudaBackend::timed_decode_steps(int batch, int steps, bool prefill_plan) 
       launch_argmax(m.arena.as<float>() + head.offset, head.width, view.seq_first_row, view.seq_tokens, batch, m.argmax_ids.as<int32_t>(), token_out, m.stream);
     }
   };
-  for (int i = 0; i < 3; ++i) one();  // warm-up
+  for (int i = 0; i < kDecodeWarmupSteps; ++i) one();
   check(cudaEventRecord(start, m.stream), "event");
   for (int i = 0; i < steps; ++i) one();
   check(cudaEventRecord(stop, m.stream), "event");
