@@ -171,73 +171,107 @@ __device__ void kda_stage(const TaskCtx& ctx, int first, int t0, int n, int64_t 
   __syncthreads();
 }
 
-// Tokens [0, tokens) of one head's sequence token by token (§4.2 K6), for value columns [c0, c0 + cols),
-// state S in registers (KdaLayout). Block-uniform.
+// Staged tokens [ta, tb) of the tile (tile token t is step row row0 + t) of one sequence, token by token
+// (§4.2 K6), for value columns [c0, c0 + cols), state S in registers (KdaLayout). Block-uniform; no
+// barrier (warps past kCols·kPerCol threads idle).
 template <int D>
-__device__ __forceinline__ void kda_recurrent(const TaskCtx& ctx, int first, int tokens, int64_t h, int64_t d, int c0, int cols,
-                                              float (&S)[KdaLayout<D>::kRows]) {
+__device__ __forceinline__ void kda_tokens(const TaskCtx& ctx, int row0, int ta, int tb, int64_t h, int64_t d, int c0, int cols,
+                                           float (&S)[KdaLayout<D>::kRows]) {
   using L = KdaLayout<D>;
   const int tid = static_cast<int>(threadIdx.x);
   const int c = tid / L::kPerCol, r = tid % L::kPerCol;
+  if (c >= L::kCols) return;  // whole warps
+  const float* sq = smem_floats(ctx);
+  const float* sk = sq + L::kTile * D;
+  const float* sdecay = sk + L::kTile * D;
+  const float* sv = sdecay + L::kTile * D;
+  const float* sbeta = sv + L::kTile * D;
+  for (int t = ta; t < tb; ++t) {
+    const float* q = sq + t * D;
+    const float* k = sk + t * D;
+    const float* decay = sdecay + t * D;
+    // S ← diag(exp g)·S; prediction Sᵀk with the decayed S (§4.2 K6, §9.8).
+    float predicted = 0.0f;
+#pragma unroll
+    for (int i = 0; i < L::kRows; ++i) {
+      const int j = r + L::kPerCol * i;
+      S[i] *= decay[j];
+      predicted += S[i] * k[j];
+    }
+    for (int o = 1; o < L::kPerCol; o <<= 1) predicted += __shfl_xor_sync(0xffffffffu, predicted, o);
+    const float error = ((c < cols ? sv[t * D + c0 + c] : 0.0f) - predicted) * sbeta[t];
+    // S ← S + k ⊗ β·e; o = Sᵀq reads the updated S.
+    float out = 0.0f;
+#pragma unroll
+    for (int i = 0; i < L::kRows; ++i) {
+      const int j = r + L::kPerCol * i;
+      S[i] += k[j] * error;
+      out += S[i] * q[j];
+    }
+    for (int o = 1; o < L::kPerCol; o <<= 1) out += __shfl_xor_sync(0xffffffffu, out, o);
+    if (r == 0 && c < cols) ctx.out(row0 + t)[h * d + c0 + c] = round_out(ctx, out);
+  }
+}
+
+// Value columns [c0, c0 + cols) of head h for every sequence of fewer than kKdaChunkedMinTokens tokens
+// (decode), state S in registers (KdaLayout<D>). Runs of consecutive such sequences (contiguous rows,
+// at most kTile of them) are staged together, one kda_stage for the run; then each sequence in turn
+// loads its state slice, runs its tokens and stores the slice back, the next one's slice already
+// loading meanwhile. Staging each sequence alone waited its loads and a barrier per sequence: at batch
+// 32 the op took 283 µs a layer on the H200 (5.5 ms of a 25 ms step), stalled first on that barrier
+// (ncu). Not inlined, so its register allocation is not shared with the chunked path's temporaries.
+template <int D>
+__device__ __noinline__ void kda_short_seqs(const TaskCtx& ctx, int64_t h, int64_t d, int c0, int cols) {
+  using L = KdaLayout<D>;
+  const StepView& step = *ctx.step;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int c = tid / L::kPerCol, r = tid % L::kPerCol;
+  const bool active = c < cols;
   float* sq = smem_floats(ctx);
   float* sk = sq + L::kTile * D;
   float* sdecay = sk + L::kTile * D;
   float* sv = sdecay + L::kTile * D;
   float* sbeta = sv + L::kTile * D;
-  for (int t0 = 0; t0 < tokens; t0 += L::kTile) {
-    const int n = tokens - t0 < L::kTile ? tokens - t0 : L::kTile;
-    kda_stage<D>(ctx, first, t0, n, h, d, sq, sk, sdecay, sv, sbeta);
-    if (c < L::kCols) {  // whole warps
-      for (int t = 0; t < n; ++t) {
-        const float* q = sq + t * D;
-        const float* k = sk + t * D;
-        const float* decay = sdecay + t * D;
-        // S ← diag(exp g)·S; prediction Sᵀk with the decayed S (§4.2 K6, §9.8).
-        float predicted = 0.0f;
+  auto is_short = [&](int s) { return step.seq_tokens[s] < kKdaChunkedMinTokens; };
+  auto next_short = [&](int s) {
+    while (s < step.num_seqs && !is_short(s)) ++s;
+    return s;
+  };
+  auto state = [&](int s) { return state_of(ctx, step.seq_slot[s]) + h * d * d; };  // [d, d]: S[j][c]
+  auto load = [&](int s, float (&S)[L::kRows]) {
+    const float* S_global = state(s);
 #pragma unroll
-        for (int i = 0; i < L::kRows; ++i) {
-          const int j = r + L::kPerCol * i;
-          S[i] *= decay[j];
-          predicted += S[i] * k[j];
-        }
-        for (int o = 1; o < L::kPerCol; o <<= 1) predicted += __shfl_xor_sync(0xffffffffu, predicted, o);
-        const float error = ((c < cols ? sv[t * D + c0 + c] : 0.0f) - predicted) * sbeta[t];
-        // S ← S + k ⊗ β·e; o = Sᵀq reads the updated S.
-        float out = 0.0f;
+    for (int i = 0; i < L::kRows; ++i) {
+      const int j = r + L::kPerCol * i;
+      S[i] = active && j < d ? S_global[j * d + c0 + c] : 0.0f;
+    }
+  };
+  static_assert(kKdaChunkedMinTokens - 1 <= L::kTile, "a short sequence fits one staged tile");
+  int s = next_short(0);
+  float S[L::kRows] = {};
+  if (s < step.num_seqs) load(s, S);
+  while (s < step.num_seqs) {
+    // The run: short sequences s .. e−1, rows [row0, row0 + n).
+    const int row0 = step.seq_first_row[s];
+    int e = s, n = 0;
+    while (e < step.num_seqs && is_short(e) && n + step.seq_tokens[e] <= L::kTile) n += step.seq_tokens[e++];
+    kda_stage<D>(ctx, row0, 0, n, h, d, sq, sk, sdecay, sv, sbeta);  // ends with a barrier
+    for (int q = s; q < e; ++q) {
+      const int next = q + 1 < e ? q + 1 : next_short(e);
+      float S_next[L::kRows] = {};
+      if (next < step.num_seqs) load(next, S_next);  // consumed after this sequence: in flight meanwhile
+      const int ta = step.seq_first_row[q] - row0;
+      kda_tokens<D>(ctx, row0, ta, ta + step.seq_tokens[q], h, d, c0, cols, S);
+      float* S_global = state(q);
 #pragma unroll
-        for (int i = 0; i < L::kRows; ++i) {
-          const int j = r + L::kPerCol * i;
-          S[i] += k[j] * error;
-          out += S[i] * q[j];
-        }
-        for (int o = 1; o < L::kPerCol; o <<= 1) out += __shfl_xor_sync(0xffffffffu, out, o);
-        if (r == 0 && c < cols) ctx.out(first + t0 + t)[h * d + c0 + c] = round_out(ctx, out);
+      for (int i = 0; i < L::kRows; ++i) {
+        const int j = r + L::kPerCol * i;
+        if (active && j < d) S_global[j * d + c0 + c] = S[i];
+        S[i] = S_next[i];
       }
     }
     __syncthreads();  // the staged tile is overwritten next
-  }
-}
-
-// Value columns [c0, c0 + cols) (cols ≤ kCols) of one head of one sequence, token by token with the
-// state S in registers (KdaLayout<D>), stored back after. Not inlined, so its register allocation is not
-// shared with the chunked path's temporaries.
-template <int D>
-__device__ __noinline__ void kda_head(const TaskCtx& ctx, int first, int tokens, int64_t h, int64_t d, int c0, int cols, float* S_global) {
-  using L = KdaLayout<D>;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int c = tid / L::kPerCol, r = tid % L::kPerCol;
-  const bool active = c < cols;
-  float S[L::kRows];
-#pragma unroll
-  for (int i = 0; i < L::kRows; ++i) {
-    const int j = r + L::kPerCol * i;
-    S[i] = active && j < d ? S_global[j * d + c0 + c] : 0.0f;
-  }
-  kda_recurrent<D>(ctx, first, tokens, h, d, c0, cols, S);
-#pragma unroll
-  for (int i = 0; i < L::kRows; ++i) {
-    const int j = r + L::kPerCol * i;
-    if (active && j < d) S_global[j * d + c0 + c] = S[i];
+    s = next_short(e);
   }
 }
 
@@ -251,25 +285,28 @@ __device__ __noinline__ void kda_delta_rule(const TaskCtx& ctx) {
   const StepView& step = *ctx.step;
   const int chunks = kda_chunks(step, step.num_seqs);
   if (chunks > 0 && !kda_prep_all<D>(ctx, d, heads, chunks)) return;
-  int chunk_base = 0;  // the sequence's first chunk among the step's
-  for (int s = 0; s < step.num_seqs; ++s) {
-    const int first = step.seq_first_row[s], tokens = step.seq_tokens[s];
-    float* state = state_of(ctx, step.seq_slot[s]);  // [heads, d, d]: S[j][c] = row key j, column value c
+  // The slice's heads and their groups of at most kCols value columns: fn(h, c0, cols).
+  auto for_each_group = [&](auto fn) {
     for (int64_t h = ctx.col_begin / d; h * d < ctx.col_end; ++h) {  // the heads the slice touches
       const int64_t begin = ctx.col_begin - h * d > 0 ? ctx.col_begin - h * d : 0;
       const int64_t end = ctx.col_end - h * d < d ? ctx.col_end - h * d : d;
       for (int64_t c0 = begin; c0 < end; c0 += KdaLayout<D>::kCols) {
-        const int cols = static_cast<int>(end - c0 < KdaLayout<D>::kCols ? end - c0 : KdaLayout<D>::kCols);
-        if (tokens >= kKdaChunkedMinTokens) {
-          const float* records = ctx.op->workspace + (static_cast<int64_t>(chunk_base) * heads + h) * KdaRecord<D>::kFloats;
-          kda_scan<D>(ctx, records, heads, first, tokens, h, d, static_cast<int>(c0), cols, state + h * d * d);
-        } else {
-          kda_head<D>(ctx, first, tokens, h, d, static_cast<int>(c0), cols, state + h * d * d);
-        }
+        fn(h, static_cast<int>(c0), static_cast<int>(end - c0 < KdaLayout<D>::kCols ? end - c0 : KdaLayout<D>::kCols));
       }
     }
-    if (tokens >= kKdaChunkedMinTokens) chunk_base += (tokens + kKdaChunk - 1) / kKdaChunk;
+  };
+  int chunk_base = 0;  // the sequence's first chunk among the step's
+  for (int s = 0; s < step.num_seqs; ++s) {
+    const int first = step.seq_first_row[s], tokens = step.seq_tokens[s];
+    if (tokens < kKdaChunkedMinTokens) continue;  // below, with the other short sequences
+    float* state = state_of(ctx, step.seq_slot[s]);  // [heads, d, d]: S[j][c] = row key j, column value c
+    for_each_group([&](int64_t h, int c0, int cols) {
+      const float* records = ctx.op->workspace + (static_cast<int64_t>(chunk_base) * heads + h) * KdaRecord<D>::kFloats;
+      kda_scan<D>(ctx, records, heads, first, tokens, h, d, c0, cols, state + h * d * d);
+    });
+    chunk_base += (tokens + kKdaChunk - 1) / kKdaChunk;
   }
+  for_each_group([&](int64_t h, int c0, int cols) { kda_short_seqs<D>(ctx, h, d, c0, cols); });
   if (chunks > 0) op_leave(ctx, ctx.op->sync + 2);
 }
 
