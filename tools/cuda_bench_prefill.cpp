@@ -74,6 +74,17 @@ std::map<std::pair<int64_t, int64_t>, int> linear_shapes(const Plan& plan) {
   return shapes;
 }
 
+// How unevenly a routing read spread its pairs: the busiest expert's pairs over the mean (1 = even).
+double load_max_over_mean(const std::vector<int32_t>& tokens_per_expert) {
+  if (tokens_per_expert.empty()) return 0.0;
+  int64_t total = 0, most = 0;
+  for (int32_t t : tokens_per_expert) {
+    total += t;
+    most = std::max<int64_t>(most, t);
+  }
+  return total == 0 ? 0.0 : static_cast<double>(most) * static_cast<double>(tokens_per_expert.size()) / static_cast<double>(total);
+}
+
 // A prompt's token ids: a fixed LCG sequence below `vocab`; `stream` picks another sequence (the
 // cached prefix's).
 std::vector<int32_t> prompt_ids(int64_t tokens, int64_t vocab, uint64_t stream = 1) {
@@ -174,7 +185,7 @@ void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
   cmd->add_flag("--random-weights", args.random_weights, "draw every weight on the device from --seed (required)")->needs(config);
   cmd->add_option("--seed", args.seed, "weights' seed");
   cmd->add_option("--prompt", args.prompts, "prompt lengths in tokens, comma-separated")->delimiter(',');
-  cmd->add_option("--chunk", args.chunk, "tokens per prefill step (default 1024, or the prompt when shorter)");
+  cmd->add_option("--chunk", args.chunk, fmt::format("tokens per prefill step (default {}, serve's, or the prompt when shorter)", kGpuPrefillChunk));
   cmd->add_option("--cached-prefix", args.cached_prefix, "tokens already in the slot before each prompt (prefilled untimed): a later turn's TTFT");
   cmd->add_option("--reps", args.reps, "timed runs per prompt (after a one-chunk warm-up); the median is reported");
   cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
@@ -214,7 +225,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
   const int workers = args.workers > 0 ? args.workers : sms;
   const std::string device = cuda::CudaBackend::device_name(gpu);
   const std::string rev = git_revision();
-  auto chunk_of = [&](int64_t prompt) { return std::min(args.chunk > 0 ? args.chunk : int64_t{1024}, prompt); };
+  auto chunk_of = [&](int64_t prompt) { return std::min(args.chunk > 0 ? args.chunk : kGpuPrefillChunk, prompt); };
   std::set<int64_t> chunks;
   for (int64_t p : args.prompts) chunks.insert(chunk_of(p));
   const int64_t max_context = args.cached_prefix + *std::max_element(args.prompts.begin(), args.prompts.end()) + 8;
@@ -291,6 +302,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"gemm_ms_estimate", gemm_ms_per_chunk * static_cast<double>(p) / static_cast<double>(chunk)},
                    {"expert_ops_ms", expert_ms},
                    {"expert_gemm_grouped", backend->last_expert_gemm_grouped()},
+                   {"expert_load_max_over_mean", load_max_over_mean(backend->last_expert_tokens())},
                    {"mla_ops_ms", mla_ms},
                    {"mla_gemm", mla_gemm},
                    {"workers", workers},
@@ -299,8 +311,9 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"git_rev", rev},
                    {"command", args.command_line},
                    {"peers", {{"gemm_shapes", shapes}}}};
-    std::cerr << fmt::format("prompt {:6d}{} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s; routed experts {:8.1f} ms; MLA {:8.1f} ms{}\n", p,
-                             args.cached_prefix > 0 ? fmt::format(" after {} cached", args.cached_prefix) : "", chunk, ttft, static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9), expert_ms, mla_ms, mla_gemm ? "" : " (op body: not timed)");
+    std::cerr << fmt::format("prompt {:6d}{} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s; routed experts {:8.1f} ms (busiest expert {:.1f}x the mean); MLA {:8.1f} ms{}\n", p,
+                             args.cached_prefix > 0 ? fmt::format(" after {} cached", args.cached_prefix) : "", chunk, ttft, static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9), expert_ms,
+                             record["expert_load_max_over_mean"].get<double>(), mla_ms, mla_gemm ? "" : " (op body: not timed)");
     if (gemv) {
       const double ms = median(time_prompt(*gemv, prefix, ids, chunk, 1));
       record["peers"]["gemv_path"] = {{"ttft_ms", ms}, {"tflops", flops.total() / (ms * 1e9)}, {"plans", "fused prefill plans, GEMV bodies (one run after a one-chunk warm-up)"}};

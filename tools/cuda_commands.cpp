@@ -296,7 +296,9 @@ int run_bench_decode(const BenchDecodeArgs& args) {
         const double eager = backend.timed_decode_steps(static_cast<int>(batch), std::max(5, args.steps / 3));
         backend.set_eager(false);
         const bool on_gemm = on_gemm_path(batch);
+        backend.reset_expert_routing_stats();
         const double gemm = on_gemm ? backend.timed_decode_steps(static_cast<int>(batch), args.steps, true) : 0.0;
+        const cuda::CudaBackend::ExpertRouting routing = backend.expert_routing();
         const double bytes = decode_bytes(*model, batch, context, dtype);
         const double gbps = bytes / (mega * 1e-3) / 1e9;
         json record = {{"kind", "decode"},
@@ -321,6 +323,12 @@ int run_bench_decode(const BenchDecodeArgs& args) {
         if (on_gemm) {
           record["peers"]["cuda-gemm-plan"] = {{"ms_per_step", gemm},
                                                {"plan", fmt::format("prefill of {} rows, unfused, GEMM path from {} rows", args.gemm_plan_tokens > 0 ? args.gemm_plan_tokens : batch, gemm_min_rows)}};
+          if (routing.reads > 0) {
+            // The routing these steps actually took, against the uniform routing bytes_per_step assumes.
+            const double experts = static_cast<double>(model->config.num_experts), k = static_cast<double>(model->config.experts_per_token);
+            record["peers"]["cuda-gemm-plan"]["experts_per_moe_op"] = static_cast<double>(routing.experts) / static_cast<double>(routing.reads);
+            record["peers"]["cuda-gemm-plan"]["experts_per_moe_op_uniform"] = experts * (1.0 - std::pow(1.0 - k / experts, static_cast<double>(batch)));
+          }
         }
         if (args.tp > 1) {
           // Bytes and the roofline are one rank's (every rank reads its own block at the same time).
@@ -362,7 +370,9 @@ int run_bench_decode(const BenchDecodeArgs& args) {
         }
         if (!quiet) {
           std::cerr << fmt::format("batch {:3d} context {:6d}: {:8.3f} ms/step (eager {:8.3f}{}{}), {:7.1f} GB/s = {:5.1f}% of {:.0f}\n", batch, context, mega,
-                                   eager, in_kernel ? fmt::format(", NCCL segments {:8.3f}", nccl) : "", on_gemm ? fmt::format(", GEMM plan {:8.3f}", gemm) : "",
+                                   eager, in_kernel ? fmt::format(", NCCL segments {:8.3f}", nccl) : "", on_gemm ? fmt::format(", GEMM plan {:8.3f}{}", gemm,
+                                                                   routing.reads > 0 ? fmt::format(" routing to {:.1f} experts an op", static_cast<double>(routing.experts) / static_cast<double>(routing.reads)) : "")
+                                           : "",
                                    gbps, 100.0 * gbps / roofline_gbps, roofline_gbps);
         }
         records.push_back(std::move(record));

@@ -310,15 +310,14 @@ int run_inspect_plan(const std::string& path, const std::string& dtype) {
 }
 
 // serve's step budget: tokens of one step (decode rows and prefill chunks together) and prompt tokens of
-// one request in one step; 0 takes the backend's default. The GPU prefills in large chunks (its prefill
-// GEMMs need rows: at the 48B shape an 8K prompt's TTFT is 0.49 s in chunks of 1,024, 0.44 s of 2,048);
-// the CPU backends keep small steps, so decode rows beside a prefill wait less.
+// one request in one step; 0 takes the backend's default. The GPU prefills in large chunks
+// (kGpuPrefillChunk); the CPU backends keep small steps, so decode rows beside a prefill wait less.
 void choose_step_budget(ServeOptions& options, const std::string& backend, int64_t step_tokens, int64_t prefill_chunk) {
   if (step_tokens < 0) fail("--max-num-batched-tokens must be >= 1 (0: the backend's default), found {}", step_tokens);
   if (prefill_chunk < 0) fail("--max-prefill-chunk must be >= 1 (0: the backend's default), found {}", prefill_chunk);
   const bool gpu = backend == "cuda" || backend == "cuda-eager";
-  options.scheduler.max_step_tokens = step_tokens > 0 ? step_tokens : gpu ? 2048 : 256;
-  options.scheduler.max_prefill_chunk = prefill_chunk > 0 ? prefill_chunk : gpu ? 2048 : 128;
+  options.scheduler.max_step_tokens = step_tokens > 0 ? step_tokens : gpu ? tools::kGpuPrefillChunk : 256;
+  options.scheduler.max_prefill_chunk = prefill_chunk > 0 ? prefill_chunk : gpu ? tools::kGpuPrefillChunk : 128;
   if (options.scheduler.max_prefill_chunk > options.scheduler.max_step_tokens) {
     fail("--max-prefill-chunk {} exceeds the step's {} tokens (--max-num-batched-tokens)", options.scheduler.max_prefill_chunk, options.scheduler.max_step_tokens);
   }

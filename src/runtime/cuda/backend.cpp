@@ -522,6 +522,15 @@ std::vector<int32_t> CudaBackend::last_expert_tokens() const { return impl_->moe
 
 bool CudaBackend::last_expert_gemm_grouped() const { return impl_->moe_runner && impl_->moe_runner->last_grouped(); }
 
+CudaBackend::ExpertRouting CudaBackend::expert_routing() const {
+  if (!impl_->moe_runner) return {};
+  return {impl_->moe_runner->routing_reads(), impl_->moe_runner->routed_experts()};
+}
+
+void CudaBackend::reset_expert_routing_stats() {
+  if (impl_->moe_runner) impl_->moe_runner->reset_routing_stats();
+}
+
 void CudaBackend::set_expert_timing(bool on) {
   if (impl_->moe_runner) impl_->moe_runner->set_timing(on);
 }

@@ -141,6 +141,13 @@ class CudaBackend : public Backend {
   int64_t prefill_expert_ops() const;
   std::vector<int32_t> last_expert_tokens() const;
   bool last_expert_gemm_grouped() const;
+  // Benchmarks: the expert ops' routing reads since the last reset, and the distinct experts they
+  // routed to, summed over the reads.
+  struct ExpertRouting {
+    int64_t reads = 0, experts = 0;
+  };
+  ExpertRouting expert_routing() const;
+  void reset_expert_routing_stats();
   // Benchmarks: stream time of the expert ops (routing sort, gather, GEMMs, epilogue) summed while on;
   // expert_ms() waits for the stream.
   void set_expert_timing(bool on);

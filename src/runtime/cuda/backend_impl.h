@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -140,10 +141,22 @@ struct CudaBackend::Impl {
   }
 
   // Benchmarks: one token (id 1) for each of slots 0..batch−1 at their current context.
+  // A synthetic decode step (benchmarks, diagnosis): sequence s in slot s reads token 1 + s (below the
+  // vocabulary), so that the sequences differ and route to different experts as a served batch's do.
+  // One token for all made the whole batch route alike: 20 distinct experts an MoE op at batch 32,
+  // where uniform routing reaches 163 of 256.
   StepView upload_decode_step(PreparedPlan& prepared, int batch) {
+    int64_t vocab = std::numeric_limits<int32_t>::max();
+    for (const PlanOp& op : prepared.plan.ops) {
+      if (op.op() == Op::kEmbedding && !op.weights.empty()) vocab = prepared.plan.weights[static_cast<size_t>(op.weights.front())].shape.front();
+    }
     std::vector<SequenceStep> seqs;
-    for (int s = 0; s < batch; ++s) seqs.push_back({s, 1});
-    return upload_step(prepared, std::vector<int32_t>(static_cast<size_t>(batch), 1), seqs);
+    std::vector<int32_t> ids;
+    for (int s = 0; s < batch; ++s) {
+      seqs.push_back({s, 1});
+      ids.push_back(static_cast<int32_t>((1 + s) % vocab));
+    }
+    return upload_step(prepared, ids, seqs);
   }
 
   // Parameters of one launch. Only the megakernel advances the epoch: eager launches never bump the

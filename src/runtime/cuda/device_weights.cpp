@@ -94,8 +94,12 @@ std::shared_ptr<DeviceWeightSet> random_device_weights(const Graph& graph, uint6
     }
     DeviceBuffer data(static_cast<size_t>(w.part_bytes * w.parts), name.c_str());
     DeviceBuffer scales(static_cast<size_t>(w.scale_part_bytes * w.parts), name.c_str());
+    // The routing bias stays zero: a trained model's balances the experts' load, where a random one
+    // outweighed the gaps between saturated sigmoid scores and sent most tokens to the same few experts
+    // (an 8K-token prefill on the H200: routed experts 164 ms with it, 251 ms without).
     FillKind kind = FillKind::kLinear;
     if (name.ends_with("A_log")) kind = FillKind::kALog;
+    else if (name.ends_with("e_score_correction_bias")) kind = FillKind::kZero;
     else if (name.ends_with("norm.weight")) kind = FillKind::kNorm;
     else if (name.ends_with("embed_tokens.weight")) kind = FillKind::kEmbedding;
     else if (name.ends_with("res_proj.weight")) kind = FillKind::kResProj;

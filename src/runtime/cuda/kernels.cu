@@ -234,6 +234,7 @@ __global__ void fill_kernel(uint8_t* data, int64_t count, int32_t type, FillKind
     }
     float v;
     switch (kind) {
+      case FillKind::kZero: v = 0.0f; break;
       case FillKind::kALog: v = logf(1.0f + 15.0f * unit(seed, tensor, u)); break;
       case FillKind::kNorm: v = 1.0f + centered(seed, tensor, u, 0.1f); break;
       case FillKind::kEmbedding: v = centered(seed, tensor, u, 1.0f); break;

@@ -68,7 +68,7 @@ void launch_fold_argmax(const float* cands, int ranks, int num_seqs, int32_t* id
 void launch_read_probe(const uint8_t* data, int64_t bytes, uint32_t* sink, int sms, cudaStream_t stream);
 
 // Random weights with the generator of graph/random_weights.cpp: kind selects the distribution.
-enum class FillKind : int32_t { kLinear, kNorm, kEmbedding, kResProj, kRouter, kALog, kMxfp4Codes, kMxfp4Scales };
+enum class FillKind : int32_t { kLinear, kNorm, kEmbedding, kResProj, kRouter, kZero, kALog, kMxfp4Codes, kMxfp4Scales };
 void launch_fill(uint8_t* data, int64_t count, int32_t type, FillKind kind, uint64_t seed, uint64_t tensor, float fan_in, int32_t scale_base,
                  cudaStream_t stream);
 

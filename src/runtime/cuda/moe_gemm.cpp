@@ -166,6 +166,8 @@ void MoeGemmRunner::sort_routing(const MoeGemmOp& op, int64_t rows) {
   // Pageable memory: the copy has taken the bytes when the call returns (and the stream is idle here).
   check(cudaMemcpyAsync(lists_.ptr, lists_host_.data(), lists_host_.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_), "MoE routing lists");
   r.valid = true;
+  routing_reads_ += 1;
+  routed_experts_ += static_cast<int64_t>(r.active.size());
   r.routes_offset = op.routes_offset;
   r.rows = rows;
   r.top_k = k;

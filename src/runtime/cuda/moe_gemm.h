@@ -77,6 +77,11 @@ class MoeGemmRunner {
   const std::vector<int32_t>& last_expert_tokens() const { return routing_.counts; }
   // Whether the last op ran as one grouped GEMM (false: one cublasGemmEx per expert with tokens).
   bool last_grouped() const { return last_grouped_; }
+  // Routing reads since the last reset, and the experts with pairs summed over them (benchmarks: how
+  // many distinct experts a step's MoE ops actually stream, against uniform routing's expectation).
+  int64_t routing_reads() const { return routing_reads_; }
+  int64_t routed_experts() const { return routed_experts_; }
+  void reset_routing_stats() { routing_reads_ = routed_experts_ = 0; }
   // Timing (benchmarks): with it on, each op's stream time from after its routing read to its last
   // kernel (the host's sorting included) is added up; timed_ms() synchronizes the stream.
   void set_timing(bool on) { timing_ = on; }
@@ -101,6 +106,7 @@ class MoeGemmRunner {
   std::vector<float> routes_host_;
   std::vector<int32_t> lists_host_;  // perm [pairs], inv [pairs], active experts, their offsets
   Routing routing_;
+  int64_t routing_reads_ = 0, routed_experts_ = 0;
   // The grouped call's host arrays, one set per op kind (gate_up, down): each is rewritten only after
   // a stream synchronization that follows its last use (a gate_up's routing read).
   struct HostArrays {
