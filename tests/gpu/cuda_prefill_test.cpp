@@ -28,6 +28,7 @@
 #include "runtime/cpu/reference.h"
 #include "runtime/cuda/backend.h"
 #include "runtime/cuda/mla_gemm.h"
+#include "runtime/cuda/moe_gemm.h"
 #include "gpu_test_util.h"
 
 namespace plow {
@@ -268,6 +269,7 @@ struct MoeCase {
   std::vector<float> bias;  // e_score_correction_bias; empty: the random one (small, every expert in play)
   bool add, situ;
   bool grouped;  // bf16 takes cuBLAS's grouped call (16-byte rows); else one GEMM per expert
+  bool gemv = false;  // some rows route on the device and take the expert GEMV (cuda::kMoeDevicePairsPerExpert)
 };
 
 Graph moe_graph(const MoeCase& c) {
@@ -327,10 +329,13 @@ TEST(CudaPrefillGemm, RoutedExpertsMatchTheCpuOps) {
       {"one expert takes every token, two take none", 200, 40, 6, 2, {4, 0, 0, 0, -4, -4}, false, false, true},
       {"three experts take every token (top-3), three none, + shared, SiTU", 200, 40, 6, 3, {4, 4, 4, -4, -4, -4}, true, true, true},
       {"random routing, odd widths (per-expert GEMMs), + shared", 100, 36, 7, 2, {}, true, false, false},
+      {"128 experts, top-2: 33 rows routed on the device (expert GEMV), 100 on the host, + shared", 256, 64, 128, 2, {}, true, false, true, true},
+      {"128 experts, top-3, odd widths, SiTU: the expert GEMV on scalar loads at 33 rows", 100, 36, 128, 3, {}, false, true, false, true},
   };
   for (const MoeCase& c : cases) {
     for (DType dtype : {DType::F32, DType::BF16}) {
       const Graph graph = moe_graph(c);
+      bool gemv_ran = false;
       auto check = [&](const cuda::CudaBackend& gpu, int64_t rows, PathCounts ran, const std::string& where) {
         ASSERT_EQ(ran.expert_ops, rows >= cuda::kGemmMinRows ? 2 : 0) << where;
         EXPECT_EQ(ran.gemms, rows >= cuda::kGemmMinRows ? (c.add ? 2 : 1) : 0) << where << ": the router logits (and the shared linear) as GEMMs";
@@ -347,10 +352,16 @@ TEST(CudaPrefillGemm, RoutedExpertsMatchTheCpuOps) {
           }
         }
         EXPECT_EQ(pairs, rows * c.top_k) << where;
-        EXPECT_EQ(gpu.last_expert_gemm_grouped(), c.grouped && dtype == DType::BF16)
+        const bool device = pairs <= cuda::kMoeDevicePairsPerExpert * c.experts;
+        EXPECT_EQ(gpu.last_expert_gemv(), device) << where << ": " << pairs << " pairs over " << c.experts << " experts";
+        EXPECT_EQ(gpu.last_expert_gemm_grouped(), !device && c.grouped && dtype == DType::BF16)
             << where << ": grouped call expected for bf16 with 16-byte rows (false with it: cuBLAS refused the grouped form)";
+        gemv_ran = gemv_ran || gpu.last_expert_gemv();
       };
       expect_gpu_matches_cpu(graph, with_bias(random_checkpoint(graph, 11, dtype, "prefill-moe"), c.bias), dtype, c.name, 2e-5f, 3.0f, check);
+      if (c.gemv) {
+        EXPECT_TRUE(gemv_ran) << c.name << " " << dtype_name(dtype) << ": the case is meant for the expert GEMV, which never ran";
+      }
     }
   }
 }

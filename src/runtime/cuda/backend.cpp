@@ -339,7 +339,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
     check(cudaMemset(prepared.counters.ptr, 0, prepared.counters.bytes), "counters");
   }
   if (max_gemm_input > 0) m.gemm_runner = std::make_unique<GemmRunner>(max_gemm_input, m.stream);
-  if (moe_capacity.pairs > 0) m.moe_runner = std::make_unique<MoeGemmRunner>(moe_capacity, m.stream);
+  if (moe_capacity.pairs > 0) m.moe_runner = std::make_unique<MoeGemmRunner>(moe_capacity, m.stream, m.error_flag.as<int32_t>());
   if (mla_capacity.rows > 0) {
     if (options.mla_scores_bytes < 1) fail("cuda: an MLA scores budget of {} bytes, expected at least 1", options.mla_scores_bytes);
     m.mla_runner = std::make_unique<MlaGemmRunner>(mla_capacity, options.max_context_tokens, options.mla_scores_bytes, m.stream);
@@ -522,9 +522,12 @@ std::vector<int32_t> CudaBackend::last_expert_tokens() const { return impl_->moe
 
 bool CudaBackend::last_expert_gemm_grouped() const { return impl_->moe_runner && impl_->moe_runner->last_grouped(); }
 
+bool CudaBackend::last_expert_gemv() const { return impl_->moe_runner && impl_->moe_runner->last_gemv(); }
+
 CudaBackend::ExpertRouting CudaBackend::expert_routing() const {
   if (!impl_->moe_runner) return {};
-  return {impl_->moe_runner->routing_reads(), impl_->moe_runner->routed_experts()};
+  const MoeGemmRunner::RoutingStats stats = impl_->moe_runner->routing_stats();
+  return {stats.reads, stats.experts};
 }
 
 void CudaBackend::reset_expert_routing_stats() {

@@ -141,6 +141,7 @@ class CudaBackend : public Backend {
   int64_t prefill_expert_ops() const;
   std::vector<int32_t> last_expert_tokens() const;
   bool last_expert_gemm_grouped() const;
+  bool last_expert_gemv() const;  // the last one ran as the expert GEMV (moe_gemm.h: few pairs an expert)
   // Benchmarks: the expert ops' routing reads since the last reset, and the distinct experts they
   // routed to, summed over the reads.
   struct ExpertRouting {

@@ -310,6 +310,7 @@ struct CudaBackend::Impl {
              options.comm ? options.comm->rank() : 0);
       case kErrPeerSlot: fail("cuda: an in-kernel all_reduce does not fit its slot (a bug: the slots are sized from the plans)");
       case kErrWorkspace: fail("cuda: a step outgrew the workspace of the ops whose tasks cooperate (MLA, chunked KDA; a sizing bug)");
+      case kErrRouting: fail("cuda: a MoE top-k row routes to an expert id that is not an integer in 0..experts-1 (read by the device routing sort)");
       default: fail("cuda: the device reported error {}", code);
     }
   }

@@ -95,15 +95,19 @@ void MoeGemmCapacity::merge(const MoeGemmCapacity& o) {
   out_bytes = std::max(out_bytes, o.out_bytes);
 }
 
-MoeGemmRunner::MoeGemmRunner(const MoeGemmCapacity& capacity, cudaStream_t stream)
+MoeGemmRunner::MoeGemmRunner(const MoeGemmCapacity& capacity, cudaStream_t stream, int32_t* error)
     : stream_(stream),
       capacity_(capacity),
+      error_(error),
       workspace_(kWorkspaceBytes, "cuBLAS workspace"),
       lists_(static_cast<size_t>(2 * capacity.pairs + 2 * capacity.experts) * sizeof(int32_t), "MoE routing lists"),
       pointers_(static_cast<size_t>(3 * 2 * capacity.experts) * sizeof(void*), "MoE GEMM pointers"),
       in_(static_cast<size_t>(std::max<int64_t>(capacity.in_bytes, 16)), "MoE GEMM inputs"),
       out_(static_cast<size_t>(std::max<int64_t>(capacity.out_bytes, 16)), "MoE GEMM outputs"),
+      device_counts_(static_cast<size_t>(capacity.experts + 1) * sizeof(int32_t), "MoE routing counts"),
+      device_stats_(2 * sizeof(unsigned long long), "MoE routing stats"),
       timer_(stream) {
+  check(cudaMemsetAsync(device_stats_.ptr, 0, device_stats_.bytes, stream_), "MoE routing stats");
   check_cublas(cublasCreate(&handle_), "handle");
   check_cublas(cublasSetStream(handle_, stream_), "stream");
   check_cublas(cublasSetWorkspace(handle_, workspace_.ptr, workspace_.bytes), "workspace");  // after SetStream, which resets it
@@ -166,30 +170,77 @@ void MoeGemmRunner::sort_routing(const MoeGemmOp& op, int64_t rows) {
   // Pageable memory: the copy has taken the bytes when the call returns (and the stream is idle here).
   check(cudaMemcpyAsync(lists_.ptr, lists_host_.data(), lists_host_.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_), "MoE routing lists");
   r.valid = true;
-  routing_reads_ += 1;
-  routed_experts_ += static_cast<int64_t>(r.active.size());
+  r.device = false;
+  host_stats_.reads += 1;
+  host_stats_.experts += static_cast<int64_t>(r.active.size());
   r.routes_offset = op.routes_offset;
   r.rows = rows;
   r.top_k = k;
 }
 
+// The routing sorted on the device into the same lists (launch_moe_route): nothing waits.
+void MoeGemmRunner::route_on_device(const MoeGemmOp& op, const float* arena, int64_t rows) {
+  const int64_t pairs = rows * op.top_k;
+  if (pairs > capacity_.pairs || op.experts > capacity_.experts) fail("cuda: a MoE step of {} pairs over {} experts outgrows its buffers", pairs, op.experts);
+  int32_t* perm = lists_.as<int32_t>();
+  const int64_t max_n = std::min(pairs, op.experts);
+  launch_moe_route(arena + op.routes_offset, op.routes_stride, rows, op.top_k, static_cast<int>(op.experts), perm, perm + pairs, perm + 2 * pairs,
+                   perm + 2 * pairs + max_n, device_counts_.as<int32_t>(), device_stats_.as<unsigned long long>(), error_, stream_);
+  Routing& r = routing_;
+  r.valid = true;
+  r.device = true;
+  r.counts.assign(static_cast<size_t>(op.experts), 0);  // on the device until last_expert_tokens() reads them
+  r.active.clear();
+  r.offsets.clear();
+  r.routes_offset = op.routes_offset;
+  r.rows = rows;
+  r.top_k = op.top_k;
+}
+
 void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
   calls_ += 1;
-  // A down op reads the routing its gate_up read (the same top-k buffer in the same step).
-  const bool reuse = !op.gate_up() && routing_.valid && routing_.routes_offset == op.routes_offset && routing_.rows == rows &&
-                     routing_.top_k == op.top_k && static_cast<int64_t>(routing_.counts.size()) == op.experts;
-  if (!reuse) read_routing(op, arena, rows);
-  const bool timed = timing_;
-  if (timed) timer_.start();  // the stream is idle after a routing read: the sort counts
-  if (!reuse) sort_routing(op, rows);
   const int64_t pairs = rows * op.top_k;
+  const bool on_device = pairs <= kMoeDevicePairsPerExpert * op.experts && pairs <= kMoeDeviceMaxPairs && op.experts <= kMoeDeviceMaxExperts &&
+                         padded(op.gemm_in) * static_cast<int64_t>(sizeof(float)) <= kMoeGemvMaxStagedBytes;
+  // A down op reads the routing its gate_up read (the same top-k buffer in the same step).
+  const bool reuse = !op.gate_up() && routing_.valid && routing_.device == on_device && routing_.routes_offset == op.routes_offset &&
+                     routing_.rows == rows && routing_.top_k == op.top_k && static_cast<int64_t>(routing_.counts.size()) == op.experts;
+  if (on_device) {
+    if (timing_) timer_.start();
+    if (!reuse) route_on_device(op, arena, rows);
+  } else {
+    if (!reuse) read_routing(op, arena, rows);
+    if (timing_) timer_.start();  // the stream is idle after a routing read: the sort counts
+    if (!reuse) sort_routing(op, rows);
+  }
   const int32_t* perm = lists_.as<int32_t>();
-  const int32_t* inv = perm + pairs;
-  const int64_t ld_in = padded(op.gemm_in), ld_out = padded(op.gemm_out);
+  const int64_t ld_in = padded(op.gemm_in);
   // gate_up: every slot of a token reads its x row; down: slot s reads columns [s·I, (s+1)·I) of h.
   launch_moe_gather(arena + op.x_offset, op.x_stride, op.gate_up() ? 0 : op.gemm_in, op.top_k, perm, pairs, op.gemm_in, in_.ptr, ld_in, op.in_type(),
                     stream_);
-  gemms(op, pairs);
+  if (on_device) {
+    const int64_t max_n = std::min(pairs, op.experts), ld_out = padded(op.gemm_out);
+    uint8_t* c0 = out_.as<uint8_t>();
+    uint8_t* c1 = c0 + pairs * ld_out * type_bytes(op.out_type());
+    last_grouped_ = false;
+    last_gemv_ = launch_moe_gemv(perm + 2 * pairs, perm + 2 * pairs + max_n, device_counts_.as<int32_t>() + op.experts, static_cast<int>(max_n), pairs,
+                                 op.w, op.sets(), op.gemm_in, op.gemm_out, in_.ptr, ld_in, op.in_type(), c0, c1, ld_out, op.out_type(), stream_);
+    if (!last_gemv_) {
+      fail("cuda: the expert GEMV has no kernel from weight type {} to output type {} (a MoE form moe_gemm_form should have refused)", op.in_type(),
+           op.out_type());
+    }
+  } else {
+    gemms(op, pairs);
+  }
+  epilogue(op, arena, rows);
+  if (timing_) timer_.stop();
+}
+
+// gate_up: the activation into the op's rows; down: the weighted sum in slot order (+ shared).
+void MoeGemmRunner::epilogue(const MoeGemmOp& op, float* arena, int64_t rows) {
+  const int64_t pairs = rows * op.top_k, ld_out = padded(op.gemm_out);
+  const int32_t* perm = lists_.as<int32_t>();
+  const int32_t* inv = perm + pairs;
   if (op.gate_up()) {
     const uint8_t* up = out_.as<uint8_t>() + pairs * ld_out * type_bytes(op.out_type());
     launch_moe_activation(out_.ptr, up, ld_out, op.out_type(), perm, pairs, op.gemm_out, arena + op.out_offset, op.act, op.round_out, op.situ, op.beta,
@@ -199,7 +250,6 @@ void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
     launch_moe_combine(out_.ptr, ld_out, op.out_type(), inv, rows, op.top_k, op.gemm_out, arena + op.routes_offset, op.routes_stride, shared,
                        op.shared_stride, arena + op.out_offset, op.act, op.round_out, stream_);
   }
-  if (timed) timer_.stop();
 }
 
 // Row-major y[n, out] = x[n, in]·W_eᵀ per expert is column-major yᵀ = W_e·xᵀ (as GemmRunner::run):
@@ -207,6 +257,7 @@ void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
 void MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs) {
   const Routing& r = routing_;
   const int n = static_cast<int>(r.active.size()), sets = op.sets();
+  last_gemv_ = false;
   if (n == 0) return;  // no rows
   const int64_t ld_in = padded(op.gemm_in), ld_out = padded(op.gemm_out);
   const int64_t in_row = ld_in * type_bytes(op.in_type()), out_row = ld_out * type_bytes(op.out_type());
@@ -257,6 +308,27 @@ void MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs) {
                    "expert GEMM");
     }
   }
+}
+
+const std::vector<int32_t>& MoeGemmRunner::last_expert_tokens() {
+  if (routing_.valid && routing_.device) {
+    check(cudaMemcpyAsync(routing_.counts.data(), device_counts_.ptr, routing_.counts.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_),
+          "MoE routing counts");
+    check(cudaStreamSynchronize(stream_), "MoE routing counts");
+  }
+  return routing_.counts;
+}
+
+MoeGemmRunner::RoutingStats MoeGemmRunner::routing_stats() {
+  unsigned long long device[2] = {0, 0};
+  check(cudaMemcpyAsync(device, device_stats_.ptr, sizeof(device), cudaMemcpyDeviceToHost, stream_), "MoE routing stats");
+  check(cudaStreamSynchronize(stream_), "MoE routing stats");
+  return {host_stats_.reads + static_cast<int64_t>(device[0]), host_stats_.experts + static_cast<int64_t>(device[1])};
+}
+
+void MoeGemmRunner::reset_routing_stats() {
+  host_stats_ = {};
+  check(cudaMemsetAsync(device_stats_.ptr, 0, device_stats_.bytes, stream_), "MoE routing stats");
 }
 
 double MoeGemmRunner::timed_ms() { return timer_.total_ms(); }

@@ -1,12 +1,18 @@
-// Device side of the routed-expert GEMMs (moe_gemm.h): the gather of the pairs' rows in expert order,
-// the grouped call's pointer arrays, and the two epilogues, which round exactly where op_moe_gate_up and
+// Device side of the routed-expert GEMMs (moe_gemm.h): the device routing sort and the expert GEMV of
+// small steps, the gather of the pairs' rows in expert order, the grouped call's pointer arrays, and the
+// two epilogues, which round exactly where op_moe_gate_up and
 // op_moe_down_impl (ops/gemv.cuh) round, in the same order. One block per sorted pair (or token) row,
 // threads over its columns: coalesced on both sides.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cub/block/block_scan.cuh>
+
 #include "runtime/cuda/device.cuh"
 #include "runtime/cuda/kernels.h"  // declared in moe_gemm.h (host headers nvcc need not see)
+#include "runtime/cuda/ops/common.cuh"
+#include "runtime/cuda/ops/gemv_dot.cuh"
+#include "runtime/cuda/ops/limits.h"
 
 namespace plow::cuda {
 
@@ -25,7 +31,8 @@ __device__ __forceinline__ float load_f(const float* p) { return *p; }
 __device__ __forceinline__ float load_f(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 __device__ __forceinline__ float load_f(const __half* p) { return __half2float(*p); }
 __device__ __forceinline__ void store_f(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store_f(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }  // exact: v is a bf16 value
+// Round to nearest even: exact for the gather's values (already of that type), the GEMV's rounding of a dot.
+__device__ __forceinline__ void store_f(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_f(__half* p, float v) { *p = __float2half_rn(v); }
 
 template <typename T>
@@ -97,6 +104,222 @@ __global__ void combine_kernel(const T* y, int64_t ld, const int32_t* inv, int64
   }
 }
 
+// launch_moe_gemv: block (column slice, expert i); the expert's rows in groups of G ≤ kGemvGroup,
+// staged as fp32 once per group. A warp streams two weight rows at a time (gate and up of one column,
+// or two columns of down): eight 16-byte loads in flight a lane for half-precision rows.
+// 256 threads, two blocks an SM (128 registers: at 64 or 80 they spilled; one block of 512 an SM was
+// slower than cuBLAS's grouped GEMM, nothing streaming while it staged its rows).
+constexpr int kGemvThreads = 256, kGemvWarps = kGemvThreads / 32;
+// Output columns of a block, per stack: gate_up (two stacks) 64, down 128 (its rows are shorter: more
+// of them share a staging). H200, 48B shape, a decode batch of 32 × 4096: 35.5 ms a step; down at 64
+// columns 36.2, gate_up 128 and down 256 36.0.
+__host__ __device__ constexpr int64_t gemv_cols(int sets) { return sets == 2 ? 64 : 128; }
+constexpr int kGemvGroup = 4;  // rows staged at a time (37 KB at 2,304 wide); an expert with more takes several passes
+
+struct GemvStacks {
+  DeviceWeight w[2];
+};
+
+// Lane's share of two dots: rows a and b (half-precision, 16-byte aligned, `n` a multiple of 8)
+// against the G staged rows.
+template <int G>
+__device__ __forceinline__ void lane_dot2(int32_t type, const uint8_t* a, const uint8_t* b, const float* xs, int ld, int n, float (&acc_a)[G],
+                                          float (&acc_b)[G]) {
+  const int lane = threadIdx.x & 31;
+  const int chunks = n / 8;
+  constexpr int U = 4;
+  int c = lane;
+  for (; c + 32 * (U - 1) < chunks; c += 32 * U) {
+    uint4 va[U], vb[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      va[u] = load_stream(a + static_cast<size_t>(c + 32 * u) * 16);
+      vb[u] = load_stream(b + static_cast<size_t>(c + 32 * u) * 16);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float f[8];
+      unpack8(va[u], type, f);
+      fma8<G>(f, xs, ld, (c + 32 * u) * 8, acc_a);
+      unpack8(vb[u], type, f);
+      fma8<G>(f, xs, ld, (c + 32 * u) * 8, acc_b);
+    }
+  }
+  for (; c < chunks; c += 32) {
+    float f[8];
+    unpack8(load_stream(a + static_cast<size_t>(c) * 16), type, f);
+    fma8<G>(f, xs, ld, c * 8, acc_a);
+    unpack8(load_stream(b + static_cast<size_t>(c) * 16), type, f);
+    fma8<G>(f, xs, ld, c * 8, acc_b);
+  }
+}
+
+// Lane g < count stores row g's dot (after the warp's reduction).
+template <int G, typename TOut>
+__device__ __forceinline__ void store_dots(float (&acc)[G], int count, TOut* out, int64_t p0, int64_t ld_out, int64_t c) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int g = 0; g < G; ++g) acc[g] = warp_sum(acc[g]);
+  if (lane < count) {
+    float v = 0.0f;
+#pragma unroll
+    for (int g = 0; g < G; ++g) v = g == lane ? acc[g] : v;
+    store_f(out + (p0 + lane) * ld_out + c, v);
+  }
+}
+
+template <int G, typename TOut>
+__device__ __forceinline__ void gemv_rows(const GemvStacks& s, int sets, int64_t e, int64_t gemm_in, int64_t c0, int64_t c1, const float* xs, int ld,
+                                          int64_t p0, int count, TOut* c_0, TOut* c_1, int64_t ld_out) {
+  const int warp = threadIdx.x / 32;
+  const DeviceWeight& w0 = s.w[0];
+  const bool half = (w0.type == kWBF16 || w0.type == kWF16) && (sets == 1 || s.w[1].type == w0.type) && gemm_in % 8 == 0 &&
+                    (reinterpret_cast<uintptr_t>(w0.data) | reinterpret_cast<uintptr_t>(s.w[1].data) | static_cast<uintptr_t>(w0.part_bytes)) % 16 == 0;
+  const size_t row_bytes = static_cast<size_t>(gemm_in) * 2;
+  if (half) {
+    // Pairs of weight rows: (gate c, up c) for two stacks, (c, c + kGemvWarps) for one.
+    const int64_t step = sets == 2 ? kGemvWarps : 2 * kGemvWarps;
+    const uint8_t* base_a = w0.data + e * w0.part_bytes;
+    const uint8_t* base_b = sets == 2 ? s.w[1].data + e * s.w[1].part_bytes : base_a;
+    const int32_t type = w0.type;
+    for (int64_t c = c0 + warp; c < c1; c += step) {
+      const int64_t cb = sets == 2 ? c : c + kGemvWarps;
+      const bool has_b = sets == 2 || cb < c1;
+      const uint8_t* a = base_a + static_cast<size_t>(c) * row_bytes;
+      const uint8_t* b = base_b + static_cast<size_t>(has_b ? cb : c) * row_bytes;
+      float acc_a[G], acc_b[G];
+#pragma unroll
+      for (int g = 0; g < G; ++g) acc_a[g] = acc_b[g] = 0.0f;
+      lane_dot2<G>(type, a, b, xs, ld, static_cast<int>(gemm_in), acc_a, acc_b);
+      store_dots<G>(acc_a, count, c_0, p0, ld_out, c);
+      if (sets == 2) {
+        store_dots<G>(acc_b, count, c_1, p0, ld_out, c);
+      } else if (has_b) {
+        store_dots<G>(acc_b, count, c_0, p0, ld_out, cb);
+      }
+    }
+    return;
+  }
+  for (int64_t c = c0 + warp; c < c1; c += kGemvWarps) {
+    for (int j = 0; j < sets; ++j) {
+      float acc[G];
+#pragma unroll
+      for (int g = 0; g < G; ++g) acc[g] = 0.0f;
+      lane_dot<G>(s.w[j], e, c, xs, ld, static_cast<int>(gemm_in), acc);
+      store_dots<G>(acc, count, j == 0 ? c_0 : c_1, p0, ld_out, c);
+    }
+  }
+}
+
+template <typename TIn, typename TOut>
+__global__ void __launch_bounds__(kGemvThreads, 2) gemv_kernel(const int32_t* active, const int32_t* offsets, const int32_t* n_active, int64_t pairs,
+                                                            GemvStacks s, int sets, int64_t gemm_in, int64_t gemm_out, const TIn* b, int64_t ld_in, TOut* c_0,
+                                                            TOut* c_1, int64_t ld_out, int group) {
+  extern __shared__ float4 smem4[];
+  float* xs = reinterpret_cast<float*>(smem4);
+  const int i = blockIdx.y, n = *n_active;
+  if (i >= n) return;  // the grid has a row for every expert the step could reach
+  const int64_t e = active[i], first = offsets[i], end = i + 1 < n ? offsets[i + 1] : pairs;
+  const int ld = static_cast<int>((gemm_in + 3) & ~int64_t{3});
+  const int64_t cols = gemv_cols(sets);
+  const int64_t c0 = blockIdx.x * cols, c1 = c0 + cols < gemm_out ? c0 + cols : gemm_out;
+  for (int64_t p0 = first; p0 < end; p0 += group) {
+    const int count = static_cast<int>(end - p0 < group ? end - p0 : group);
+    const int padded_rows = count == 1 ? 1 : count == 2 ? 2 : 4;
+    __syncthreads();  // the previous group's readers are done
+    for (int g = 0; g < padded_rows; ++g) {
+      for (int k = threadIdx.x; k < ld; k += kGemvThreads) xs[g * ld + k] = g < count && k < gemm_in ? load_f(b + (p0 + g) * ld_in + k) : 0.0f;
+    }
+    __syncthreads();
+    if (count == 1) {
+      gemv_rows<1>(s, sets, e, gemm_in, c0, c1, xs, ld, p0, count, c_0, c_1, ld_out);
+    } else if (count == 2) {
+      gemv_rows<2>(s, sets, e, gemm_in, c0, c1, xs, ld, p0, count, c_0, c_1, ld_out);
+    } else {
+      gemv_rows<4>(s, sets, e, gemm_in, c0, c1, xs, ld, p0, count, c_0, c_1, ld_out);
+    }
+  }
+}
+
+constexpr size_t kGemvMaxShared = kMoeGemvMaxStagedBytes;
+
+template <typename TIn, typename TOut>
+bool gemv(const int32_t* active, const int32_t* offsets, const int32_t* n, int max_n, int64_t pairs, const GemvStacks& s, int sets, int64_t gemm_in,
+          int64_t gemm_out, const void* b, int64_t ld_in, void* c0, void* c1, int64_t ld_out, cudaStream_t stream) {
+  const int64_t ld = (gemm_in + 3) & ~int64_t{3};
+  int group = pairs <= 1 ? 1 : pairs == 2 ? 2 : kGemvGroup;  // a padded group: 1, 2 or 4 rows (no expert has more than the step's pairs)
+  while (group > 1 && static_cast<size_t>(group * ld) * sizeof(float) > kGemvMaxShared) group /= 2;
+  const size_t smem = static_cast<size_t>(group * ld) * sizeof(float);
+  if (smem > kGemvMaxShared) return false;
+  const auto kernel = gemv_kernel<TIn, TOut>;
+  if (smem > 48 * 1024) {
+    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (error != cudaSuccess) cuda_failure("MoE GEMV shared memory", error);
+  }
+  const int64_t cols = gemv_cols(sets);
+  const dim3 grid(static_cast<unsigned>((gemm_out + cols - 1) / cols), static_cast<unsigned>(max_n));
+  kernel<<<grid, kGemvThreads, smem, stream>>>(active, offsets, n, pairs, s, sets, gemm_in, gemm_out, static_cast<const TIn*>(b), ld_in,
+                                               static_cast<TOut*>(c0), static_cast<TOut*>(c1), ld_out, group);
+  return true;
+}
+
+// launch_moe_route: one block, one thread per expert for the scans.
+constexpr int kRouteThreads = 1024;
+static_assert(kRouteThreads >= kMoeDeviceMaxExperts, "the routing sort scans one expert per thread");
+
+__global__ void __launch_bounds__(kRouteThreads) route_kernel(const float* routes, int64_t stride, int64_t rows, int64_t top_k, int experts, int32_t* perm,
+                                                              int32_t* inv, int32_t* active, int32_t* offsets, int32_t* counts, unsigned long long* stats,
+                                                              int32_t* error) {
+  using Scan = cub::BlockScan<int, kRouteThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ int count[kMoeDeviceMaxExperts], start[kMoeDeviceMaxExperts];
+  __shared__ int16_t expert_of[kMoeDeviceMaxPairs];
+  const int t = threadIdx.x;
+  const int pairs = static_cast<int>(rows * top_k);
+  if (t < experts) count[t] = 0;
+  __syncthreads();
+  for (int q = t; q < pairs; q += kRouteThreads) {
+    const float id = routes[(q / top_k) * stride + top_k + q % top_k];
+    int e = 0;
+    if (id >= 0.0f && id < static_cast<float>(experts) && id == floorf(id)) {
+      e = static_cast<int>(id);
+    } else {
+      atomicCAS(error, 0, kErrRouting);
+    }
+    expert_of[q] = static_cast<int16_t>(e);
+    atomicAdd(&count[e], 1);
+  }
+  __syncthreads();
+  const int c = t < experts ? count[t] : 0;
+  int first = 0, slot = 0, n = 0;
+  Scan(scan).ExclusiveSum(c, first);
+  __syncthreads();  // the scan's storage is reused
+  Scan(scan).ExclusiveSum(c > 0 ? 1 : 0, slot, n);
+  if (t < experts) {
+    start[t] = first;
+    counts[t] = c;
+    if (c > 0) {
+      active[slot] = t;
+      offsets[slot] = first;
+    }
+  }
+  if (t == 0) {
+    counts[experts] = n;
+    stats[0] += 1;
+    stats[1] += static_cast<unsigned long long>(n);
+  }
+  __syncthreads();
+  // Sorted position: the expert's first plus the pairs before q with the same expert (ascending q).
+  for (int q = t; q < pairs; q += kRouteThreads) {
+    const int e = expert_of[q];
+    int rank = 0;
+    for (int r = 0; r < q; ++r) rank += expert_of[r] == e ? 1 : 0;
+    const int p = start[e] + rank;
+    perm[p] = q;
+    inv[q] = p;
+  }
+}
+
 template <typename T>
 void combine(const void* y, int64_t ld, const int32_t* inv, int64_t rows, int64_t top_k, int64_t width, const float* routes, int64_t routes_stride,
              const float* shared, int64_t shared_stride, float* out, int32_t act, bool round_out, cudaStream_t stream) {
@@ -131,6 +354,34 @@ void launch_moe_pointers(const int32_t* groups, int n, int sets, const uint8_t* 
   const PointerSets s{{w0, w1}, part_bytes, b, b_row_bytes, {c0, c1}, c_row_bytes};
   pointers_kernel<<<(n * sets + kBlock - 1) / kBlock, kBlock, 0, stream>>>(groups, n, sets, s, ptrs);
   check_launch("MoE GEMM pointers");
+}
+
+void launch_moe_route(const float* routes, int64_t stride, int64_t rows, int64_t top_k, int experts, int32_t* perm, int32_t* inv, int32_t* active,
+                      int32_t* offsets, int32_t* counts, unsigned long long* stats, int32_t* error, cudaStream_t stream) {
+  route_kernel<<<1, kRouteThreads, 0, stream>>>(routes, stride, rows, top_k, experts, perm, inv, active, offsets, counts, stats, error);
+  check_launch("MoE routing sort");
+}
+
+bool launch_moe_gemv(const int32_t* active, const int32_t* offsets, const int32_t* n, int max_n, int64_t pairs, const DeviceWeight* w, int sets,
+                     int64_t gemm_in, int64_t gemm_out, const void* b, int64_t ld_in, int32_t in_type, void* c0, void* c1, int64_t ld_out,
+                     int32_t out_type, cudaStream_t stream) {
+  if (max_n > 65535 || sets < 1 || sets > 2) return false;
+  if (max_n == 0 || pairs == 0) return true;
+  GemvStacks s{{w[0], sets > 1 ? w[1] : w[0]}};
+  bool ok = false;
+  if (in_type == kWBF16 && out_type == kWBF16) {
+    ok = gemv<__nv_bfloat16, __nv_bfloat16>(active, offsets, n, max_n, pairs, s, sets, gemm_in, gemm_out, b, ld_in, c0, c1, ld_out, stream);
+  } else if (in_type == kWBF16 && out_type == kWF32) {
+    ok = gemv<__nv_bfloat16, float>(active, offsets, n, max_n, pairs, s, sets, gemm_in, gemm_out, b, ld_in, c0, c1, ld_out, stream);
+  } else if (in_type == kWF16 && out_type == kWF16) {
+    ok = gemv<__half, __half>(active, offsets, n, max_n, pairs, s, sets, gemm_in, gemm_out, b, ld_in, c0, c1, ld_out, stream);
+  } else if (in_type == kWF16 && out_type == kWF32) {
+    ok = gemv<__half, float>(active, offsets, n, max_n, pairs, s, sets, gemm_in, gemm_out, b, ld_in, c0, c1, ld_out, stream);
+  } else if (in_type == kWF32 && out_type == kWF32) {
+    ok = gemv<float, float>(active, offsets, n, max_n, pairs, s, sets, gemm_in, gemm_out, b, ld_in, c0, c1, ld_out, stream);
+  }
+  if (ok) check_launch("MoE GEMV");
+  return ok;
 }
 
 void launch_moe_activation(const void* gate, const void* up, int64_t ld, int32_t type, const int32_t* perm, int64_t pairs, int64_t inter, float* out,

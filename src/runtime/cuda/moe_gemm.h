@@ -16,6 +16,7 @@
 
 #include "plan/plan.h"
 #include "runtime/cuda/device_memory.h"
+#include "runtime/cuda/ops/limits.h"
 #include "runtime/cuda/stream_timer.h"
 
 namespace plow::cuda {
@@ -57,12 +58,21 @@ struct MoeGemmCapacity {
   void merge(const MoeGemmCapacity& other);
 };
 
+// Steps of at most this many (token, slot) pairs per expert of the stack (a batch of ≤ 32 decode rows
+// at the 48B shape: 256 experts, top-8) route on the device and take the expert GEMV
+// (launch_moe_route, launch_moe_gemv): no host synchronization in the step. Larger steps read the
+// routing on the host and take cuBLAS's grouped GEMM.
+// Also at most kMoeDeviceMaxPairs pairs over kMoeDeviceMaxExperts experts, input rows that stage in
+// kMoeGemvMaxStagedBytes (ops/limits.h).
+inline constexpr int64_t kMoeDevicePairsPerExpert = 1;
+
 // Runs MoE ops on one stream. Per step: new_step(), then run() for each MoE host op in plan order.
 // A gate_up op reads the routing (device → host, one stream synchronization) and uploads the sorted
 // pairs; the down op that follows reuses them (the same top-k buffer, still live: it is its input).
 class MoeGemmRunner {
  public:
-  MoeGemmRunner(const MoeGemmCapacity& capacity, cudaStream_t stream);
+  // `error`: the backend's device error flag (kErrRouting from the device routing sort).
+  MoeGemmRunner(const MoeGemmCapacity& capacity, cudaStream_t stream, int32_t* error);
   ~MoeGemmRunner();
   MoeGemmRunner(const MoeGemmRunner&) = delete;
   MoeGemmRunner& operator=(const MoeGemmRunner&) = delete;
@@ -73,15 +83,20 @@ class MoeGemmRunner {
   void run(const MoeGemmOp& op, float* arena, int64_t rows);
 
   int64_t calls() const { return calls_; }  // ops run
-  // Tokens per expert of the last routing read (tests: which experts got none, which got all).
-  const std::vector<int32_t>& last_expert_tokens() const { return routing_.counts; }
-  // Whether the last op ran as one grouped GEMM (false: one cublasGemmEx per expert with tokens).
+  // Tokens per expert of the last routing (tests: which experts got none, which got all); after a
+  // device routing, read from the device (waits for the stream).
+  const std::vector<int32_t>& last_expert_tokens();
+  // Whether the last op ran as one grouped GEMM (false: one cublasGemmEx per expert with tokens, or
+  // the expert GEMV), and whether as the expert GEMV after a device routing (kMoeDevicePairsPerExpert).
   bool last_grouped() const { return last_grouped_; }
+  bool last_gemv() const { return last_gemv_; }
   // Routing reads since the last reset, and the experts with pairs summed over them (benchmarks: how
   // many distinct experts a step's MoE ops actually stream, against uniform routing's expectation).
-  int64_t routing_reads() const { return routing_reads_; }
-  int64_t routed_experts() const { return routed_experts_; }
-  void reset_routing_stats() { routing_reads_ = routed_experts_ = 0; }
+  struct RoutingStats {
+    int64_t reads = 0, experts = 0;
+  };
+  RoutingStats routing_stats();  // host and device routings since the reset (waits for the stream)
+  void reset_routing_stats();
   // Timing (benchmarks): with it on, each op's stream time from after its routing read to its last
   // kernel (the host's sorting included) is added up; timed_ms() synchronizes the stream.
   void set_timing(bool on) { timing_ = on; }
@@ -91,22 +106,27 @@ class MoeGemmRunner {
  private:
   struct Routing {
     bool valid = false;
+    bool device = false;  // sorted on the device: counts/active/offsets live there (counts_, n_active_)
     int64_t routes_offset = -1, rows = 0, top_k = 0;
     std::vector<int32_t> counts;                  // [experts] pairs per expert
     std::vector<int32_t> active, offsets;         // experts with pairs, ascending, and their first sorted pair
   };
   void read_routing(const MoeGemmOp& op, const float* arena, int64_t rows);
+  void route_on_device(const MoeGemmOp& op, const float* arena, int64_t rows);
   void sort_routing(const MoeGemmOp& op, int64_t rows);
   void gemms(const MoeGemmOp& op, int64_t pairs);
+  void epilogue(const MoeGemmOp& op, float* arena, int64_t rows);
 
   cudaStream_t stream_ = nullptr;
   cublasHandle_t handle_ = nullptr;
   MoeGemmCapacity capacity_;
+  int32_t* error_ = nullptr;
   DeviceBuffer workspace_, lists_, pointers_, in_, out_;
+  DeviceBuffer device_counts_, device_stats_;  // device routing: pairs per expert [experts], then the active count; reads and experts (2 × u64)
   std::vector<float> routes_host_;
   std::vector<int32_t> lists_host_;  // perm [pairs], inv [pairs], active experts, their offsets
   Routing routing_;
-  int64_t routing_reads_ = 0, routed_experts_ = 0;
+  RoutingStats host_stats_;
   // The grouped call's host arrays, one set per op kind (gate_up, down): each is rewritten only after
   // a stream synchronization that follows its last use (a gate_up's routing read).
   struct HostArrays {
@@ -115,7 +135,7 @@ class MoeGemmRunner {
     std::vector<float> alpha, beta;
   } arrays_[2];
   bool grouped_ok_ = true;  // cleared when cuBLAS reports the grouped call unsupported
-  bool last_grouped_ = false;
+  bool last_grouped_ = false, last_gemv_ = false;
   int64_t calls_ = 0;
   bool timing_ = false;
   StreamTimer timer_;
@@ -133,6 +153,24 @@ void launch_moe_gather(const float* base, int64_t stride, int64_t slot_width, in
 // C[…] = c_j + offset_i·c_row_bytes; ptrs = A, B, C back to back (3·sets·n).
 void launch_moe_pointers(const int32_t* groups, int n, int sets, const uint8_t* w0, const uint8_t* w1, int64_t part_bytes, const uint8_t* b,
                          int64_t b_row_bytes, uint8_t* c0, uint8_t* c1, int64_t c_row_bytes, void** ptrs, cudaStream_t stream);
+// The device routing of a step of `rows` top-k rows (stride `stride` floats: k weights, then k ids as
+// floats) over `experts` experts (≤ kMoeDeviceMaxExperts, rows·k ≤ kMoeDeviceMaxPairs), in one block:
+// perm [pairs] (sorted position → pair, ascending token order within an expert) and inv [pairs] as the
+// host's counting sort writes them, the experts with pairs in ascending order at active [0, n) and
+// their first sorted pairs at offsets [0, n); counts [experts] the pairs per expert, then n; stats
+// [2] += {1, n}. An id that is not an integer in 0..experts-1 sets *error to kErrRouting (and counts
+// as expert 0).
+void launch_moe_route(const float* routes, int64_t stride, int64_t rows, int64_t top_k, int experts, int32_t* perm, int32_t* inv, int32_t* active,
+                      int32_t* offsets, int32_t* counts, unsigned long long* stats, int32_t* error, cudaStream_t stream);
+// The expert GEMMs of a device-routed step as weight streaming: block (column slice, expert i < n,
+// n = counts[experts] on the device; grid rows max_n ≥ n): its sorted rows b (row stride ld_in, type
+// in_type) staged, then one warp per pair of weight rows streams them against the staged rows (fp32
+// accumulate, each weight read once an expert) and writes c_j[p, o] (row stride ld_out, type
+// out_type: rounded to it) for `sets` stacks w[0..sets). False, launching nothing: a type pairing it
+// has no kernel for, or rows too wide to stage.
+bool launch_moe_gemv(const int32_t* active, const int32_t* offsets, const int32_t* n, int max_n, int64_t pairs, const DeviceWeight* w, int sets,
+                     int64_t gemm_in, int64_t gemm_out, const void* b, int64_t ld_in, int32_t in_type, void* c0, void* c1, int64_t ld_out,
+                     int32_t out_type, cudaStream_t stream);
 // gate_up: out[q·inter + i] for sorted pair p (q = perm[p]) from gate/up rows p (row stride ld, type
 // `type`), with op_moe_gate_up's rounding.
 void launch_moe_activation(const void* gate, const void* up, int64_t ld, int32_t type, const int32_t* perm, int64_t pairs, int64_t inter, float* out,

@@ -12,6 +12,9 @@ inline constexpr int kMlaHeadsMaxRows = 2;       // per sequence run per head (m
 inline constexpr int kMlaGroupQueries = 16;     // MLA split-KV: (token, head) queries per work item (host sizes the workspace)
 inline constexpr int kRouterMaxExperts = 1024;  // moe_topk candidates: 32 per lane
 inline constexpr int kRouterMaxTopK = 64;
+// moe_gemm.h's device routing sort: one block, an expert per thread, the step's expert ids in shared memory.
+inline constexpr int kMoeDeviceMaxExperts = 1024, kMoeDeviceMaxPairs = 2048;
+inline constexpr int kMoeGemvMaxStagedBytes = 200 * 1024;  // its GEMV's staged rows of a block (an SM holds 227 KB)
 inline constexpr int kShortConvMaxKernel = 64;
 
 // Chunked KDA prefill (kda_chunked.cuh): positions per chunk, and the workspace record of one (chunk,

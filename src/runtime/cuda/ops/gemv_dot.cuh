@@ -1,0 +1,116 @@
+// The weight-streaming dot every GEMV-family body shares: one warp per weight row, 16-byte
+// non-allocating loads (four in flight per lane) against up to kMaxGroup token rows staged as fp32 in
+// shared memory, fp32 accumulate. Included by ops/gemv.cuh (the op bodies) and moe_gemm.cu (the expert
+// GEMV between megakernel segments); no op bodies here, so both translation units may include it.
+#pragma once
+
+#include "runtime/cuda/device.cuh"
+
+namespace plow::cuda {
+
+inline constexpr int kMaxGroup = 8;  // token rows per pass over a weight row
+
+__device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void unpack8(uint4 v, int32_t type, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (type == kWBF16) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      f[2 * i] = h.x;
+      f[2 * i + 1] = h.y;
+    }
+  }
+}
+
+// E2M1 code → value, branch-free: sign, 2 exponent bits (bias 1), 1 mantissa bit; e = 0 is 0 or 0.5.
+__device__ __forceinline__ float e2m1_bits(uint32_t code) {
+  const uint32_t e = (code >> 1) & 3, m = code & 1;
+  const uint32_t bits = e != 0 ? ((e + 126) << 23) | (m << 22) : (m != 0 ? 126u << 23 : 0u);
+  return __uint_as_float(bits | ((code & 8) << 28));
+}
+
+template <int G>
+__device__ __forceinline__ void fma8(const float (&f)[8], const float* xs, int ld, int k, float (&acc)[G]) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float4 a = *reinterpret_cast<const float4*>(xs + g * ld + k);
+    const float4 b = *reinterpret_cast<const float4*>(xs + g * ld + k + 4);
+    acc[g] += f[0] * a.x + f[1] * a.y + f[2] * a.z + f[3] * a.w + f[4] * b.x + f[5] * b.y + f[6] * b.z + f[7] * b.w;
+  }
+}
+
+// This lane's share of dot(row `row` of part `part`, xs[g·ld + k] for k < n), added to acc[g]. The
+// caller reduces acc over the warp. xs: shared (or scratch) memory, ld a multiple of 4.
+template <int G>
+__device__ __forceinline__ void lane_dot(const DeviceWeight& w, int64_t part, int64_t row, const float* xs, int ld, int n, float (&acc)[G]) {
+  const int lane = threadIdx.x & 31;
+  const uint8_t* base = w.data + part * w.part_bytes;
+  if (w.type == kWBF16 || w.type == kWF16) {
+    const uint8_t* r = base + static_cast<size_t>(row) * static_cast<size_t>(w.cols) * 2;
+    int k0 = 0;
+    if (((reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(xs)) & 15) == 0) {
+      const int chunks = n / 8;
+      constexpr int U = 4;
+      int c = lane;
+      for (; c + 32 * (U - 1) < chunks; c += 32 * U) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = load_stream(r + static_cast<size_t>(c + 32 * u) * 16);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          float f[8];
+          unpack8(v[u], w.type, f);
+          fma8<G>(f, xs, ld, (c + 32 * u) * 8, acc);
+        }
+      }
+      for (; c < chunks; c += 32) {
+        float f[8];
+        unpack8(load_stream(r + static_cast<size_t>(c) * 16), w.type, f);
+        fma8<G>(f, xs, ld, c * 8, acc);
+      }
+      k0 = chunks * 8;
+    }
+    for (int k = k0 + lane; k < n; k += 32) {
+      const uint16_t bits = reinterpret_cast<const uint16_t*>(r)[k];
+      const float f = w.type == kWBF16 ? __uint_as_float(static_cast<uint32_t>(bits) << 16) : __half2float(__ushort_as_half(bits));
+#pragma unroll
+      for (int g = 0; g < G; ++g) acc[g] += f * xs[g * ld + k];
+    }
+    return;
+  }
+  if (w.type == kWMXFP4) {  // 16 bytes = 32 codes = one scale block (cols is a multiple of 32)
+    const uint8_t* r = base + static_cast<size_t>(row) * static_cast<size_t>(w.cols / 2);
+    const uint8_t* s = w.scales + part * w.scale_part_bytes + static_cast<size_t>(row) * static_cast<size_t>(w.cols / 32);
+    for (int c = lane; c < n / 32; c += 32) {
+      const uint4 v = load_stream(r + static_cast<size_t>(c) * 16);
+      const float scale = e8m0_value_dev(__ldg(s + c));
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        float f[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = e2m1_bits((words[q] >> (4 * j)) & 0xF) * scale;
+        fma8<G>(f, xs, ld, c * 32 + q * 8, acc);
+      }
+    }
+    return;
+  }
+  // fp32 weights
+  const float* r = reinterpret_cast<const float*>(base) + static_cast<size_t>(row) * static_cast<size_t>(w.cols);
+  for (int k = lane; k < n; k += 32) {
+    const float f = __ldg(r + k);
+#pragma unroll
+    for (int g = 0; g < G; ++g) acc[g] += f * xs[g * ld + k];
+  }
+}
+
+}  // namespace plow::cuda
