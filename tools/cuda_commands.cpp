@@ -143,13 +143,16 @@ void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
   cmd->add_option("--steps", args.steps, "timed decode steps per point");
   cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
   cmd->add_flag("--profile", args.profile, "per-opcode time, bytes and bandwidth; the megakernel's wait and run time");
-  cmd->add_flag("--gemm-plans", args.gemm_plans,
-                "also time batches of at least --gemm-min-rows sequences on an unfused prefill plan (projections and experts as GEMMs, the rest on op bodies), as "
-                "`plow serve` runs them: peer cuda-gemm-plan");
+  cmd->add_flag_callback("--gemm-plans", [&args] { args.gemm_plans = true; },
+                         "also time batches of at least --gemm-min-rows sequences on an unfused prefill plan (projections and experts as GEMMs, the rest on op "
+                         "bodies), as `plow serve` runs them: peer cuda-gemm-plan, and the record's served_ms_per_step (default: on for one GPU, off with --tp)");
+  cmd->add_flag_callback("--no-gemm-plans", [&args] { args.gemm_plans = false; }, "time the decode plans only");
   cmd->add_option("--gemm-min-rows", args.gemm_min_rows, "with --gemm-plans: the fewest rows a step runs on the GEMM path with (default: serving's, 8)")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--gemm-plan-tokens", args.gemm_plan_tokens,
-                  "with --gemm-plans: one prefill plan of this many rows for every such batch (serve's is --max-num-batched-tokens; default: one per batch, of its size)")
-      ->check(CLI::Range(1, 1 << 20));
+                  fmt::format("with --gemm-plans: one prefill plan of this many rows for every such batch (default {}, serve's --max-num-batched-tokens; 0: one "
+                              "per batch, of its size)",
+                              kGpuPrefillChunk))
+      ->check(CLI::Range(0, 1 << 20));
   cmd->add_flag("--bytes-only", args.bytes_only, "print the bytes each point must read (the roofline's numerator) and stop; needs no GPU");
   cmd->add_flag("--diagnose", args.diagnose, "time the first batch's decode ops one launch at a time (10 s timeout each), then stop");
   cmd->add_option("-o,--output", args.output, "JSON array the records are appended to");
@@ -242,19 +245,21 @@ int run_bench_decode(const BenchDecodeArgs& args) {
   }
 
   const int64_t max_batch = *std::max_element(args.batches.begin(), args.batches.end());
+  const int64_t gemm_min_rows = args.gemm_min_rows > 0 ? args.gemm_min_rows : cuda::kGemmMinRows;
+  // The GEMM path is timed where some batch takes it (serve's default on one GPU).
+  const bool gemm_plans = args.gemm_plans.value_or(args.tp == 1) && max_batch >= gemm_min_rows;
   // Every plan's bucket must fit a slot's context (lower_to_plan): at context 0 a batch of 32 alone
   // failed ("max_context 8 is below the bucket's 32 tokens").
   const int64_t max_context = std::max({*std::max_element(args.contexts.begin(), args.contexts.end()) + 8, max_batch,
-                                        args.gemm_plans ? args.gemm_plan_tokens : int64_t{0}});
+                                        gemm_plans ? args.gemm_plan_tokens : int64_t{0}});
   json records = json::array();
   {
     auto weights = args.model_dir.empty() ? cuda::random_device_weights(model->graph, args.seed, dtype) : cuda::upload_weights(model->graph, *model->weights);
     std::vector<Plan> plans;
     for (int64_t b : args.batches) plans.push_back(compile_plan(*model, PlanPhase::kDecode, b, workers, max_context));
     // The GEMM path's prefill plans after the decode plans (plan_info[bi] stays the batch's decode plan).
-    const int64_t gemm_min_rows = args.gemm_min_rows > 0 ? args.gemm_min_rows : cuda::kGemmMinRows;
-    const auto on_gemm_path = [&](int64_t b) { return args.gemm_plans && b >= gemm_min_rows; };
-    if (args.gemm_plans && args.gemm_plan_tokens > 0) {
+    const auto on_gemm_path = [&](int64_t b) { return gemm_plans && b >= gemm_min_rows; };
+    if (gemm_plans && args.gemm_plan_tokens > 0) {
       if (args.gemm_plan_tokens < max_batch) fail("bench decode: --gemm-plan-tokens {} holds no batch of {}", args.gemm_plan_tokens, max_batch);
       plans.push_back(compile_plan(*model, PlanPhase::kPrefill, args.gemm_plan_tokens, workers, max_context, false));
     } else {
@@ -320,6 +325,12 @@ int run_bench_decode(const BenchDecodeArgs& args) {
                        {"git_rev", rev},
                        {"command", args.command_line},
                        {"peers", {{"cuda-eager", {{"ms_per_step", eager}}}}}};
+        // What `plow serve` runs for this batch (choose_step: the GEMM path from gemm_min_rows rows),
+        // where this run timed it.
+        if (on_gemm || batch < gemm_min_rows) {
+          record["served_ms_per_step"] = on_gemm ? gemm : mega;
+          record["served_path"] = on_gemm ? "cuda-gemm-plan" : "decode plan (megakernel)";
+        }
         if (on_gemm) {
           record["peers"]["cuda-gemm-plan"] = {{"ms_per_step", gemm},
                                                {"plan", fmt::format("prefill of {} rows, unfused, GEMM path from {} rows", args.gemm_plan_tokens > 0 ? args.gemm_plan_tokens : batch, gemm_min_rows)}};

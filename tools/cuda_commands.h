@@ -79,9 +79,11 @@ struct BenchDecodeArgs {
   int steps = 30;
   int workers = 0;
   bool profile = false;
-  bool gemm_plans = false;      // also time batches of ≥ gemm_min_rows on a prefill plan's GEMM path
-  int64_t gemm_min_rows = 0;     // CudaOptions::gemm_min_rows (0: cuda::kGemmMinRows)
-  int64_t gemm_plan_tokens = 0;  // that prefill plan's rows (0: one plan per such batch, of its size)
+  // Also time batches of ≥ gemm_min_rows on a prefill plan's GEMM path, as `serve` runs them (unset:
+  // on for one GPU; a tensor-parallel run times it only when asked).
+  std::optional<bool> gemm_plans;
+  int64_t gemm_min_rows = 0;                    // CudaOptions::gemm_min_rows (0: cuda::kGemmMinRows)
+  int64_t gemm_plan_tokens = kGpuPrefillChunk;  // that prefill plan's rows, serve's (0: one plan per such batch, of its size)
   bool diagnose = false;
   bool bytes_only = false;  // run the first batch's decode ops one by one with a timeout, then stop
   std::string output = "bench/results/decode.json";
