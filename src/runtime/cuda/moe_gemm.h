@@ -61,7 +61,8 @@ struct MoeGemmCapacity {
 // Steps of at most this many (token, slot) pairs per expert of the stack (a batch of ≤ 32 decode rows
 // at the 48B shape: 256 experts, top-8) route on the device and take the expert GEMV
 // (launch_moe_route, launch_moe_gemv): no host synchronization in the step. Larger steps read the
-// routing on the host and take cuBLAS's grouped GEMM.
+// routing on the host and take cuBLAS's grouped GEMM. Measured at 2 pairs an expert (H200, 48B shape,
+// context 4096, ms a step, host / device): batch 48 46.2 / 45.8, batch 64 53.4 / 54.8.
 // Also at most kMoeDeviceMaxPairs pairs over kMoeDeviceMaxExperts experts, input rows that stage in
 // kMoeGemvMaxStagedBytes (ops/limits.h).
 inline constexpr int64_t kMoeDevicePairsPerExpert = 1;
