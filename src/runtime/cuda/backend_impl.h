@@ -140,11 +140,10 @@ struct CudaBackend::Impl {
     return view;
   }
 
-  // Benchmarks: one token (id 1) for each of slots 0..batch−1 at their current context.
   // A synthetic decode step (benchmarks, diagnosis): sequence s in slot s reads token 1 + s (below the
   // vocabulary), so that the sequences differ and route to different experts as a served batch's do.
   // One token for all made the whole batch route alike: 20 distinct experts an MoE op at batch 32,
-  // where uniform routing reaches 163 of 256.
+  // where uniform routing reaches 163 of 256. Each slot at its current context.
   StepView upload_decode_step(PreparedPlan& prepared, int batch) {
     int64_t vocab = std::numeric_limits<int32_t>::max();
     for (const PlanOp& op : prepared.plan.ops) {

@@ -68,8 +68,9 @@ struct MoeGemmCapacity {
 inline constexpr int64_t kMoeDevicePairsPerExpert = 1;
 
 // Runs MoE ops on one stream. Per step: new_step(), then run() for each MoE host op in plan order.
-// A gate_up op reads the routing (device → host, one stream synchronization) and uploads the sorted
-// pairs; the down op that follows reuses them (the same top-k buffer, still live: it is its input).
+// A gate_up op sorts the routing, on the device for decode-sized steps (kMoeDevicePairsPerExpert),
+// else on the host (device → host, one stream synchronization, the sorted pairs uploaded); the down op
+// that follows reuses the lists (the same top-k buffer, still live: it is its input).
 class MoeGemmRunner {
  public:
   // `error`: the backend's device error flag (kErrRouting from the device routing sort).
@@ -107,7 +108,7 @@ class MoeGemmRunner {
  private:
   struct Routing {
     bool valid = false;
-    bool device = false;  // sorted on the device: counts/active/offsets live there (counts_, n_active_)
+    bool device = false;  // sorted on the device: the counts and the active count live in device_counts_
     int64_t routes_offset = -1, rows = 0, top_k = 0;
     std::vector<int32_t> counts;                  // [experts] pairs per expert
     std::vector<int32_t> active, offsets;         // experts with pairs, ascending, and their first sorted pair
