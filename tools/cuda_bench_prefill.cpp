@@ -283,6 +283,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
       shapes.push_back({{"rows", chunk}, {"in", in}, {"out", out}, {"count", count}, {"ours_ms", t.ours_ms}, {"ours_tflops", f / (t.ours_ms * 1e9)},
                         {"cublas_bf16_ms", t.cublas_ms}, {"cublas_bf16_tflops", f / (t.cublas_ms * 1e9)}});
     }
+    const double load = load_max_over_mean(backend->last_expert_tokens());
     json record = {{"kind", "prefill"},
                    {"config", args.config_path},
                    {"backend", "cuda"},
@@ -302,7 +303,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"gemm_ms_estimate", gemm_ms_per_chunk * static_cast<double>(p) / static_cast<double>(chunk)},
                    {"expert_ops_ms", expert_ms},
                    {"expert_gemm_grouped", backend->last_expert_gemm_grouped()},
-                   {"expert_load_max_over_mean", load_max_over_mean(backend->last_expert_tokens())},
+                   {"expert_load_max_over_mean", load},
                    {"mla_ops_ms", mla_ms},
                    {"mla_gemm", mla_gemm},
                    {"workers", workers},
@@ -312,8 +313,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"command", args.command_line},
                    {"peers", {{"gemm_shapes", shapes}}}};
     std::cerr << fmt::format("prompt {:6d}{} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s; routed experts {:8.1f} ms (busiest expert {:.1f}x the mean); MLA {:8.1f} ms{}\n", p,
-                             args.cached_prefix > 0 ? fmt::format(" after {} cached", args.cached_prefix) : "", chunk, ttft, static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9), expert_ms,
-                             record["expert_load_max_over_mean"].get<double>(), mla_ms, mla_gemm ? "" : " (op body: not timed)");
+                             args.cached_prefix > 0 ? fmt::format(" after {} cached", args.cached_prefix) : "", chunk, ttft, static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9), expert_ms, load, mla_ms, mla_gemm ? "" : " (op body: not timed)");
     if (gemv) {
       const double ms = median(time_prompt(*gemv, prefix, ids, chunk, 1));
       record["peers"]["gemv_path"] = {{"ttft_ms", ms}, {"tflops", flops.total() / (ms * 1e9)}, {"plans", "fused prefill plans, GEMV bodies (one run after a one-chunk warm-up)"}};

@@ -226,8 +226,8 @@ void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
     last_gemv_ = launch_moe_gemv(perm + 2 * pairs, perm + 2 * pairs + max_n, device_counts_.as<int32_t>() + op.experts, static_cast<int>(max_n), pairs,
                                  op.w, op.sets(), op.gemm_in, op.gemm_out, in_.ptr, ld_in, op.in_type(), c0, c1, ld_out, op.out_type(), stream_);
     if (!last_gemv_) {
-      fail("cuda: the expert GEMV has no kernel from weight type {} to output type {} (a MoE form moe_gemm_form should have refused)", op.in_type(),
-           op.out_type());
+      fail("cuda: the expert GEMV refused a step of {} pairs over {} experts ({}-wide rows, weight type {}, output type {}) that the device route took",
+           pairs, op.experts, op.gemm_in, op.in_type(), op.out_type());
     }
   } else {
     gemms(op, pairs);

@@ -241,16 +241,14 @@ __global__ void __launch_bounds__(kGemvThreads, 2) gemv_kernel(const int32_t* ac
   }
 }
 
-constexpr size_t kGemvMaxShared = kMoeGemvMaxStagedBytes;
-
 template <typename TIn, typename TOut>
 bool gemv(const int32_t* active, const int32_t* offsets, const int32_t* n, int max_n, int64_t pairs, const GemvStacks& s, int sets, int64_t gemm_in,
           int64_t gemm_out, const void* b, int64_t ld_in, void* c0, void* c1, int64_t ld_out, cudaStream_t stream) {
   const int64_t ld = (gemm_in + 3) & ~int64_t{3};
   int group = pairs <= 1 ? 1 : pairs == 2 ? 2 : kGemvGroup;  // a padded group: 1, 2 or 4 rows (no expert has more than the step's pairs)
-  while (group > 1 && static_cast<size_t>(group * ld) * sizeof(float) > kGemvMaxShared) group /= 2;
+  while (group > 1 && static_cast<size_t>(group * ld) * sizeof(float) > static_cast<size_t>(kMoeGemvMaxStagedBytes)) group /= 2;
   const size_t smem = static_cast<size_t>(group * ld) * sizeof(float);
-  if (smem > kGemvMaxShared) return false;
+  if (smem > static_cast<size_t>(kMoeGemvMaxStagedBytes)) return false;
   const auto kernel = gemv_kernel<TIn, TOut>;
   if (smem > 48 * 1024) {
     const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
