@@ -246,6 +246,12 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
           : run_length_peer("MLA", fmt::format("{} --tokens {} --heads {} --qk-dim {} --v-dim {}", args.mla_peer, lengths, cfg.num_attention_heads,
                                                cfg.mla_qk_head_dim(), cfg.v_head_dim));
 
+  const double roofline_gbps = cuda::measure_read_bandwidth_gbps(int64_t{4} << 30, gpu);
+  std::cerr << fmt::format("read roofline {:.0f} GB/s\n", roofline_gbps);
+  // One routed expert's weights (gate, up, down) where the expert GEMMs take them: dense half-precision.
+  const double expert_bytes = cfg.experts_mxfp4 || dtype == DType::F32
+                                  ? 0.0
+                                  : 3.0 * static_cast<double>(cfg.moe_intermediate_size) * static_cast<double>(cfg.moe_io_width()) * 2.0;
   auto weights = cuda::random_device_weights(model->graph, args.seed, dtype);
   auto backend = make_backend(*model, weights, chunks, workers, max_context, dtype, true);
   backend->set_expert_timing(true);  // two event records per MoE op: the routed experts' share of TTFT
@@ -261,11 +267,20 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
     const std::vector<int32_t> prefix = prompt_ids(args.cached_prefix, model->config.vocab_size, 2);
     const std::vector<int32_t> ids = prompt_ids(p, model->config.vocab_size);
     double expert_sum = 0, mla_sum = 0;  // the timed parts' shares (the prefix's ops excluded)
+    int64_t experts_streamed = 0;        // distinct experts over the timed runs' MoE ops
     const std::vector<double> runs = time_prompt(*backend, prefix, ids, chunk, args.reps, [&](bool start) {
       expert_sum += start ? -backend->expert_ms() : backend->expert_ms();
       mla_sum += start ? -backend->mla_ms() : backend->mla_ms();
+      if (start) backend->reset_expert_routing_stats();
+      if (!start) experts_streamed += backend->expert_routing().experts;
     });
     const double expert_ms = expert_sum / args.reps;
+    const std::string expert_gemm = expert_ms <= 0                         ? "none (the op bodies)"
+                                    : backend->last_expert_gemm_grouped() ? "cublas grouped"
+                                                                          : "cublas per expert";
+    // Each op streams its distinct experts' weights once (gate_up reads w1 and w3, down w2).
+    const double expert_weight_bytes = expert_bytes * static_cast<double>(experts_streamed) / args.reps;
+    const double expert_gbps = expert_ms > 0 ? expert_weight_bytes / (expert_ms * 1e-3) / 1e9 : 0.0;
     const double mla_ms = mla_sum / args.reps;
     const bool mla_gemm = backend->prefill_mla_ops() > mla_ops_before;
     const double ttft = median(runs);
@@ -302,7 +317,11 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"tflops", flops.total() / (ttft * 1e9)},
                    {"gemm_ms_estimate", gemm_ms_per_chunk * static_cast<double>(p) / static_cast<double>(chunk)},
                    {"expert_ops_ms", expert_ms},
-                   {"expert_gemm_grouped", backend->last_expert_gemm_grouped()},
+                   {"expert_gemm", expert_gemm},
+                   {"expert_weight_bytes", expert_gbps > 0 ? json(expert_weight_bytes) : json(nullptr)},  // null: no dense expert GEMMs ran
+                   {"expert_read_gbps", expert_gbps > 0 ? json(expert_gbps) : json(nullptr)},
+                   {"roofline_read_gbps", roofline_gbps},
+                   {"expert_roofline_fraction", expert_gbps > 0 ? json(expert_gbps / roofline_gbps) : json(nullptr)},
                    {"expert_load_max_over_mean", load},
                    {"mla_ops_ms", mla_ms},
                    {"mla_gemm", mla_gemm},
@@ -314,6 +333,10 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"peers", {{"gemm_shapes", shapes}}}};
     std::cerr << fmt::format("prompt {:6d}{} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s; routed experts {:8.1f} ms (busiest expert {:.1f}x the mean); MLA {:8.1f} ms{}\n", p,
                              args.cached_prefix > 0 ? fmt::format(" after {} cached", args.cached_prefix) : "", chunk, ttft, static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9), expert_ms, load, mla_ms, mla_gemm ? "" : " (op body: not timed)");
+    if (expert_gbps > 0) {
+      std::cerr << fmt::format("  routed experts ({}): {:.2f} GB of expert weights streamed, {:.0f} GB/s ({:.0f}% of the read roofline)\n", expert_gemm,
+                               expert_weight_bytes / 1e9, expert_gbps, 100.0 * expert_gbps / roofline_gbps);
+    }
     if (gemv) {
       const double ms = median(time_prompt(*gemv, prefix, ids, chunk, 1));
       record["peers"]["gemv_path"] = {{"ttft_ms", ms}, {"tflops", flops.total() / (ms * 1e9)}, {"plans", "fused prefill plans, GEMV bodies (one run after a one-chunk warm-up)"}};

@@ -295,7 +295,8 @@ OpCase viewed(OpCase c) {
 // The same case over many rows on 132 workers (the H200's plans): a 600-row step (moe_topk: 38 tasks
 // of ~16 rows; row-reduction norms: each of the 132 tasks owns whole rows, common.cuh row_share;
 // elementwise ops and the embedding: each task a contiguous range of whole rows, element_share;
-// gated_rms_norm: 75 tasks, most past its heads, of 8 rows each; short_conv_silu: its staged form),
+// gated_rms_norm: 75 tasks, most past its heads, of 8 rows each; short_conv_silu: its row form, the
+// 200-row step's first share boundary moved to keep the window's readers in one task),
 // a 200-row step (rms_norm, add_norm and the elementwise ops of ≥ 100 columns column-sliced: fewer than
 // 2 rows a task; gated_rms_norm still by rows) and a mixed step of 7 rows.
 OpCase many_rows(OpCase c) {
@@ -305,13 +306,13 @@ OpCase many_rows(OpCase c) {
   return c;
 }
 
-// Long sequences on few workers, for short_conv_silu's staged form (kda.cuh): a task's 343 or 147
-// columns in chunks of ≤ 128, a 600-token sequence in several tiles of history rows, a 20-token one
-// shorter than a wide kernel's window (the new window keeps old entries), then decode steps that read
-// the windows they left.
+// Long sequences on few workers, for short_conv_silu's row form (kda.cuh): a 600-token sequence over
+// several tasks' row shares, a 200-token and a 20-token one in one step (the 20-token one shorter
+// than a wide kernel's window: the new window keeps old entries), decode steps that read the windows
+// they left, and a 40-token chunk beside two decoding sequences (serve's mixed step: rows and columns).
 OpCase long_rows(OpCase c) {
   c.name += "_long";
-  c.steps = {{{0, 600}}, {{1, 200}, {2, 20}}, {{0, 1}, {1, 1}, {2, 5}}};
+  c.steps = {{{0, 600}}, {{1, 200}, {2, 20}}, {{0, 1}, {1, 1}, {2, 5}}, {{0, 1}, {1, 40}, {2, 2}}, {{0, 1}, {1, 1}, {2, 1}}};
   return c;
 }
 

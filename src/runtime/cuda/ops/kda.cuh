@@ -9,57 +9,104 @@
 
 namespace plow::cuda {
 
-// Sequences of at least this many tokens of the step run short_conv_silu_staged; shorter ones
-// (decode) compute each output straight from the window and the input rows.
-inline constexpr int kShortConvStagedMinTokens = 16;
-// Columns a staged pass holds at once: taps [m, K] and history [rows + K − 1, m] fit the shared memory
-// for every K ≤ kShortConvMaxKernel with at least 65 rows a tile.
-inline constexpr int kShortConvStageCols = 128;
+// Sequences of at least this many tokens of the step (prefill) run by rows, short_conv_silu_rows;
+// shorter ones (decode) by columns, each output straight from the window and the input rows.
+inline constexpr int kShortConvRowsMinTokens = 16;
 
-// The staged form of short_conv_silu for sequences of ≥ kShortConvStagedMinTokens tokens, over the
-// task's columns in chunks of ≤ kShortConvStageCols: taps and a tile of history rows (window, then input
-// rows) go to shared memory in coalesced batches (for_each_element), then every output reads its K
-// history values from there. Reading them from global memory per output, one output at a time per
-// thread, waited a DRAM latency per output (87 µs an op at 1024 × 4096 on the H200, 8× the bytes'
-// time). The same sum, term by term, as the direct form. `history(p, c)`: position p of channel c.
-template <typename History>
-__device__ __forceinline__ void short_conv_silu_staged(const TaskCtx& ctx, const DeviceWeight& taps, int kernel, Rows<float> out, int32_t act, int first,
-                                                       int tokens, float* window, History history) {
-  const int keep = kernel - 1;
-  float* smem = smem_floats(ctx);
-  for (int64_t cb = ctx.col_begin; cb < ctx.col_end; cb += kShortConvStageCols) {
-    const int m = static_cast<int>(ctx.col_end - cb < kShortConvStageCols ? ctx.col_end - cb : kShortConvStageCols);
-    float* tap = smem;                  // [m][K]
-    float* hist = smem + m * kernel;    // [rows + keep][m]
-    const int tile = (static_cast<int>(kSharedBytes / sizeof(float)) - m * kernel) / m - keep;
-    for (int i = static_cast<int>(threadIdx.x); i < m * kernel; i += kThreads) tap[i] = weight_flat(taps, cb * kernel + i);
-    for (int t0 = 0; t0 < tokens; t0 += tile) {
-      const int rows = tokens - t0 < tile ? tokens - t0 : tile;
+// Where the row share of task i of `tasks` starts among the step's `rows` rows: rows·i/tasks, moved
+// down to a prefill sequence's first row where it would split the sequence's first keep rows (the ones
+// that read its window), so that one task reads a sequence's window and writes its new one.
+__device__ __forceinline__ int short_conv_row_bound(const StepView& step, int rows, int i, int tasks, int keep) {
+  int b = static_cast<int>(static_cast<int64_t>(rows) * i / tasks);
+  for (int s = 0; s < step.num_seqs; ++s) {
+    const int first = step.seq_first_row[s], tokens = step.seq_tokens[s];
+    if (tokens >= kShortConvRowsMinTokens && first < b && b < first + (keep < tokens ? keep : tokens)) b = first;
+  }
+  return b;
+}
+
+// Rows of column c in [lo, hi) of a prefill sequence for kernel K (compile time): the column's taps
+// and its last K − 1 history values in registers, sliding down the rows; kRows rows' inputs loaded
+// before their sums. One load, K FMAs, the SiLU and a store an output.
+template <int K>
+__device__ __forceinline__ void short_conv_column(const DeviceWeight& taps, Rows<const float> x, Rows<float> out, int32_t act, int first, int lo, int hi,
+                                                  int64_t c, const float* window) {
+  constexpr int keep = K - 1, kRows = 2 * kLoadBatch;
+  float w[K], h[keep > 0 ? keep : 1];
+#pragma unroll
+  for (int k = 0; k < K; ++k) w[k] = weight_flat(taps, c * K + k);
+#pragma unroll
+  for (int k = 0; k < keep; ++k) {  // history positions lo − first + k: the window, else the rows before lo
+    const int q = lo - first + k;
+    h[k] = q < keep ? window[c * keep + q] : x[first + q - keep][c];
+  }
+  for (int t0 = lo; t0 < hi; t0 += kRows) {
+    float v[kRows];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) v[i] = t0 + i < hi ? x[t0 + i][c] : 0.0f;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      if (t0 + i >= hi) break;
+      float sum = 0.0f;
+#pragma unroll
+      for (int k = 0; k < keep; ++k) sum += w[k] * h[k];
+      sum += w[keep] * v[i];
+      out[t0 + i][c] = round_act(act, siluf_(sum));
+#pragma unroll
+      for (int k = 0; k + 1 < keep; ++k) h[k] = h[k + 1];
+      if (keep > 0) h[keep - 1] = v[i];
+    }
+  }
+}
+
+// The prefill sequences of the step by rows: each task a contiguous range of the step's rows, every
+// column (as element_share: legal whatever the plan's slices say, since consumers and the op's
+// overwriters wait for all of its tasks; the windows stay each sequence's own, read and rewritten by
+// the one task holding its first keep rows, short_conv_row_bound). The same sum term by term as the
+// column form (ascending taps from 0). K = 4 (Kimi Linear, K3): a thread per column, sliding down its
+// rows (short_conv_column); other kernels: each output reads its K history values, kLoadBatch
+// outputs in flight a thread. The column form this replaces gave each task ~31 columns of every row
+// (124-byte pieces of 16 KB rows through a shared-memory tile): 27 ms of the 48B's 8K prompt on the
+// H200; by rows with K loads an output, 42 ms (instruction-bound).
+template <int K>
+__device__ __forceinline__ void short_conv_silu_rows(const TaskCtx& ctx, const DeviceWeight& taps, int kernel_, Rows<const float> x, Rows<float> out,
+                                                     int32_t act) {
+  const int kernel = K > 0 ? K : kernel_;
+  const StepView& step = *ctx.step;
+  const int keep = kernel - 1, rows = ctx.rows(), tasks = static_cast<int>(ctx.op->tasks), task = static_cast<int>(ctx.task);
+  const int64_t width = ctx.op->width;
+  const int r0 = short_conv_row_bound(step, rows, task, tasks, keep), r1 = short_conv_row_bound(step, rows, task + 1, tasks, keep);
+  for (int s = 0; s < step.num_seqs; ++s) {
+    const int first = step.seq_first_row[s], tokens = step.seq_tokens[s];
+    const int lo = r0 > first ? r0 : first, hi = r1 < first + tokens ? r1 : first + tokens;
+    if (tokens < kShortConvRowsMinTokens || lo >= hi) continue;  // block-uniform
+    float* window = state_of(ctx, step.seq_slot[s]);
+    // history position q of column c: the window for q < keep, else input row first + q − keep.
+    auto history = [&](int q, int64_t c) { return q < keep ? window[c * keep + q] : x[first + q - keep][c]; };
+    if constexpr (K > 0) {
+      for (int64_t c = threadIdx.x; c < width; c += kThreads) short_conv_column<K>(taps, x, out, act, first, lo, hi, c, window);
+    } else {
       for_each_element(
-          0, rows + keep, 0, m, [&](int p, int64_t j) { return history(t0 + p, cb + j); }, [&](int p, int64_t j, float v) { hist[p * m + j] = v; });
-      __syncthreads();
-      for_each_element(
-          0, rows, 0, m,
-          [&](int t, int64_t j) {
+          lo, hi, 0, static_cast<int>(width),
+          [&](int t, int64_t c) {
             float sum = 0.0f;
-            for (int k = 0; k < kernel; ++k) sum += tap[j * kernel + k] * hist[(t + k) * m + j];
+            for (int k = 0; k < kernel; ++k) sum += weight_flat(taps, c * kernel + k) * history(t - first + k, c);
             return sum;
           },
-          [&](int t, int64_t j, float sum) { out[first + t0 + t][cb + j] = round_act(act, siluf_(sum)); });
-      if (t0 + rows == tokens) {  // new window = history[tokens, tokens + keep): the tile's last keep rows
-        for (int i = static_cast<int>(threadIdx.x); i < m * keep; i += kThreads) {
-          const int j = i / keep, q = i % keep;
-          window[(cb + j) * keep + q] = hist[(rows + q) * m + j];
-        }
+          [&](int t, int64_t c, float sum) { out[t][c] = round_act(act, siluf_(sum)); });
+    }
+    if (r0 <= first) {  // the task holding the sequence's first rows: new window = history[tokens, tokens + keep)
+      __syncthreads();  // every thread's reads of the old window first
+      for (int64_t c = threadIdx.x; c < width; c += kThreads) {
+        for (int j = 0; j < keep; ++j) window[c * keep + j] = history(tokens + j, c);  // reads position tokens + j ≥ j + 1: not yet rewritten
       }
-      __syncthreads();  // the next tile (or chunk, or sequence) overwrites hist
     }
   }
 }
 
 // kShortConvSilu: out[t,c] = act(SiLU(Σ_j C[c,0,j]·hist[t+j])), hist = window[c] ++ this step's inputs of
 // channel c, per sequence. attrs: [0] kernel K. Weight C [P,1,K]. State: window [P, K−1] per slot,
-// oldest column first (the last K−1 pre-conv inputs), updated for the slice's channels only.
+// oldest column first (the last K−1 pre-conv inputs).
 __device__ __noinline__ void op_short_conv_silu(const TaskCtx& ctx) {
   const DeviceWeight taps = ctx.weight(0);
   const int kernel = static_cast<int>(ctx.attr(0)), keep = kernel - 1;
@@ -68,27 +115,26 @@ __device__ __noinline__ void op_short_conv_silu(const TaskCtx& ctx) {
   const Rows<float> out = ctx.out_rows();
   const int32_t act = ctx.out_act();
   const StepView& step = *ctx.step;
+  if (kernel == 4) {
+    short_conv_silu_rows<4>(ctx, taps, kernel, x, out, act);
+  } else {
+    short_conv_silu_rows<0>(ctx, taps, kernel, x, out, act);
+  }
   // history position p of channel c in sequence s: the window for p < keep, else input row first + p − keep.
   auto history_of = [&](const float* window, int first, int64_t p, int64_t c) { return p < keep ? window[c * keep + p] : x[first + p - keep][c]; };
-  for (int s = 0; s < step.num_seqs; ++s) {
-    const int first = step.seq_first_row[s], tokens = step.seq_tokens[s];
-    if (tokens < kShortConvStagedMinTokens) continue;  // below, with the other short sequences
-    float* window = state_of(ctx, step.seq_slot[s]);
-    short_conv_silu_staged(ctx, taps, kernel, out, act, first, tokens, window,
-                           [&](int64_t p, int64_t c) { return history_of(window, first, p, c); });
-  }
-  // Short sequences (decode): one pass over every (sequence, channel) pair of the step, each thread its
-  // pairs' outputs and then their new windows. A pass per sequence with a block barrier between its
-  // outputs and its window update waited two DRAM latencies a sequence: 3.96 ms of a 28.6 ms batch-32
-  // decode step on the H200. Only the pair's own thread reads or writes its window, so no barrier: the
-  // outputs read the old window first; then new window = history[tokens .. tokens + keep), ascending j
-  // reading position tokens + j ≥ j + 1, never an entry already overwritten.
+  // Short sequences (decode), over the task's column slice: one pass over every (sequence, channel)
+  // pair of the step, each thread its pairs' outputs and then their new windows. A pass per sequence
+  // with a block barrier between its outputs and its window update waited two DRAM latencies a
+  // sequence: 3.96 ms of a 28.6 ms batch-32 decode step on the H200. Only the pair's own thread reads
+  // or writes its window, so no barrier: the outputs read the old window first; then new window =
+  // history[tokens .. tokens + keep), ascending j reading position tokens + j ≥ j + 1, never an entry
+  // already overwritten.
   const int64_t pairs = static_cast<int64_t>(step.num_seqs) * cols;
   for (int64_t i = threadIdx.x; i < pairs; i += kThreads) {
     const int s = static_cast<int>(i / cols);
     const int64_t c = ctx.col_begin + i % cols;
     const int first = step.seq_first_row[s], tokens = step.seq_tokens[s];
-    if (tokens >= kShortConvStagedMinTokens) continue;
+    if (tokens >= kShortConvRowsMinTokens) continue;
     float* window = state_of(ctx, step.seq_slot[s]);
     for (int t = 0; t < tokens; ++t) {
       float sum = 0.0f;
