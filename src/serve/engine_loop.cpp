@@ -34,7 +34,7 @@ EngineLoop::EngineLoop(Backend& backend, SchedulerOptions options, int64_t max_w
 
 EngineLoop::~EngineLoop() {
   {
-    std::lock_guard lock(mu_);
+    const auto lock = lock_between_steps();
     stop_ = true;
   }
   work_cv_.notify_all();
@@ -42,7 +42,7 @@ EngineLoop::~EngineLoop() {
 }
 
 void EngineLoop::submit(std::vector<Request> requests, std::shared_ptr<EventQueue> queue) {
-  std::lock_guard lock(mu_);
+  const auto lock = lock_between_steps();
   if (draining_ || stop_) throw ApiError(503, "the server is shutting down");
   if (scheduler_.num_waiting() + static_cast<int64_t>(requests.size()) > max_waiting_) {
     throw ApiError(429, fmt::format("the waiting queue is full ({} requests); retry later", max_waiting_));
@@ -73,34 +73,34 @@ void EngineLoop::submit(std::vector<Request> requests, std::shared_ptr<EventQueu
 }
 
 void EngineLoop::abort(const std::string& id) {
-  std::lock_guard lock(mu_);
+  const auto lock = lock_between_steps();
   scheduler_.abort(id);
   if (!scheduler_.has_work()) idle_cv_.notify_all();
 }
 
 void EngineLoop::drain() {
-  std::unique_lock lock(mu_);
+  auto lock = lock_between_steps();
   draining_ = true;
   idle_cv_.wait(lock, [&] { return !scheduler_.has_work() || stop_; });
 }
 
 bool EngineLoop::stopped() const {
-  std::lock_guard lock(mu_);
+  const auto lock = lock_between_steps();
   return stop_;
 }
 
 int64_t EngineLoop::num_running() const {
-  std::lock_guard lock(mu_);
+  const auto lock = lock_between_steps();
   return scheduler_.num_running();
 }
 
 int64_t EngineLoop::num_waiting() const {
-  std::lock_guard lock(mu_);
+  const auto lock = lock_between_steps();
   return scheduler_.num_waiting();
 }
 
 EngineGauges EngineLoop::gauges() const {
-  std::lock_guard lock(mu_);
+  const auto lock = lock_between_steps();
   EngineGauges g;
   g.running = scheduler_.num_running();
   g.waiting = scheduler_.num_waiting();
@@ -112,8 +112,15 @@ EngineGauges EngineLoop::gauges() const {
 }
 
 void EngineLoop::check_integrity() const {
-  std::lock_guard lock(mu_);
+  const auto lock = lock_between_steps();
   scheduler_.check_integrity();
+}
+
+std::unique_lock<std::mutex> EngineLoop::lock_between_steps() const {
+  contenders_.fetch_add(1, std::memory_order_acq_rel);
+  std::unique_lock lock(mu_);
+  contenders_.fetch_sub(1, std::memory_order_acq_rel);
+  return lock;
 }
 
 void EngineLoop::run() {
@@ -127,9 +134,11 @@ void EngineLoop::run() {
       std::fprintf(stderr, "plow serve: step failed: %s\n", e.what());
     }
     if (!scheduler_.has_work()) idle_cv_.notify_all();
-    // Let waiting submitters and aborts in between steps.
+    // Let waiting submitters, aborts and readers in between steps (lock_between_steps).
     lock.unlock();
-    std::this_thread::yield();
+    do {
+      std::this_thread::yield();
+    } while (contenders_.load(std::memory_order_acquire) > 0);
     lock.lock();
   }
   idle_cv_.notify_all();

@@ -3,6 +3,7 @@
 // one mutex serializes them with the steps. Admission control: a full waiting queue is a 429.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -58,8 +59,14 @@ class EngineLoop {
 
  private:
   void run();
+  // mu_ for a caller outside the engine thread: counted in contenders_ while it waits, so that the
+  // engine thread, between two steps, lets it in before taking mu_ back (std::mutex is not fair: with
+  // only a yield between steps the engine thread took it back for seconds while an HTTP thread waited,
+  // and a whole response's hang-up probes, new submissions and aborts waited with it).
+  std::unique_lock<std::mutex> lock_between_steps() const;
 
   mutable std::mutex mu_;
+  mutable std::atomic<int> contenders_{0};
   std::condition_variable work_cv_;  // the engine thread waits for work or stop
   std::condition_variable idle_cv_;  // drain() waits for the scheduler to empty
   Scheduler scheduler_;

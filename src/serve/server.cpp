@@ -27,7 +27,12 @@ namespace plow {
 
 namespace {
 constexpr size_t kHttpThreads = 128;  // concurrent connections served at once
-constexpr std::chrono::milliseconds kProbe{100};  // a whole response's idle write interval
+// A whole response's idle writes (a space each): the first after kFirstProbe, each interval twice the
+// last, up to kProbe. A write to a socket the client closed still succeeds (its reset arrives after), so
+// a hang-up shows at the second write after it: with a fixed 100 ms the slot of a client that left at
+// once stayed busy for ~200 ms, long enough for a small model to run a 4,000-token request to its end.
+constexpr std::chrono::milliseconds kFirstProbe{10};
+constexpr std::chrono::milliseconds kProbe{100};
 }  // namespace
 
 namespace {
@@ -156,12 +161,16 @@ httplib::Server::Handler Server::Impl::guarded(bool authenticated, Handler handl
   };
 }
 
+// Applies the request's events: waits up to `wait` for the first, then takes what has arrived until
+// `wait` is over (at least one). Unbounded, the draining kept a provider inside while a fast engine
+// kept the queue full, and a whole response's probes (and so a hang-up) waited seconds.
 bool Server::Impl::pump(Completion& completion, EventQueue& queue, std::chrono::milliseconds wait) {
+  const auto deadline = std::chrono::steady_clock::now() + wait;
   auto event = queue.pop(wait);
   if (!event) return false;
   do {
     if (completion.apply(*event)) engine->abort(completion.request_id(event->choice));
-  } while ((event = queue.pop(std::chrono::milliseconds(0))));
+  } while (std::chrono::steady_clock::now() < deadline && (event = queue.pop(std::chrono::milliseconds(0))));
   return true;
 }
 
@@ -173,7 +182,8 @@ void Server::Impl::abort_unfinished(const Completion& completion) {
 
 // Both kinds of response are written by a content provider, so a client that hangs up is noticed
 // while its request runs (a failed write) and its slot is freed at once: a stream writes its events;
-// a whole response, while it waits, writes a space (JSON allows leading whitespace) every kProbe.
+// a whole response, while it waits, writes a space (JSON allows leading whitespace) at growing
+// intervals up to kProbe.
 void Server::Impl::completions(const httplib::Request& req, httplib::Response& res, bool chat) {
   const json body = parse_body(req);
   CompletionParams params = parse_completion(body, served, chat);
@@ -191,18 +201,24 @@ void Server::Impl::completions(const httplib::Request& req, httplib::Response& r
     if (!success) abort_unfinished(*completion);
   };
   if (!p.stream) {
-    auto last_write = std::make_shared<std::chrono::steady_clock::time_point>(std::chrono::steady_clock::now());
+    struct Probe {
+      std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+      std::chrono::milliseconds interval = kFirstProbe;
+    };
+    auto probe = std::make_shared<Probe>();
     res.set_chunked_content_provider(
         "application/json",
-        [this, completion, queue, last_write](size_t, httplib::DataSink& sink) {
-          pump(*completion, *queue, kProbe);
+        [this, completion, queue, probe](size_t, httplib::DataSink& sink) {
+          const auto due = probe->last + probe->interval;
+          pump(*completion, *queue, std::max(std::chrono::milliseconds(0), std::chrono::ceil<std::chrono::milliseconds>(due - std::chrono::steady_clock::now())));
           std::string out;
           if (completion->done()) {
             out = dump(completion->response());
           } else if (engine->stopped()) {
             out = dump(error_body(503, "the server stopped", ""));
-          } else if (std::chrono::steady_clock::now() - *last_write >= kProbe) {
-            *last_write = std::chrono::steady_clock::now();
+          } else if (const auto now = std::chrono::steady_clock::now(); now >= due) {
+            probe->last = now;
+            probe->interval = std::min(2 * probe->interval, kProbe);
             return sink.write(" ", 1);  // false: the client left
           } else {
             return true;
