@@ -84,10 +84,7 @@ void EngineLoop::drain() {
   idle_cv_.wait(lock, [&] { return !scheduler_.has_work() || stop_; });
 }
 
-bool EngineLoop::stopped() const {
-  const auto lock = lock_between_steps();
-  return stop_;
-}
+bool EngineLoop::stopped() const { return stop_.load(); }
 
 int64_t EngineLoop::num_running() const {
   const auto lock = lock_between_steps();

@@ -73,7 +73,7 @@ class EngineLoop {
   int64_t max_waiting_;
   Metrics& metrics_;
   bool draining_ = false;
-  bool stop_ = false;
+  std::atomic<bool> stop_ = false;  // written under mu_; stopped() reads it without the lock
   std::thread thread_;
 };
 
