@@ -248,10 +248,11 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
 
   const double roofline_gbps = cuda::measure_read_bandwidth_gbps(int64_t{4} << 30, gpu);
   std::cerr << fmt::format("read roofline {:.0f} GB/s\n", roofline_gbps);
-  // One routed expert's weights (gate, up, down) where the expert GEMMs take them: dense half-precision.
-  const double expert_bytes = cfg.experts_mxfp4 || dtype == DType::F32
-                                  ? 0.0
-                                  : 3.0 * static_cast<double>(cfg.moe_intermediate_size) * static_cast<double>(cfg.moe_io_width()) * 2.0;
+  // One routed expert's weights: a part of each expert stack (gate, up, down), as decode_bytes counts them.
+  double expert_bytes = 0;
+  for (const WeightDecl& decl : model->graph.weights()) {
+    if (decl.parts.size() > 1) expert_bytes += weight_bytes(decl, dtype);
+  }
   auto weights = cuda::random_device_weights(model->graph, args.seed, dtype);
   auto backend = make_backend(*model, weights, chunks, workers, max_context, dtype, true);
   backend->set_expert_timing(true);  // two event records per MoE op: the routed experts' share of TTFT

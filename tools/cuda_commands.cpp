@@ -31,10 +31,6 @@
 
 namespace plow::tools {
 
-namespace {
-
-using nlohmann::json;
-
 double weight_bytes(const WeightDecl& decl, DType dtype) {
   double n = 1;
   for (int64_t d : decl.shape) n *= static_cast<double>(d);
@@ -42,6 +38,10 @@ double weight_bytes(const WeightDecl& decl, DType dtype) {
   const bool f32 = decl.name.ends_with("A_log") || decl.name.ends_with("dt_bias") || decl.name.ends_with("e_score_correction_bias");
   return n * (f32 ? 4.0 : static_cast<double>(dtype_size(dtype)));
 }
+
+namespace {
+
+using nlohmann::json;
 
 // Bytes one decode step of `batch` sequences at `context` must read at least: every dense weight once,
 // the expected number of distinct experts under uniform routing (E·(1 − (1 − k/E)^B)) per expert

@@ -331,7 +331,7 @@ TEST(CudaPrefillGemm, RoutedExpertsMatchTheCpuOps) {
       {"random routing, odd widths (per-expert GEMMs), + shared", 100, 36, 7, 2, {}, true, false, false},
       {"128 experts, top-2: 33 rows routed on the device (expert GEMV), 100 on the host, + shared", 256, 64, 128, 2, {}, true, false, true, true},
       {"128 experts, top-3, odd widths, SiTU: the expert GEMV on scalar loads at 33 rows", 100, 36, 128, 3, {}, false, true, false, true},
-      {"8 experts, top-2, wide rows (K and output columns past whole tiles)", 1032, 520, 8, 2, {}, true, false, true},
+      {"8 experts, top-2, wide rows (gate/up 1032 -> 520, down 520 -> 1032)", 1032, 520, 8, 2, {}, true, false, true},
       {"expert 0 takes every token beside seven random ones", 200, 40, 8, 2, {4, 0, 0, 0, 0, 0, 0, 0}, false, false, true},
   };
   for (const MoeCase& c : cases) {

@@ -13,6 +13,12 @@ namespace plow::cuda {
 // shorter ones (decode) by columns, each output straight from the window and the input rows.
 inline constexpr int kShortConvRowsMinTokens = 16;
 
+// History position q of column c of the sequence whose first row is `first`: the conv window for
+// q < keep, else input row first + q − keep.
+__device__ __forceinline__ float conv_history(const float* window, Rows<const float> x, int first, int keep, int64_t q, int64_t c) {
+  return q < keep ? window[c * keep + q] : x[first + q - keep][c];
+}
+
 // Where the row share of task i of `tasks` starts among the step's `rows` rows: rows·i/tasks, moved
 // down to a prefill sequence's first row where it would split the sequence's first keep rows (the ones
 // that read its window), so that one task reads a sequence's window and writes its new one.
@@ -31,15 +37,13 @@ __device__ __forceinline__ int short_conv_row_bound(const StepView& step, int ro
 template <int K>
 __device__ __forceinline__ void short_conv_column(const DeviceWeight& taps, Rows<const float> x, Rows<float> out, int32_t act, int first, int lo, int hi,
                                                   int64_t c, const float* window) {
+  static_assert(K >= 2, "a history of at least one value");
   constexpr int keep = K - 1, kRows = 2 * kLoadBatch;
-  float w[K], h[keep > 0 ? keep : 1];
+  float w[K], h[keep];
 #pragma unroll
   for (int k = 0; k < K; ++k) w[k] = weight_flat(taps, c * K + k);
 #pragma unroll
-  for (int k = 0; k < keep; ++k) {  // history positions lo − first + k: the window, else the rows before lo
-    const int q = lo - first + k;
-    h[k] = q < keep ? window[c * keep + q] : x[first + q - keep][c];
-  }
+  for (int k = 0; k < keep; ++k) h[k] = conv_history(window, x, first, keep, lo - first + k, c);  // the window, else the rows before lo
   for (int t0 = lo; t0 < hi; t0 += kRows) {
     float v[kRows];
 #pragma unroll
@@ -54,7 +58,7 @@ __device__ __forceinline__ void short_conv_column(const DeviceWeight& taps, Rows
       out[t0 + i][c] = round_act(act, siluf_(sum));
 #pragma unroll
       for (int k = 0; k + 1 < keep; ++k) h[k] = h[k + 1];
-      if (keep > 0) h[keep - 1] = v[i];
+      h[keep - 1] = v[i];
     }
   }
 }
@@ -81,8 +85,6 @@ __device__ __forceinline__ void short_conv_silu_rows(const TaskCtx& ctx, const D
     const int lo = r0 > first ? r0 : first, hi = r1 < first + tokens ? r1 : first + tokens;
     if (tokens < kShortConvRowsMinTokens || lo >= hi) continue;  // block-uniform
     float* window = state_of(ctx, step.seq_slot[s]);
-    // history position q of column c: the window for q < keep, else input row first + q − keep.
-    auto history = [&](int q, int64_t c) { return q < keep ? window[c * keep + q] : x[first + q - keep][c]; };
     if constexpr (K > 0) {
       for (int64_t c = threadIdx.x; c < width; c += kThreads) short_conv_column<K>(taps, x, out, act, first, lo, hi, c, window);
     } else {
@@ -90,7 +92,7 @@ __device__ __forceinline__ void short_conv_silu_rows(const TaskCtx& ctx, const D
           lo, hi, 0, static_cast<int>(width),
           [&](int t, int64_t c) {
             float sum = 0.0f;
-            for (int k = 0; k < kernel; ++k) sum += weight_flat(taps, c * kernel + k) * history(t - first + k, c);
+            for (int k = 0; k < kernel; ++k) sum += weight_flat(taps, c * kernel + k) * conv_history(window, x, first, keep, t - first + k, c);
             return sum;
           },
           [&](int t, int64_t c, float sum) { out[t][c] = round_act(act, siluf_(sum)); });
@@ -98,7 +100,7 @@ __device__ __forceinline__ void short_conv_silu_rows(const TaskCtx& ctx, const D
     if (r0 <= first) {  // the task holding the sequence's first rows: new window = history[tokens, tokens + keep)
       __syncthreads();  // every thread's reads of the old window first
       for (int64_t c = threadIdx.x; c < width; c += kThreads) {
-        for (int j = 0; j < keep; ++j) window[c * keep + j] = history(tokens + j, c);  // reads position tokens + j ≥ j + 1: not yet rewritten
+        for (int j = 0; j < keep; ++j) window[c * keep + j] = conv_history(window, x, first, keep, tokens + j, c);  // reads position tokens + j ≥ j + 1: not yet rewritten
       }
     }
   }
@@ -120,8 +122,6 @@ __device__ __noinline__ void op_short_conv_silu(const TaskCtx& ctx) {
   } else {
     short_conv_silu_rows<0>(ctx, taps, kernel, x, out, act);
   }
-  // history position p of channel c in sequence s: the window for p < keep, else input row first + p − keep.
-  auto history_of = [&](const float* window, int first, int64_t p, int64_t c) { return p < keep ? window[c * keep + p] : x[first + p - keep][c]; };
   // Short sequences (decode), over the task's column slice: one pass over every (sequence, channel)
   // pair of the step, each thread its pairs' outputs and then their new windows. A pass per sequence
   // with a block barrier between its outputs and its window update waited two DRAM latencies a
@@ -138,10 +138,10 @@ __device__ __noinline__ void op_short_conv_silu(const TaskCtx& ctx) {
     float* window = state_of(ctx, step.seq_slot[s]);
     for (int t = 0; t < tokens; ++t) {
       float sum = 0.0f;
-      for (int j = 0; j < kernel; ++j) sum += weight_flat(taps, c * kernel + j) * history_of(window, first, t + j, c);
+      for (int j = 0; j < kernel; ++j) sum += weight_flat(taps, c * kernel + j) * conv_history(window, x, first, keep, t + j, c);
       out[first + t][c] = round_act(act, siluf_(sum));
     }
-    for (int j = 0; j < keep; ++j) window[c * keep + j] = history_of(window, first, tokens + j, c);
+    for (int j = 0; j < keep; ++j) window[c * keep + j] = conv_history(window, x, first, keep, tokens + j, c);
   }
 }
 
