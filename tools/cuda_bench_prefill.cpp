@@ -248,11 +248,15 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
 
   const double roofline_gbps = cuda::measure_read_bandwidth_gbps(int64_t{4} << 30, gpu);
   std::cerr << fmt::format("read roofline {:.0f} GB/s\n", roofline_gbps);
-  // One routed expert's weights: a part of each expert stack (gate, up, down), as decode_bytes counts them.
+  // One routed expert's weights in one MoE layer (gate, up, down): a part of every expert stack, as
+  // decode_bytes counts them, over the layers (moe_gate_up ops).
   double expert_bytes = 0;
+  int64_t moe_layers = 0;
   for (const WeightDecl& decl : model->graph.weights()) {
     if (decl.parts.size() > 1) expert_bytes += weight_bytes(decl, dtype);
   }
+  for (const Node& node : model->graph.nodes()) moe_layers += node.op == Op::kMoeGateUp ? 1 : 0;
+  if (moe_layers > 0) expert_bytes /= static_cast<double>(moe_layers);
   auto weights = cuda::random_device_weights(model->graph, args.seed, dtype);
   auto backend = make_backend(*model, weights, chunks, workers, max_context, dtype, true);
   backend->set_expert_timing(true);  // two event records per MoE op: the routed experts' share of TTFT
