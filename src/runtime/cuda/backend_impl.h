@@ -308,7 +308,7 @@ struct CudaBackend::Impl {
         fail("cuda: rank {}'s in-kernel all_reduce waited 20 s for a peer's partial sums (a rank failed, or the ranks ran different steps)",
              options.comm ? options.comm->rank() : 0);
       case kErrPeerSlot: fail("cuda: an in-kernel all_reduce does not fit its slot (a bug: the slots are sized from the plans)");
-      case kErrWorkspace: fail("cuda: a step outgrew the workspace of the ops whose tasks cooperate (MLA, chunked KDA; a sizing bug)");
+      case kErrWorkspace: fail("cuda: a step outgrew an op's workspace (MLA, chunked KDA: the tasks' shared one; a GEMV body: its block's scratch); a sizing bug");
       case kErrRouting: fail("cuda: a MoE top-k row routes to an expert id that is not an integer in 0..experts-1 (read by the device routing sort)");
       default: fail("cuda: the device reported error {}", code);
     }

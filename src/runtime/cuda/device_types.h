@@ -105,7 +105,7 @@ inline constexpr int32_t kErrContext = 2;      // a sequence grew past the slot'
 inline constexpr int32_t kErrOpcode = 3;       // an opcode without a device body
 inline constexpr int32_t kErrPeerTimeout = 4;  // an in-kernel all_reduce waited 20 s for a peer
 inline constexpr int32_t kErrPeerSlot = 5;     // an in-kernel all_reduce larger than its slot
-inline constexpr int32_t kErrWorkspace = 6;    // a step's work outgrew an op's workspace (a sizing bug)
+inline constexpr int32_t kErrWorkspace = 6;    // a step's work outgrew an op's workspace or a GEMV body's scratch (a sizing bug)
 inline constexpr int32_t kErrRouting = 7;      // a top-k row named no expert of the stack (moe_gemm.h's device routing)
 
 }  // namespace plow::cuda

@@ -120,40 +120,6 @@ struct GemvStacks {
   DeviceWeight w[2];
 };
 
-// Lane's share of two dots: rows a and b (half-precision, 16-byte aligned, `n` a multiple of 8)
-// against the G staged rows.
-template <int G>
-__device__ __forceinline__ void lane_dot2(int32_t type, const uint8_t* a, const uint8_t* b, const float* xs, int ld, int n, float (&acc_a)[G],
-                                          float (&acc_b)[G]) {
-  const int lane = threadIdx.x & 31;
-  const int chunks = n / 8;
-  constexpr int U = 4;
-  int c = lane;
-  for (; c + 32 * (U - 1) < chunks; c += 32 * U) {
-    uint4 va[U], vb[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      va[u] = load_stream(a + static_cast<size_t>(c + 32 * u) * 16);
-      vb[u] = load_stream(b + static_cast<size_t>(c + 32 * u) * 16);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float f[8];
-      unpack8(va[u], type, f);
-      fma8<G>(f, xs, ld, (c + 32 * u) * 8, acc_a);
-      unpack8(vb[u], type, f);
-      fma8<G>(f, xs, ld, (c + 32 * u) * 8, acc_b);
-    }
-  }
-  for (; c < chunks; c += 32) {
-    float f[8];
-    unpack8(load_stream(a + static_cast<size_t>(c) * 16), type, f);
-    fma8<G>(f, xs, ld, c * 8, acc_a);
-    unpack8(load_stream(b + static_cast<size_t>(c) * 16), type, f);
-    fma8<G>(f, xs, ld, c * 8, acc_b);
-  }
-}
-
 // Lane g < count stores row g's dot (after the warp's reduction).
 template <int G, typename TOut>
 __device__ __forceinline__ void store_dots(float (&acc)[G], int count, TOut* out, int64_t p0, int64_t ld_out, int64_t c) {
@@ -190,7 +156,7 @@ __device__ __forceinline__ void gemv_rows(const GemvStacks& s, int sets, int64_t
       float acc_a[G], acc_b[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) acc_a[g] = acc_b[g] = 0.0f;
-      lane_dot2<G>(type, a, b, xs, ld, static_cast<int>(gemm_in), acc_a, acc_b);
+      lane_dot2<G>(type, a, xs, b, xs, ld, static_cast<int>(gemm_in), acc_a, acc_b);
       store_dots<G>(acc_a, count, c_0, p0, ld_out, c);
       if (sets == 2) {
         store_dots<G>(acc_b, count, c_1, p0, ld_out, c);

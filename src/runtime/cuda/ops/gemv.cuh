@@ -9,17 +9,24 @@
 
 #include "runtime/cuda/ops/common.cuh"
 #include "runtime/cuda/ops/gemv_dot.cuh"
+#include "runtime/cuda/ops/norm.cuh"
 
 namespace plow::cuda {
 
-// The staging buffer for `n`-wide token rows: shared memory when a group of at least one row fits,
-// else the block's global scratch. Returns the rows per group.
-__device__ __forceinline__ float* staging(const TaskCtx& ctx, int n, int& ld, int& group) {
+// Shared memory past the staged rows that prologues reduce in (block_sum's 32 floats).
+inline constexpr int kStageRedFloats = 32;
+__device__ __forceinline__ float* stage_red(const TaskCtx& ctx) { return reinterpret_cast<float*>(ctx.smem + kSharedBytes) - kStageRedFloats; }
+
+// The staging buffer for `n`-wide token rows, with `extra` floats after the staged rows: shared
+// memory when a group of at least one row fits there (before stage_red's floats), else the block's
+// global scratch. Returns the rows per group; 0 when not even one row and the extra fit the scratch.
+__device__ __forceinline__ float* staging(const TaskCtx& ctx, int n, int& ld, int& group, int64_t extra = 0) {
   ld = (n + 3) & ~3;
-  const int fit = kSharedBytes / (ld * static_cast<int>(sizeof(float)));
-  const int usable = fit >= 1 ? fit : static_cast<int>(kScratchFloats / ld);
-  group = usable >= 8 ? 8 : usable >= 4 ? 4 : usable >= 2 ? 2 : 1;  // a power of two: padded rows fit
-  return fit >= 1 ? reinterpret_cast<float*>(ctx.smem) : ctx.scratch;
+  const int64_t in_smem = kSharedBytes / static_cast<int64_t>(sizeof(float)) - kStageRedFloats;
+  const bool smem = ld + extra <= in_smem;
+  const int64_t usable = ((smem ? in_smem : kScratchFloats) - extra) / ld;
+  group = usable >= 8 ? 8 : usable >= 4 ? 4 : usable >= 2 ? 2 : usable >= 1 ? 1 : 0;  // a power of two: padded rows fit
+  return smem ? reinterpret_cast<float*>(ctx.smem) : ctx.scratch;
 }
 
 // A weight row an output column reads: weight index, part (expert) and row.
@@ -28,6 +35,23 @@ struct RowRef {
   int64_t part;
   int64_t row;
 };
+
+// Two rows a column reads (NDOT = 2: gate and up) streamed together by lane_dot2 into acc (zeroed),
+// when both are half-precision rows it can stream; false (nothing done) otherwise.
+template <int NDOT, int G, class Ref>
+__device__ __forceinline__ bool dot_pair(const TaskCtx& ctx, Ref ref, int64_t c, int t, const float* xs, int ld, int n, float (&acc)[NDOT][G]) {
+  if constexpr (NDOT != 2) {
+    return false;
+  } else {
+    const RowRef ra = ref(0, c, t), rb = ref(1, c, t);
+    const DeviceWeight &wa = ctx.op->weights[ra.weight], &wb = ctx.op->weights[rb.weight];
+    const uint8_t* a = half_row(wa, ra.part, ra.row, xs, n);
+    const uint8_t* b = half_row(wb, rb.part, rb.row, xs, n);
+    if (a == nullptr || b == nullptr || wa.type != wb.type) return false;
+    lane_dot2<G>(wa.type, a, xs, b, xs, ld, n, acc[0], acc[1]);
+    return true;
+  }
+}
 
 // The driver: for token groups of the step, stage(xs, ld, t0, count) fills the staged rows (all
 // threads; rows ≥ count are zero), then for each column c of the slice (one warp each) and each of
@@ -46,12 +70,18 @@ __device__ __forceinline__ void gemv_pass(const TaskCtx& ctx, const float* xs, i
     if constexpr (PER_TOKEN) {
       for (int g = 0; g < count; ++g) {
 #pragma unroll
-        for (int j = 0; j < NDOT; ++j) {
-          const RowRef r = ref(j, c, t0 + g);
-          float one[1] = {0.0f};
-          lane_dot<1>(ctx.op->weights[r.weight], r.part, r.row, xs + g * ld, ld, n, one);
-          acc[j][0] = warp_sum(one[0]);
+        for (int j = 0; j < NDOT; ++j) acc[j][0] = 0.0f;
+        if (!dot_pair<NDOT, 1>(ctx, ref, c, t0 + g, xs + g * ld, ld, n, acc)) {
+#pragma unroll
+          for (int j = 0; j < NDOT; ++j) {
+            const RowRef r = ref(j, c, t0 + g);
+            float one[1] = {0.0f};
+            lane_dot<1>(ctx.op->weights[r.weight], r.part, r.row, xs + g * ld, ld, n, one);
+            acc[j][0] = one[0];
+          }
         }
+#pragma unroll
+        for (int j = 0; j < NDOT; ++j) acc[j][0] = warp_sum(acc[j][0]);
         if (lane == 0) {
           float dots[NDOT];
 #pragma unroll
@@ -60,10 +90,12 @@ __device__ __forceinline__ void gemv_pass(const TaskCtx& ctx, const float* xs, i
         }
       }
     } else {
+      if (!dot_pair<NDOT, G>(ctx, ref, c, t0, xs, ld, n, acc)) {
 #pragma unroll
-      for (int j = 0; j < NDOT; ++j) {
-        const RowRef r = ref(j, c, t0);
-        lane_dot<G>(ctx.op->weights[r.weight], r.part, r.row, xs, ld, n, acc[j]);
+        for (int j = 0; j < NDOT; ++j) {
+          const RowRef r = ref(j, c, t0);
+          lane_dot<G>(ctx.op->weights[r.weight], r.part, r.row, xs, ld, n, acc[j]);
+        }
       }
 #pragma unroll
       for (int j = 0; j < NDOT; ++j) {
@@ -89,6 +121,10 @@ template <int NDOT, bool PER_TOKEN, class Stage, class Ref, class Epi>
 __device__ __forceinline__ void gemv_task(const TaskCtx& ctx, int n, Stage stage, Ref ref, Epi epi) {
   int ld = 0, group = 0;
   float* xs = staging(ctx, n, ld, group);
+  if (group == 0) {  // a row wider than the block's scratch
+    if (threadIdx.x == 0) report_error(ctx, kErrWorkspace);
+    return;
+  }
   const int rows = ctx.rows();
   for (int t0 = 0; t0 < rows; t0 += group) {
     const int count = rows - t0 < group ? rows - t0 : group;
@@ -109,30 +145,37 @@ __device__ __forceinline__ void gemv_task(const TaskCtx& ctx, int n, Stage stage
 
 // ---- staging (prologues) --------------------------------------------------------------------------
 
-// Rows [t0, t0+count) of input `i`, zero rows up to kMaxGroup padding.
+// Rows [t0, t0+count) of input `i`, zero rows up to `pad_to` and zero columns up to ld; kLoadBatch
+// loads a thread in flight (one at a time, a 2,304-wide row waited five L2 latencies a task).
 __device__ __forceinline__ void stage_rows(const TaskCtx& ctx, int i, float* xs, int ld, int t0, int count, int pad_to) {
   const int n = static_cast<int>(ctx.in_width(i));
-  for (int g = 0; g < pad_to; ++g) {
-    const float* x = g < count ? ctx.in(i, t0 + g) : nullptr;
-    for (int k = threadIdx.x; k < ld; k += kThreads) xs[g * ld + k] = (x != nullptr && k < n) ? x[k] : 0.0f;
-  }
+  const Rows<const float> x = ctx.in_rows(i);
+  for_each_element(
+      0, pad_to, 0, ld, [&](int g, int64_t k) { return g < count && k < n ? x[t0 + g][k] : 0.0f; },
+      [&](int g, int64_t k, float v) { xs[g * ld + k] = v; });
 }
 
 __device__ __forceinline__ int padded(int count) { return count == 1 ? 1 : count == 2 ? 2 : count <= 4 ? 4 : kMaxGroup; }
 
-// RMSNorm (HF: cast back before the weight multiply): xs = round(w ⊙ round(x · rsqrt(mean x² + ε))).
+// RMSNorm (HF: cast back before the weight multiply): xs = round(w ⊙ round(x · rsqrt(mean x² + ε))),
+// the whole block on one row at a time, reduced as op_rms_norm reduces a decode step's rows (few
+// rows: the block; the same sums). One warp a row waited an L2 latency per 32 elements: ~30 µs a task
+// at 2,304 wide, half of a decode step's norm_multi_linear.
 __device__ __forceinline__ void stage_rms_norm(const TaskCtx& ctx, const DeviceWeight& w, float eps, float* xs, int ld, int t0, int count) {
   const int n = static_cast<int>(ctx.in_width(0));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int32_t act = ctx.op->act;
+  const DeviceWeight nw = w;
   stage_rows(ctx, 0, xs, ld, t0, count, padded(count));
   __syncthreads();
-  for (int g = warp; g < count; g += kWarps) {  // one warp per token row: Σx² then normalize in place
+  float* red = stage_red(ctx);
+  const int first = static_cast<int>(threadIdx.x);
+  for (int g = 0; g < count; ++g) {
     float* x = xs + g * ld;
-    float sum = 0.0f;
-    for (int k = lane; k < n; k += 32) sum += x[k] * x[k];
-    sum = warp_sum(sum);
-    const float inv = 1.0f / sqrtf(sum / static_cast<float>(n) + eps);
-    for (int k = lane; k < n; k += 32) x[k] = round_act(ctx.op->act, weight_at(w, 0, 0, k) * round_act(ctx.op->act, x[k] * inv));
+    const float total = block_sum(strided_sum(first, n, kThreads, [&](int64_t k) { return x[k]; }, [](float sum, float v) { return sum + v * v; }), red);
+    const float inv = inv_rms(total, n, eps);
+    for_each_strided(
+        first, n, kThreads, [&](int64_t k) { return Operands{x[k], weight_flat(nw, k)}; },
+        [&](int64_t k, Operands v) { x[k] = round_act(act, v.b * round_act(act, v.a * inv)); });
   }
 }
 
@@ -222,12 +265,11 @@ __device__ __noinline__ void op_act_linear(const TaskCtx& ctx) {
   gemv_task<1, false>(
       ctx, n,
       [&ctx, n](float* xs, int ld, int t0, int count) {
-        const int pad = padded(count);
-        for (int g = 0; g < pad; ++g) {
-          for (int k = threadIdx.x; k < ld; k += kThreads) {
-            xs[g * ld + k] = (g < count && k < n) ? fused_act(ctx, ctx.in(0, t0 + g)[k], ctx.in(1, t0 + g)[k]) : 0.0f;
-          }
-        }
+        const Rows<const float> a = ctx.in_rows(0), b = ctx.in_rows(1);
+        for_each_element(
+            0, padded(count), 0, ld,
+            [&](int g, int64_t k) { return g < count && k < n ? Operands{a[t0 + g][k], b[t0 + g][k]} : Operands{0.0f, 0.0f}; },
+            [&](int g, int64_t k, Operands v) { xs[g * ld + k] = g < count && k < n ? fused_act(ctx, v.a, v.b) : 0.0f; });
       },
       [](int, int64_t c, int) { return RowRef{0, 0, c}; }, store_rounded(ctx));
 }
@@ -246,20 +288,14 @@ __device__ __noinline__ void op_gated_norm_linear(const TaskCtx& ctx) {
           for (int k = threadIdx.x; k < ld; k += kThreads) xs[g * ld + k] = 0.0f;
         }
         __syncthreads();
-        const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+        // gated_rms_norm's units (its sums and rounding), one per (row, head), into the staged rows.
         const int heads = n / d;
-        for (int item = warp; item < count * heads; item += kWarps) {
-          const int g = item / heads, h = item % heads;
-          const float* o = ctx.in(0, t0 + g) + h * d;
-          const float* z = ctx.in(1, t0 + g) + h * d;
-          float sum = 0.0f;
-          for (int j = lane; j < d; j += 32) sum += o[j] * o[j];
-          sum = warp_sum(sum);
-          const float inv = 1.0f / sqrtf(sum / static_cast<float>(d) + eps);
-          for (int j = lane; j < d; j += 32) {
-            xs[g * ld + h * d + j] = round_act(ctx.op->act, weight_at(ctx.weight(0), 0, 0, j) * (o[j] * inv) * sigmoidf_(z[j]));
-          }
-        }
+        const Rows<const float> o = ctx.in_rows(0), z = ctx.in_rows(1);
+        gated_norm_units(ctx.weight(0), d, eps, ctx.op->act, static_cast<int64_t>(count) * heads, [&](int64_t u) {
+          const int g = static_cast<int>(u / heads);
+          const int64_t col = u % heads * d;
+          return GatedUnit{o[t0 + g] + col, z[t0 + g] + col, xs + g * ld + col};
+        });
       },
       [](int, int64_t c, int) { return RowRef{1, 0, c}; }, store_rounded(ctx));
 }
@@ -285,38 +321,78 @@ __device__ __noinline__ void op_moe_gate_up(const TaskCtx& ctx) {
       });
 }
 
+// The dot of one (output column, slot) pair of moe_down for the staged token x: expert slot k's row
+// `o` against its I columns of x. Two pairs at once where lane_dot2 can stream both rows.
+__device__ __forceinline__ void moe_down_dots(const DeviceWeight& w2, const float* route, int top_k, int inter, const float* x, int ld, int64_t o_a,
+                                              int k_a, int64_t o_b, int k_b, bool two, float& da, float& db) {
+  const auto ea = static_cast<int64_t>(route[top_k + k_a]), eb = static_cast<int64_t>(route[top_k + k_b]);
+  const float *xa = x + k_a * inter, *xb = x + k_b * inter;
+  float acc_a[1] = {0.0f}, acc_b[1] = {0.0f};
+  const uint8_t* a = half_row(w2, ea, o_a, xa, inter);
+  const uint8_t* b = two ? half_row(w2, eb, o_b, xb, inter) : nullptr;
+  if (a != nullptr && b != nullptr) {
+    lane_dot2<1>(w2.type, a, xa, b, xb, ld, inter, acc_a, acc_b);
+  } else {
+    lane_dot<1>(w2, ea, o_a, xa, ld, inter, acc_a);
+    if (two) lane_dot<1>(w2, eb, o_b, xb, ld, inter, acc_b);
+  }
+  da = warp_sum(acc_a[0]);
+  db = warp_sum(acc_b[0]);
+}
+
 // kMoeDown (and kMoeDownAdd with a third input `shared`): out[t, o] = round(Σ_k route_k ·
 // round(h_k · w2_{e_k}[o])) (+ shared, rounded again), k in order; a tensor-parallel partial sum
 // (round_out 0) rounds neither. attr0 = top_k.
+// Per token, the task's (column, slot) pairs are the warps' work items, two at a time (one weight row
+// each): a decode task of the 48B shape has ~17.5 columns of 8 slots, and one warp a column left most
+// warps idle while two had a second column. The rounded dots meet past the staged rows, and each
+// column's sum runs over its slots in order.
 template <bool ADD>
 __device__ __noinline__ void op_moe_down_impl(const TaskCtx& ctx) {
   const int top_k = static_cast<int>(ctx.attr(0));
   const DeviceWeight& w2 = ctx.weight(0);
   const int inter = static_cast<int>(w2.cols);
   const int n = static_cast<int>(ctx.in_width(0));  // k·I
+  const int64_t cols = ctx.col_end - ctx.col_begin;
+  const int64_t pairs = cols * top_k;
   int ld = 0, group = 0;
-  float* xs = staging(ctx, n, ld, group);
+  float* xs = staging(ctx, n, ld, group, pairs);
+  if (group == 0) {  // beyond any model's shapes (k·I + the pairs > 1 MiB of scratch)
+    if (threadIdx.x == 0) report_error(ctx, kErrWorkspace);
+    return;
+  }
+  float* dots = xs + static_cast<int64_t>(group) * ld;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   for (int t0 = 0; t0 < ctx.rows(); t0 += group) {
     const int count = ctx.rows() - t0 < group ? ctx.rows() - t0 : group;
     __syncthreads();
     stage_rows(ctx, 0, xs, ld, t0, count, count);
     __syncthreads();
-    for (int64_t o = ctx.col_begin + warp; o < ctx.col_end; o += kWarps) {
-      for (int g = 0; g < count; ++g) {
-        const float* route = ctx.in(1, t0 + g);
-        float total = 0.0f;
-        for (int k = 0; k < top_k; ++k) {
-          float one[1] = {0.0f};
-          lane_dot<1>(w2, static_cast<int64_t>(route[top_k + k]), o, xs + g * ld + k * inter, ld, inter, one);
-          total += route[k] * round_out(ctx, warp_sum(one[0]));
-        }
+    for (int g = 0; g < count; ++g) {
+      const float* route = ctx.in(1, t0 + g);
+      const float* x = xs + g * ld;
+      auto emit = [&](int64_t o, float total) {
+        float v = round_out(ctx, total);
+        if (ADD) v = round_out(ctx, v + ctx.in(2, t0 + g)[o]);
+        ctx.out(t0 + g)[o] = v;
+      };
+      for (int64_t p = 2 * warp; p < pairs; p += 2 * kWarps) {  // pair p: column col_begin + p / top_k, slot p % top_k
+        const bool two = p + 1 < pairs;
+        float da = 0.0f, db = 0.0f;
+        moe_down_dots(w2, route, top_k, inter, x, ld, ctx.col_begin + p / top_k, static_cast<int>(p % top_k), ctx.col_begin + (p + 1) / top_k,
+                      static_cast<int>((p + 1) % top_k), two, da, db);
         if (lane == 0) {
-          float v = round_out(ctx, total);
-          if (ADD) v = round_out(ctx, v + ctx.in(2, t0 + g)[o]);
-          ctx.out(t0 + g)[o] = v;
+          dots[p] = round_out(ctx, da);
+          if (two) dots[p + 1] = round_out(ctx, db);
         }
       }
+      __syncthreads();
+      for (int64_t c = threadIdx.x; c < cols; c += kThreads) {
+        float total = 0.0f;
+        for (int k = 0; k < top_k; ++k) total += route[k] * dots[c * top_k + k];
+        emit(ctx.col_begin + c, total);
+      }
+      __syncthreads();  // the next token rewrites the dots
     }
   }
 }

@@ -1,7 +1,8 @@
-// The weight-streaming dot every GEMV-family body shares: one warp per weight row, 16-byte
-// non-allocating loads (four in flight per lane) against up to kMaxGroup token rows staged as fp32 in
-// shared memory, fp32 accumulate. Included by ops/gemv.cuh (the op bodies) and moe_gemm.cu (the expert
-// GEMV between megakernel segments); no op bodies here, so both translation units may include it.
+// The weight-streaming dots every GEMV-family body shares: one warp per weight row (or two rows at
+// once), 16-byte non-allocating loads (four in flight per lane and row) against up to kMaxGroup token
+// rows staged as fp32 in shared memory, fp32 accumulate. Included by ops/gemv.cuh (the op bodies) and
+// moe_gemm.cu (the expert GEMV between megakernel segments); no op bodies here, so both translation
+// units may include it.
 #pragma once
 
 #include "runtime/cuda/device.cuh"
@@ -110,6 +111,51 @@ __device__ __forceinline__ void lane_dot(const DeviceWeight& w, int64_t part, in
     const float f = __ldg(r + k);
 #pragma unroll
     for (int g = 0; g < G; ++g) acc[g] += f * xs[g * ld + k];
+  }
+}
+
+// Row `row` of part `part` of w when lane_dot2 can stream it: half-precision weights, the row and the
+// staged rows xs 16-byte aligned, n a multiple of 8; else null (lane_dot's general path).
+__device__ __forceinline__ const uint8_t* half_row(const DeviceWeight& w, int64_t part, int64_t row, const float* xs, int n) {
+  if ((w.type != kWBF16 && w.type != kWF16) || n % 8 != 0) return nullptr;
+  const uint8_t* r = w.data + part * w.part_bytes + static_cast<size_t>(row) * static_cast<size_t>(w.cols) * 2;
+  return ((reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(xs)) & 15) == 0 ? r : nullptr;
+}
+
+// Lane's share of two dots at once, rows a and b of one half-precision type (half_row's pointers)
+// against their staged rows xa and xb (G rows each, row stride ld): both rows' loads in flight
+// together, one DRAM latency for the pair where two lane_dot calls wait two. Each row's sum runs in
+// lane_dot's order, so the dots are bit-identical to its.
+template <int G>
+__device__ __forceinline__ void lane_dot2(int32_t type, const uint8_t* a, const float* xa, const uint8_t* b, const float* xb, int ld, int n,
+                                          float (&acc_a)[G], float (&acc_b)[G]) {
+  const int lane = threadIdx.x & 31;
+  const int chunks = n / 8;
+  constexpr int U = 4;
+  int c = lane;
+  for (; c + 32 * (U - 1) < chunks; c += 32 * U) {
+    uint4 va[U], vb[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      va[u] = load_stream(a + static_cast<size_t>(c + 32 * u) * 16);
+      vb[u] = load_stream(b + static_cast<size_t>(c + 32 * u) * 16);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float f[8];
+      unpack8(va[u], type, f);
+      fma8<G>(f, xa, ld, (c + 32 * u) * 8, acc_a);
+      unpack8(vb[u], type, f);
+      fma8<G>(f, xb, ld, (c + 32 * u) * 8, acc_b);
+    }
+  }
+  for (; c < chunks; c += 32) {
+    const uint4 va = load_stream(a + static_cast<size_t>(c) * 16), vb = load_stream(b + static_cast<size_t>(c) * 16);
+    float f[8];
+    unpack8(va, type, f);
+    fma8<G>(f, xa, ld, c * 8, acc_a);
+    unpack8(vb, type, f);
+    fma8<G>(f, xb, ld, c * 8, acc_b);
   }
 }
 

@@ -41,36 +41,27 @@ __device__ __noinline__ void op_rms_norm(const TaskCtx& ctx) {
 // units a warp at 1024 rows × 32 heads on 132 workers).
 inline constexpr int kGatedNormPerLane = 4, kGatedNormUnits = 4;
 
-// kGatedRmsNorm (KDA output norm, §4.2 K7): per head of d channels, out = act(w ⊙ (o·rsqrt(mean(o²)+ε)) ⊙ σ(z)),
-// fp32 throughout, one rounding. attrs: [0] head_dim, [1] eps. Inputs o, z [T, heads·d]; weight w [d].
-// Units of the task's row_share (its heads of every row, or every head of its rows; a task past the
-// heads has none in the first form), one warp each, lane l summing channels l, l + 32, … in order: a
-// unit's sum is the same whichever task owns it and whichever form loads it.
-__device__ __noinline__ void op_gated_rms_norm(const TaskCtx& ctx) {
-  const DeviceWeight w = ctx.weight(0);
-  const auto d = static_cast<int64_t>(ctx.attr(0));
-  const float eps = ctx.attr(1);
-  const int32_t act = ctx.out_act();
-  const Rows<const float> o_rows = ctx.in_rows(0), z_rows = ctx.in_rows(1);
-  const Rows<float> out = ctx.out_rows();
-  const RowShare share = row_share(ctx);
-  const int64_t first_head = share.col_begin / d, heads = (share.col_end - share.col_begin) / d;
-  const int rows = ctx.rows();
-  const int64_t share_rows = share.first_row < rows ? (rows - share.first_row + share.row_stride - 1) / share.row_stride : 0;
-  const int64_t units = share_rows * heads;
+// One unit of a gated RMSNorm: a head (d channels) of o and z, and where its output goes.
+struct GatedUnit {
+  const float* o;
+  const float* z;
+  float* out;
+};
+
+// The gated RMSNorm of units 0..units-1 (unit u's pointers: at(u)): out = act(w ⊙ (o·rsqrt(mean(o²)+ε))
+// ⊙ σ(z)), fp32 throughout, one rounding. One warp a unit, lane l summing channels l, l + 32, … in
+// order, so a unit's sum is the same whichever body, task or form computes it. For d ≤ 128 a warp
+// loads kGatedNormUnits units before reducing any (one unit at a time waited a DRAM latency per unit).
+template <class At>
+__device__ __forceinline__ void gated_norm_units(const DeviceWeight w, int64_t d, float eps, int32_t act, int64_t units, At at) {
   const int lane = lane_id();
-  // Unit u: head first_head + u mod heads of row first_row + (u / heads)·row_stride, at column offset h·d.
-  auto unit_row = [&](int64_t u) { return share.first_row + u / heads * share.row_stride; };
-  auto unit_col = [&](int64_t u) { return (first_head + u % heads) * d; };
   if (d > 32 * kGatedNormPerLane) {
     for (int64_t u = warp_id(); u < units; u += kWarps) {
-      const float* o = o_rows[unit_row(u)] + unit_col(u);
-      const float* z = z_rows[unit_row(u)] + unit_col(u);
-      float* ot = out[unit_row(u)] + unit_col(u);
+      const GatedUnit p = at(u);
       float sum = 0.0f;
-      for (int64_t j = lane; j < d; j += 32) sum += o[j] * o[j];
+      for (int64_t j = lane; j < d; j += 32) sum += p.o[j] * p.o[j];
       const float scale = inv_rms(warp_sum(sum), d, eps);
-      for (int64_t j = lane; j < d; j += 32) ot[j] = round_act(act, weight_flat(w, j) * (o[j] * scale) * sigmoidf_(z[j]));
+      for (int64_t j = lane; j < d; j += 32) p.out[j] = round_act(act, weight_flat(w, j) * (p.o[j] * scale) * sigmoidf_(p.z[j]));
     }
     return;
   }
@@ -83,11 +74,10 @@ __device__ __noinline__ void op_gated_rms_norm(const TaskCtx& ctx) {
     for (int k = 0; k < kGatedNormUnits; ++k) {
       const int64_t u = u0 + k * kWarps;
       if (u >= units) break;
-      const float* ou = o_rows[unit_row(u)] + unit_col(u);
-      const float* zu = z_rows[unit_row(u)] + unit_col(u);
+      const GatedUnit p = at(u);
 #pragma unroll
       for (int i = 0; i < kGatedNormPerLane; ++i) {
-        if (lane + 32 * i < d) o[k][i] = ou[lane + 32 * i], z[k][i] = zu[lane + 32 * i];
+        if (lane + 32 * i < d) o[k][i] = p.o[lane + 32 * i], z[k][i] = p.z[lane + 32 * i];
       }
     }
 #pragma unroll
@@ -100,13 +90,31 @@ __device__ __noinline__ void op_gated_rms_norm(const TaskCtx& ctx) {
         if (lane + 32 * i < d) sum += o[k][i] * o[k][i];
       }
       const float scale = inv_rms(warp_sum(sum), d, eps);
-      float* ot = out[unit_row(u)] + unit_col(u);
+      float* out = at(u).out;
 #pragma unroll
       for (int i = 0; i < kGatedNormPerLane; ++i) {
-        if (lane + 32 * i < d) ot[lane + 32 * i] = round_act(act, wj[i] * (o[k][i] * scale) * sigmoidf_(z[k][i]));
+        if (lane + 32 * i < d) out[lane + 32 * i] = round_act(act, wj[i] * (o[k][i] * scale) * sigmoidf_(z[k][i]));
       }
     }
   }
+}
+
+// kGatedRmsNorm (KDA output norm, §4.2 K7): gated_norm_units over the task's row_share (its heads of
+// every row, or every head of its rows; a task past the heads has none in the first form). attrs: [0]
+// head_dim, [1] eps. Inputs o, z [T, heads·d]; weight w [d].
+__device__ __noinline__ void op_gated_rms_norm(const TaskCtx& ctx) {
+  const auto d = static_cast<int64_t>(ctx.attr(0));
+  const Rows<const float> o_rows = ctx.in_rows(0), z_rows = ctx.in_rows(1);
+  const Rows<float> out = ctx.out_rows();
+  const RowShare share = row_share(ctx);
+  const int64_t first_head = share.col_begin / d, heads = (share.col_end - share.col_begin) / d;
+  const int rows = ctx.rows();
+  const int64_t share_rows = share.first_row < rows ? (rows - share.first_row + share.row_stride - 1) / share.row_stride : 0;
+  // Unit u: head first_head + u mod heads of row first_row + (u / heads)·row_stride, at column offset h·d.
+  gated_norm_units(ctx.weight(0), d, ctx.attr(1), ctx.out_act(), share_rows * heads, [&](int64_t u) {
+    const int64_t row = share.first_row + u / heads * share.row_stride, col = (first_head + u % heads) * d;
+    return GatedUnit{o_rows[row] + col, z_rows[row] + col, out[row] + col};
+  });
 }
 
 // kAddNorm: [T, 2F] = concat(s, rms_norm(s; w)) with s = act(a + b). attrs: [0] eps. Weight w [F].
