@@ -66,43 +66,6 @@ void pack_attrs(const PlanOp& op, float* attr) {
   }
 }
 
-// Bytes of weights a task streams first: the rows of its columns in the first weight it reads (for
-// the L2 prefetch); MoE tasks learn their experts only at run time.
-std::pair<const uint8_t*, uint32_t> prefetch_range(const PlanOp& op, const std::vector<DeviceWeight>& weights, const PlanTask& task) {
-  int index = -1;
-  switch (op.op()) {
-    case Op::kLinear:
-    case Op::kRouterLogits:
-    case Op::kMultiLinear:
-    case Op::kLinearAdd:
-    case Op::kGateUpAct:
-    case Op::kActLinear:
-      index = 0;
-      break;
-    case Op::kNormLinear:
-    case Op::kNormMultiLinear:
-    case Op::kGatedNormLinear:
-      index = 1;
-      break;
-    default:
-      return {nullptr, 0};
-  }
-  if (index >= static_cast<int>(weights.size())) return {nullptr, 0};
-  const DeviceWeight& w = weights[static_cast<size_t>(index)];
-  if (w.type == kWMXFP4 || w.parts != 1) return {nullptr, 0};
-  const int64_t row_bytes = w.cols * static_cast<int64_t>(type_size(w.type));
-  const int64_t first = std::min(task.col_begin, w.rows);
-  const int64_t last = std::min(task.col_end, w.rows);
-  if (last <= first) return {nullptr, 0};
-  const uint8_t* begin = w.data + first * row_bytes;
-  int64_t bytes = std::min<int64_t>((last - first) * row_bytes, 192 * 1024);
-  const auto misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(begin) & 15);
-  begin += misalign ? 16 - misalign : 0;
-  bytes = (bytes - (misalign ? 16 - misalign : 0)) & ~int64_t{15};
-  if (bytes <= 0) return {nullptr, 0};
-  return {begin, static_cast<uint32_t>(bytes)};
-}
-
 // Tasks of each op of the plan.
 std::vector<int32_t> tasks_per_op(const Plan& plan) {
   std::vector<int32_t> count(plan.ops.size(), 0);
@@ -300,9 +263,6 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
       signals.insert(signals.end(), task.signals.begin(), task.signals.end());
       ins.col_begin = task.col_begin;
       ins.col_end = task.col_end;
-      std::vector<DeviceWeight> ws;
-      for (int32_t w : op.weights) ws.push_back(plan_weights[static_cast<size_t>(w)]);
-      std::tie(ins.prefetch, ins.prefetch_bytes) = prefetch_range(op, ws, task);
       auto& range = prepared.op_tasks[static_cast<size_t>(task.op)];
       if (range.second == range.first) range.first = static_cast<int32_t>(t);
       range.second = static_cast<int32_t>(t) + 1;

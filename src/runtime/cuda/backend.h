@@ -1,7 +1,7 @@
 // cuda backend: runs validated Plans on one GPU. Two modes over the same op bodies (device.cuh):
 //  - megakernel: one persistent launch per step, grid = plan.workers blocks (≤ SM count, one per SM),
 //    each block walks its queue of 64-byte instructions, waiting on epoch counters (acquire) and
-//    bumping them (release); the weights of a task are prefetched into L2 before it waits.
+//    bumping them (release).
 //  - eager: one launch per plan op, one block per task (baseline and bisection aid).
 // Weights live in device memory in their storage dtype (MXFP4 experts stay packed); activations in one
 // fp32 arena rounded to the activation dtype exactly where the CPU reference rounds.

@@ -73,15 +73,6 @@ __device__ __forceinline__ void add_release(unsigned* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// Bulk L2 prefetch of a weight range (sm_90: cp.async.bulk.prefetch), in 32 KiB pieces; no wait.
-__device__ __forceinline__ void prefetch_l2(const Instr& ins) {
-  if (ins.prefetch == nullptr) return;
-  for (uint32_t done = 0; done < ins.prefetch_bytes; done += 32768) {
-    const uint32_t bytes = ins.prefetch_bytes - done < 32768 ? ins.prefetch_bytes - done : 32768;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ins.prefetch + done), "r"(bytes) : "memory");
-  }
-}
-
 // The megakernel copies a task's OpDesc and its arrays into shared memory past the op bodies'
 // kSharedBytes while thread 0 waits for the task's inputs. Op bodies reach their inputs and weights
 // through the descriptor (op → in_offset → row → data: dependent loads), and every counter acquire
@@ -127,7 +118,6 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
   const int32_t begin = p.queue_begin[worker], end = p.queue_begin[worker + 1];
   float* scratch = p.scratch + static_cast<int64_t>(worker) * kScratchFloats;
   unsigned long long wait_cycles = 0, run_cycles = 0, spins = 0;
-  if (threadIdx.x == 0 && begin < end) prefetch_l2(p.instrs[begin]);
   long long task_wait = 0;
   for (int32_t i = begin; i < end; ++i) {
     const Instr& ins = p.instrs[i];
@@ -142,7 +132,6 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
       const long long t1 = clock64();
       task_wait = t1 - t0;
       wait_cycles += static_cast<unsigned long long>(task_wait);
-      if (i + 1 < end) prefetch_l2(p.instrs[i + 1]);  // the next task's weights stream in while this one runs
     } else if (threadIdx.x / 32 == 1) {
       stage_desc(p.ops + ins.op, smem + kSharedBytes);  // while thread 0 waits (the descriptor never changes)
     }

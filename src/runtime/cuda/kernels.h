@@ -19,8 +19,6 @@ struct alignas(64) Instr {
   int32_t signal_begin = 0;    // into KernelParams::signals
   int32_t num_signals = 0;
   int64_t col_begin = 0, col_end = 0;
-  const uint8_t* prefetch = nullptr;  // weight bytes this task streams first (L2 prefetch), or null
-  uint32_t prefetch_bytes = 0;
   int32_t task = 0;            // index of this task among its op's tasks (0 .. OpDesc::tasks − 1)
 };
 static_assert(sizeof(Instr) == 64, "instructions are 64 bytes");

@@ -74,8 +74,6 @@ GemmSchedule gemm_schedule(const Plan& plan, const std::vector<Instr>& by_task, 
     const auto op = static_cast<size_t>(ins.op);
     if (!host[op] || reduce[op]) continue;
     ins.opcode = kOpRoundRows;
-    ins.prefetch = nullptr;  // reads no weights
-    ins.prefetch_bytes = 0;
   }
   GemmSchedule schedule;
   schedule.task_instrs = upload(tasks, "instructions");
