@@ -12,9 +12,12 @@ namespace plow::cuda {
 // value) computes Σv² and w_q·(w_n ⊙ v) in one pass; s = dot·rsqrt(mean(v²)+ε) (the CPU applies the
 // rsqrt inside each term: fp32 reassociation only); then one thread per row runs the softmax in the
 // CPU's order (max, exp, sequential total, α = e/total). Block-uniform; ends synchronized.
+// A lane loads kSumBatch elements of v, w_q and w_n before it adds any (in the same order): one element
+// at a time waited an L2 latency per 32 elements, ~160 µs a task at K3's 7,168 columns, half of a K3
+// rank's decode step.
 __device__ inline void attn_res_weights(const TaskCtx& ctx, int t0, int rows, float eps, float* alpha) {
-  const DeviceWeight& norm = ctx.weight(0);   // w_n [H]
-  const DeviceWeight& query = ctx.weight(1);  // w_q [1, H]
+  const DeviceWeight norm = ctx.weight(0);   // w_n [H]
+  const DeviceWeight query = ctx.weight(1);  // w_q [1, H]
   const int values = ctx.op->num_inputs;
   const int64_t width = ctx.in_width(0);
   const int lane = lane_id();
@@ -22,10 +25,22 @@ __device__ inline void attn_res_weights(const TaskCtx& ctx, int t0, int rows, fl
     const int r = u / values, j = u % values;
     const float* v = ctx.in(j, t0 + r);
     float sum_sq = 0.0f, dot = 0.0f;
-    for (int64_t i = lane; i < width; i += 32) {
-      const float x = v[i];
-      sum_sq += x * x;
-      dot += weight_flat(query, i) * (weight_flat(norm, i) * x);
+    for (int64_t i0 = lane; i0 < width; i0 += 32 * kSumBatch) {
+      float x[kSumBatch], wq[kSumBatch], wn[kSumBatch];
+#pragma unroll
+      for (int k = 0; k < kSumBatch; ++k) {
+        const int64_t i = i0 + 32 * k;
+        x[k] = i < width ? v[i] : 0.0f;
+        wq[k] = i < width ? weight_flat(query, i) : 0.0f;
+        wn[k] = i < width ? weight_flat(norm, i) : 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < kSumBatch; ++k) {
+        if (i0 + 32 * k < width) {
+          sum_sq += x[k] * x[k];
+          dot += wq[k] * (wn[k] * x[k]);
+        }
+      }
     }
     sum_sq = warp_sum(sum_sq);
     dot = warp_sum(dot);
@@ -89,11 +104,25 @@ __device__ __noinline__ void op_attn_res_norm(const TaskCtx& ctx) {
     attn_res_weights(ctx, t0, n, ctx.attr(0), alpha);
     for_each_row_sum(
         n, red,
-        [&](int r, int first, int stride) {
+        [&](int r, int first, int stride) {  // kLoadBatch elements' mixes at a time, each over j in order
+          const float* alpha_row = alpha + r * values;
           float sum = 0.0f;
-          for (int64_t i = first; i < width; i += stride) {
-            const float m = round_act(act, attn_res_mixed(ctx, alpha + r * values, t0 + r, i));
-            sum += m * m;
+          for (int64_t i0 = first; i0 < width; i0 += static_cast<int64_t>(kLoadBatch) * stride) {
+            float m[kLoadBatch] = {};
+            for (int j = 0; j < values; ++j) {
+              const float* v = ctx.in(j, t0 + r);
+#pragma unroll
+              for (int k = 0; k < kLoadBatch; ++k) {
+                if (i0 + k * stride < width) m[k] += alpha_row[j] * v[i0 + k * stride];
+              }
+            }
+#pragma unroll
+            for (int k = 0; k < kLoadBatch; ++k) {
+              if (i0 + k * stride < width) {
+                const float mk = round_act(act, m[k]);
+                sum += mk * mk;
+              }
+            }
           }
           return sum;
         },
