@@ -13,8 +13,8 @@ namespace plow::cuda {
 // rsqrt inside each term: fp32 reassociation only); then one thread per row runs the softmax in the
 // CPU's order (max, exp, sequential total, α = e/total). Block-uniform; ends synchronized.
 // A lane loads kSumBatch elements of v, w_q and w_n before it adds any (in the same order): one element
-// at a time waited an L2 latency per 32 elements, ~160 µs a task at K3's 7,168 columns, half of a K3
-// rank's decode step.
+// at a time waited a memory latency per 32 elements (a K3 rank's attn_res_norm: 39.7 → 33.6 ms a
+// decode step; still ~180 µs an op, barrier-bound, docs/cuda.md).
 __device__ inline void attn_res_weights(const TaskCtx& ctx, int t0, int rows, float eps, float* alpha) {
   const DeviceWeight norm = ctx.weight(0);   // w_n [H]
   const DeviceWeight query = ctx.weight(1);  // w_q [1, H]
