@@ -84,8 +84,8 @@ constexpr int kLaunchSharedBytes = kSharedBytes + kDescBytes;
 static_assert(sizeof(OpDesc) % 8 == 0 && sizeof(DeviceWeight) % 8 == 0, "the copied arrays after the OpDesc stay 8-byte aligned");
 
 // Copies *g into buf with one warp; its input and weight arrays too when they fit (else the copy keeps
-// the global pointers). Returns the copy (valid for the block after a barrier).
-__device__ const OpDesc* stage_desc(const OpDesc* g, unsigned char* buf) {
+// the global pointers). The block reads the copy after a barrier.
+__device__ void stage_desc(const OpDesc* g, unsigned char* buf) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   auto copy_words = [lane](void* dst, const void* src, int64_t bytes) {
     for (int64_t w = lane; w < bytes / 4; w += 32) static_cast<uint32_t*>(dst)[w] = static_cast<const uint32_t*>(src)[w];
@@ -109,7 +109,6 @@ __device__ const OpDesc* stage_desc(const OpDesc* g, unsigned char* buf) {
     d->in_stride = in + 2 * inputs;
     d->weights = ws;
   }
-  return d;
 }
 
 __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant__ KernelParams p) {

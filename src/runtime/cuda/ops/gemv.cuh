@@ -161,10 +161,9 @@ __device__ __forceinline__ int padded(int count) { return count == 1 ? 1 : count
 // the whole block on one row at a time, reduced as op_rms_norm reduces a decode step's rows (few
 // rows: the block; the same sums). One warp a row waited an L2 latency per 32 elements: ~30 µs a task
 // at 2,304 wide, half of a decode step's norm_multi_linear.
-__device__ __forceinline__ void stage_rms_norm(const TaskCtx& ctx, const DeviceWeight& w, float eps, float* xs, int ld, int t0, int count) {
+__device__ __forceinline__ void stage_rms_norm(const TaskCtx& ctx, const DeviceWeight nw, float eps, float* xs, int ld, int t0, int count) {
   const int n = static_cast<int>(ctx.in_width(0));
   const int32_t act = ctx.op->act;
-  const DeviceWeight nw = w;
   stage_rows(ctx, 0, xs, ld, t0, count, padded(count));
   __syncthreads();
   float* red = stage_red(ctx);
