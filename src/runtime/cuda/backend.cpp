@@ -6,6 +6,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
+#include <limits>
 
 #include "core/error.h"
 #include "graph/op_table.h"
@@ -245,6 +247,28 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
       if (op.op() == Op::kTokens) prepared.token_offsets.push_back(op.offset);
     }
     prepared.ops = upload(descs, "op table");
+    // The megakernel's records: each OpDesc with its arrays after it when they fit in kDescBytes.
+    std::vector<unsigned char> records;
+    std::vector<std::pair<int32_t, uint16_t>> record_at;  // per op: byte offset, bytes
+    for (size_t i = 0; i < plan.ops.size(); ++i) {
+      const OpDesc& d = descs[i];
+      const size_t inputs = static_cast<size_t>(d.num_inputs), op_weight_count = static_cast<size_t>(d.num_weights);
+      const size_t arrays = 3 * inputs * sizeof(int64_t) + op_weight_count * sizeof(DeviceWeight);
+      const bool inline_arrays = sizeof(OpDesc) + arrays <= static_cast<size_t>(kDescBytes);
+      const size_t bytes = inline_arrays ? (sizeof(OpDesc) + arrays + 15) / 16 * 16 : kDescHeadBytes;
+      const size_t at = records.size();
+      records.resize(at + bytes, 0);
+      std::memcpy(records.data() + at, &d, sizeof(OpDesc));
+      if (inline_arrays) {  // a record of kDescHeadBytes (no arrays to copy) keeps the global pointers
+        unsigned char* out = records.data() + at + sizeof(OpDesc);
+        const int64_t* in = op_inputs.data() + input_at[i].first;  // offsets, widths, strides back to back
+        std::memcpy(out, in, 3 * inputs * sizeof(int64_t));
+        std::memcpy(out + 3 * inputs * sizeof(int64_t), op_weights.data() + weight_at[i].first, op_weight_count * sizeof(DeviceWeight));
+      }
+      if (records.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) fail("plan '{}': its op descriptors pass 2 GiB", plan.source);
+      record_at.emplace_back(static_cast<int32_t>(at), static_cast<uint16_t>(bytes));
+    }
+    prepared.descs = upload(records, "op descriptors");
 
     std::vector<int32_t> signals;
     std::vector<Instr> by_task;
@@ -261,6 +285,9 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
       ins.signal_begin = static_cast<int32_t>(signals.size());
       ins.num_signals = static_cast<int32_t>(task.signals.size());
       signals.insert(signals.end(), task.signals.begin(), task.signals.end());
+      for (size_t s = 0; s < task.signals.size() && s < static_cast<size_t>(kInlineSignals); ++s) ins.signal[s] = task.signals[s];
+      ins.desc = record_at[static_cast<size_t>(task.op)].first;
+      ins.desc_bytes = record_at[static_cast<size_t>(task.op)].second;
       ins.col_begin = task.col_begin;
       ins.col_end = task.col_end;
       auto& range = prepared.op_tasks[static_cast<size_t>(task.op)];
@@ -275,6 +302,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
       for (int32_t t : queue) by_queue.push_back(by_task[static_cast<size_t>(t)]);
       queue_begin.push_back(static_cast<int32_t>(by_queue.size()));
     }
+    link_queues(by_queue, queue_begin);
     prepared.task_instrs = upload(by_task, "instructions");
     prepared.queue_instrs = upload(by_queue, "instructions");
     prepared.queue_begin = upload(queue_begin, "queues");

@@ -29,6 +29,7 @@ struct CudaBackend::Impl {
   struct PreparedPlan {
     Plan plan;
     DeviceBuffer ops, op_inputs, op_weights, queue_instrs, task_instrs, queue_begin, signals, counters;
+    DeviceBuffer descs;  // the ops' descriptor records, as the megakernel copies them (kernels.h)
     DeviceBuffer op_sync;  // kOpSyncCounters per op (OpDesc::sync), 0 between steps
     std::vector<std::pair<int32_t, int32_t>> op_tasks;  // per op: [first, end) in task order
     std::vector<int64_t> token_offsets;                 // arena offsets of the kTokens ops
@@ -171,6 +172,7 @@ struct CudaBackend::Impl {
     p.queue_begin = prepared.queue_begin.as<int32_t>();
     p.signals = prepared.signals.as<int32_t>();
     p.ops = prepared.ops.as<OpDesc>();
+    p.descs = prepared.descs.as<unsigned char>();
     p.arena = arena.as<float>();
     p.counters = prepared.counters.as<unsigned>();
     p.scratch = scratch.as<float>();

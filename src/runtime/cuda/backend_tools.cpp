@@ -153,11 +153,12 @@ std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
   m.check_device_error();
   int clock_khz = 0;
   check(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, m.options.device), "device query");
-  double wait = 0, run = 0, tasks = 0;
+  double wait = 0, run = 0, tasks = 0, total = 0;
   for (int w = 0; w < plan.workers; ++w) {
     wait += static_cast<double>(counts[static_cast<size_t>(4 * w)]);
     run += static_cast<double>(counts[static_cast<size_t>(4 * w + 1)]);
     tasks += static_cast<double>(counts[static_cast<size_t>(4 * w + 2)]);
+    total += static_cast<double>(counts[static_cast<size_t>(4 * w + 3)]);
   }
   std::vector<OpcodeProfile> out;
   for (auto& [name, entry] : by_op) out.push_back(entry);
@@ -165,6 +166,8 @@ std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
   const double to_ms = 1.0 / std::max(clock_khz, 1);  // cycles → ms
   out.push_back({"megakernel:wait (mean per block)", static_cast<int64_t>(tasks), wait * to_ms / plan.workers, 0});
   out.push_back({"megakernel:run (mean per block)", static_cast<int64_t>(tasks), run * to_ms / plan.workers, 0});
+  // The rest of a block's time: barriers, releases, the profile's own atomics, loading the first task.
+  out.push_back({"megakernel:between tasks (mean per block)", static_cast<int64_t>(tasks), (total - wait - run) * to_ms / plan.workers, 0});
   // Per opcode inside the megakernel, as the mean block spends it: waiting for the op's inputs, running its tasks.
   std::vector<OpcodeProfile> inside;
   for (int slot = 0; slot < kProfileSlots; ++slot) {

@@ -73,42 +73,60 @@ __device__ __forceinline__ void add_release(unsigned* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// The megakernel copies a task's OpDesc and its arrays into shared memory past the op bodies'
-// kSharedBytes while thread 0 waits for the task's inputs. Op bodies reach their inputs and weights
-// through the descriptor (op → in_offset → row → data: dependent loads), and every counter acquire
-// invalidates the SM's L1 (the megakernel's SASS has its CCTL.IVALL), so read from global memory each
-// step of that chain waited an L2 latency per task. The eager kernel reads the descriptor in place: a
-// copy there has no wait to hide behind (measured slower: 7.46 against 7.01 ms a batch-1 step).
-constexpr int kDescBytes = 2048;
-constexpr int kLaunchSharedBytes = kSharedBytes + kDescBytes;
-static_assert(sizeof(OpDesc) % 8 == 0 && sizeof(DeviceWeight) % 8 == 0, "the copied arrays after the OpDesc stay 8-byte aligned");
+// The megakernel keeps two task slots in shared memory past the op bodies' kSharedBytes: a task's
+// Instr and its op's descriptor record (kernels.h). While task k runs, the copy engine loads task k+1's
+// into the other slot (one bulk copy each, an mbarrier per slot), so between two tasks the block waits
+// only for the counter. Read from global memory, the chain instruction → descriptor → arrays → row
+// waited an L2 latency a link, task after task: every counter acquire invalidates the SM's L1 (the
+// megakernel's SASS has its CCTL.IVALL). The eager kernel reads the descriptor in place: a copy there
+// has no wait to hide behind (measured slower: 7.46 against 7.01 ms a batch-1 step).
+struct TaskSlot {
+  Instr ins;
+  alignas(16) unsigned char desc[kDescBytes];
+};
+constexpr int kSlotBytes = kSharedBytes + 2 * static_cast<int>(sizeof(TaskSlot));
+constexpr int kLaunchSharedBytes = kSlotBytes + 2 * static_cast<int>(sizeof(uint64_t));
+static_assert(kSharedBytes % 16 == 0 && sizeof(TaskSlot) % 16 == 0, "bulk copies land on 16-byte boundaries");
+static_assert(sizeof(OpDesc) % 8 == 0 && sizeof(DeviceWeight) % 8 == 0, "the arrays after the OpDesc stay 8-byte aligned");
+static_assert(kDescHeadBytes <= kDescBytes, "an OpDesc fits its record");
+static_assert(kInlineSignals == 2, "the releasing thread keeps two inline counters");
 
-// Copies *g into buf with one warp; its input and weight arrays too when they fit (else the copy keeps
-// the global pointers). The block reads the copy after a barrier.
-__device__ void stage_desc(const OpDesc* g, unsigned char* buf) {
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  auto copy_words = [lane](void* dst, const void* src, int64_t bytes) {
-    for (int64_t w = lane; w < bytes / 4; w += 32) static_cast<uint32_t*>(dst)[w] = static_cast<const uint32_t*>(src)[w];
-  };
-  auto* d = reinterpret_cast<OpDesc*>(buf);
-  copy_words(d, g, sizeof(OpDesc));
-  const int64_t inputs = g->num_inputs, weights = g->num_weights;
-  auto* in = reinterpret_cast<int64_t*>(buf + sizeof(OpDesc));
-  auto* ws = reinterpret_cast<DeviceWeight*>(in + 3 * inputs);
-  const bool fits = static_cast<int64_t>(sizeof(OpDesc)) + 3 * inputs * 8 + weights * static_cast<int64_t>(sizeof(DeviceWeight)) <= kDescBytes;
-  if (fits) {
-    copy_words(in, g->in_offset, inputs * 8);
-    copy_words(in + inputs, g->in_width, inputs * 8);
-    copy_words(in + 2 * inputs, g->in_stride, inputs * 8);
-    copy_words(ws, g->weights, weights * static_cast<int64_t>(sizeof(DeviceWeight)));
-  }
-  __syncwarp();
-  if (fits && lane == 0) {
-    d->in_offset = in;
-    d->in_width = in + inputs;
-    d->in_stride = in + 2 * inputs;
-    d->weights = ws;
-  }
+__device__ __forceinline__ uint32_t shared_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+// Task `ins` (global) and its op's record `desc` of `bytes` into `slot`; `bar` completes when both landed.
+__device__ __forceinline__ void load_task(TaskSlot* slot, uint64_t* bar, const Instr* ins, const unsigned char* desc, uint32_t bytes) {
+  const uint32_t b = shared_address(bar);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's last generic-proxy writes (point_at_arrays) before the copy's
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(static_cast<uint32_t>(sizeof(Instr)) + bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(shared_address(&slot->ins)), "l"(ins),
+               "r"(static_cast<uint32_t>(sizeof(Instr))), "r"(b)
+               : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(shared_address(slot->desc)), "l"(desc),
+               "r"(bytes), "r"(b)
+               : "memory");
+}
+
+__device__ __forceinline__ void wait_slot(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred ready;\n"
+      "WAIT_SLOT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
+      "@!ready bra WAIT_SLOT;\n"
+      "}\n" ::"r"(shared_address(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// A record longer than kDescHeadBytes carries the OpDesc's arrays: point it at them.
+__device__ __forceinline__ void point_at_arrays(TaskSlot* slot) {
+  if (slot->ins.desc_bytes <= kDescHeadBytes) return;
+  auto* d = reinterpret_cast<OpDesc*>(slot->desc);
+  auto* in = reinterpret_cast<int64_t*>(slot->desc + sizeof(OpDesc));
+  d->in_offset = in;
+  d->in_width = in + d->num_inputs;
+  d->in_stride = in + 2 * d->num_inputs;
+  d->weights = reinterpret_cast<const DeviceWeight*>(in + 3 * d->num_inputs);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant__ KernelParams p) {
@@ -116,41 +134,65 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
   const int worker = blockIdx.x;
   const int32_t begin = p.queue_begin[worker], end = p.queue_begin[worker + 1];
   float* scratch = p.scratch + static_cast<int64_t>(worker) * kScratchFloats;
-  unsigned long long wait_cycles = 0, run_cycles = 0, spins = 0;
+  auto* slots = reinterpret_cast<TaskSlot*>(smem + kSharedBytes);
+  auto* bars = reinterpret_cast<uint64_t*>(smem + kSlotBytes);
+  const long long started = clock64();
+  unsigned long long wait_cycles = 0, run_cycles = 0;
   long long task_wait = 0;
+  if (threadIdx.x == 0 && begin < end) {
+    for (int b = 0; b < 2; ++b) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bars + b)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    const Instr& first = p.instrs[begin];
+    load_task(slots, bars, &first, p.descs + first.desc, first.desc_bytes);
+  }
   for (int32_t i = begin; i < end; ++i) {
-    const Instr& ins = p.instrs[i];
+    const int32_t k = i - begin;
+    TaskSlot* slot = slots + (k & 1);
     if (threadIdx.x == 0) {
       const long long t0 = clock64();
+      wait_slot(bars + (k & 1), static_cast<uint32_t>(k >> 1) & 1u);  // loaded while the task before ran
+      point_at_arrays(slot);
+      const Instr& ins = slot->ins;
+      // The other slot's task finished before the barrier that ended it: load the next one there.
+      if (i + 1 < end) load_task(slots + ((k + 1) & 1), bars + ((k + 1) & 1), p.instrs + i + 1, p.descs + ins.next_desc, ins.next_desc_bytes);
       const uint32_t target = ins.wait_threshold * p.epoch;
       if (target != 0) {
-        while (load_acquire(p.counters + ins.wait_counter) < target) ++spins;
+        while (load_acquire(p.counters + ins.wait_counter) < target) {
+        }
       }
       // No fence: the acquire load orders this thread's later accesses, and the barrier below extends
       // that to the block (the pattern of CUTLASS's GenericBarrier).
-      const long long t1 = clock64();
-      task_wait = t1 - t0;
+      task_wait = clock64() - t0;
       wait_cycles += static_cast<unsigned long long>(task_wait);
-    } else if (threadIdx.x / 32 == 1) {
-      stage_desc(p.ops + ins.op, smem + kSharedBytes);  // while thread 0 waits (the descriptor never changes)
     }
     __syncthreads();
     const long long r0 = clock64();
-    const TaskCtx ctx{reinterpret_cast<const OpDesc*>(smem + kSharedBytes), p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task};
+    const Instr& ins = slot->ins;
+    const TaskCtx ctx{reinterpret_cast<const OpDesc*>(slot->desc), p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task};
     run_task(ctx, ins.opcode);
+    // The releasing thread reads its counters before the barrier: after it, thread 0 loads the task
+    // after next into this slot.
+    const int32_t signals = ins.num_signals, first_signal = ins.signal_begin, inline0 = ins.signal[0], inline1 = ins.signal[1];
+    const int32_t opcode = ins.opcode;
     __syncthreads();
+    if (threadIdx.x == 32) {
+      // Not thread 0, which goes on to the next task's wait. The block's writes happen before this
+      // release through the barrier above (release is cumulative), so a consumer that acquires the
+      // counter sees them.
+      for (int32_t s = 0; s < signals; ++s) {
+        const int32_t counter = signals > kInlineSignals ? p.signals[first_signal + s] : s == 0 ? inline0 : inline1;
+        add_release(p.counters + counter, 1u);
+      }
+    }
     if (threadIdx.x == 0) {
       const long long ran = clock64() - r0;
       run_cycles += static_cast<unsigned long long>(ran);
       if (p.op_profile != nullptr) {
-        unsigned long long* slot = p.op_profile + 3 * profile_slot(ins.opcode);
-        atomicAdd(slot, static_cast<unsigned long long>(task_wait));
-        atomicAdd(slot + 1, static_cast<unsigned long long>(ran));
-        atomicAdd(slot + 2, 1ull);
+        unsigned long long* out = p.op_profile + 3 * profile_slot(opcode);
+        atomicAdd(out, static_cast<unsigned long long>(task_wait));
+        atomicAdd(out + 1, static_cast<unsigned long long>(ran));
+        atomicAdd(out + 2, 1ull);
       }
-      // The block's writes happen before this thread's release through the barrier above (release is
-      // cumulative), so a consumer that acquires the counter sees them.
-      for (int32_t s = 0; s < ins.num_signals; ++s) add_release(p.counters + p.signals[ins.signal_begin + s], 1u);
     }
   }
   if (threadIdx.x == 0 && p.profile != nullptr) {
@@ -158,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
     out[0] += wait_cycles;
     out[1] += run_cycles;
     out[2] += static_cast<unsigned long long>(end - begin);
-    out[3] += spins;
+    out[3] += static_cast<unsigned long long>(clock64() - started);
   }
 }
 

@@ -5,10 +5,19 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "runtime/cuda/device_types.h"
 
 namespace plow::cuda {
+
+// The megakernel's copy of an op's descriptor: the OpDesc, then (when they fit in kDescBytes) its
+// arrays in_offset, in_width, in_stride ([num_inputs] int64 each) and weights ([num_weights]), 16-byte
+// aligned records in KernelParams::descs. A record of kDescHeadBytes keeps the OpDesc's global array
+// pointers; a longer one holds the arrays, and the kernel points the OpDesc at its copies.
+inline constexpr int kDescBytes = 2048;
+inline constexpr int kDescHeadBytes = (static_cast<int>(sizeof(OpDesc)) + 15) / 16 * 16;
+inline constexpr int kInlineSignals = 2;
 
 // One task as the device reads it: 64 bytes, decoded from the plan on the host once.
 struct alignas(64) Instr {
@@ -16,12 +25,28 @@ struct alignas(64) Instr {
   int32_t opcode = 0;
   int32_t wait_counter = 0;
   uint32_t wait_threshold = 0; // per step: the counter must reach threshold × epoch
-  int32_t signal_begin = 0;    // into KernelParams::signals
+  int32_t signal_begin = 0;    // into KernelParams::signals, when num_signals > kInlineSignals
   int32_t num_signals = 0;
   int64_t col_begin = 0, col_end = 0;
   int32_t task = 0;            // index of this task among its op's tasks (0 .. OpDesc::tasks − 1)
+  int32_t desc = 0;            // byte offset of the op's record in KernelParams::descs
+  int32_t next_desc = 0;       // the next task's in this queue (link_queues), which the megakernel loads while this one runs
+  uint16_t desc_bytes = 0, next_desc_bytes = 0;  // record sizes; next_desc_bytes 0 after a queue's last task
+  int32_t signal[kInlineSignals] = {};  // the counters to bump, when num_signals ≤ kInlineSignals
 };
 static_assert(sizeof(Instr) == 64, "instructions are 64 bytes");
+
+// Fills every task's next_desc / next_desc_bytes from the task after it in its queue (queue q:
+// instrs [begins[q], begins[q + 1])).
+inline void link_queues(std::vector<Instr>& instrs, const std::vector<int32_t>& begins) {
+  for (size_t q = 0; q + 1 < begins.size(); ++q) {
+    for (int32_t i = begins[q]; i < begins[q + 1]; ++i) {
+      const bool last = i + 1 == begins[q + 1];
+      instrs[static_cast<size_t>(i)].next_desc = last ? 0 : instrs[static_cast<size_t>(i) + 1].desc;
+      instrs[static_cast<size_t>(i)].next_desc_bytes = last ? 0 : instrs[static_cast<size_t>(i) + 1].desc_bytes;
+    }
+  }
+}
 // Instr::opcode of a task whose op the host ran as a GEMM (prefill_gemm.h): it rounds its output
 // columns in place (ops/round_rows.cuh). Outside the Op range.
 inline constexpr int32_t kOpRoundRows = 0x100;
@@ -33,11 +58,12 @@ struct KernelParams {
   const Instr* instrs = nullptr;       // megakernel: queues back to back; eager: tasks in plan order
   const int32_t* queue_begin = nullptr;  // [workers + 1] into instrs (megakernel)
   const int32_t* signals = nullptr;
-  const OpDesc* ops = nullptr;
+  const OpDesc* ops = nullptr;         // eager: read in place
+  const unsigned char* descs = nullptr;  // megakernel: the ops' descriptor records (Instr::desc)
   float* arena = nullptr;
   unsigned* counters = nullptr;
   float* scratch = nullptr;            // kScratchFloats per block
-  unsigned long long* profile = nullptr;  // megakernel: per block {wait cycles, run cycles, tasks, spins}, or null
+  unsigned long long* profile = nullptr;  // megakernel: per block {wait cycles, run cycles, tasks, cycles from start to end}, or null
   unsigned long long* op_profile = nullptr;  // megakernel: per opcode slot (profile_slot) {wait cycles, run cycles, tasks}, or null
   StepView step;
   uint32_t epoch = 0;

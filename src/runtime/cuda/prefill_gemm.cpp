@@ -59,6 +59,7 @@ std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& 
       }
       begins.push_back(static_cast<int32_t>(instrs.size()));
     }
+    link_queues(instrs, begins);
     segments[k].instrs = upload(instrs, "instructions");
     segments[k].queue_begin = upload(begins, "queues");
   }
