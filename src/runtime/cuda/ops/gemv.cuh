@@ -2,7 +2,7 @@
 // the prologue, residual add or gate·up activation in the epilogue), the router logits and the routed
 // experts.
 // Shape of the work: a task owns output columns [col_begin, col_end); one warp per column streams that
-// weight row with 16-byte non-allocating loads (four in flight per lane) against up to kMaxGroup
+// weight row with 16-byte non-allocating loads (kRowBatch in flight per lane) against up to kMaxGroup
 // token rows staged in shared memory (fp32, already rounded as the CPU rounds them), fp32 accumulate,
 // one warp reduction per (column, token). Rounding points are those of src/runtime/cpu/ops.
 #pragma once

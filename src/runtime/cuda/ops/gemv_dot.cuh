@@ -1,5 +1,5 @@
 // The weight-streaming dots every GEMV-family body shares: one warp per weight row (or two rows at
-// once), 16-byte non-allocating loads (four in flight per lane and row) against up to kMaxGroup token
+// once), 16-byte non-allocating loads (kRowBatch in flight per lane) against up to kMaxGroup token
 // rows staged as fp32 in shared memory, fp32 accumulate. Included by ops/gemv.cuh (the op bodies) and
 // moe_gemm.cu (the expert GEMV between megakernel segments); no op bodies here, so both translation
 // units may include it.
@@ -10,6 +10,15 @@
 namespace plow::cuda {
 
 inline constexpr int kMaxGroup = 8;  // token rows per pass over a weight row
+
+// 16-byte loads a lane keeps in flight on one weight row (lane_dot; lane_dot2 splits them over its two
+// rows), all issued before the first is used, the last batch of a row predicated: a 2,304-wide bf16
+// row is 9 loads a lane, one DRAM latency where batches of 4 (and a tail of 1) waited three. One block
+// of 512 threads an SM streams at most (bytes in flight) / (latency): with 4 loads a lane (≤ 32 KB an
+// SM) the batch-1 lm_head streamed 755 MB in 302 µs (2.5 TB/s), with 12 in 197 µs (3.8 TB/s). Fewer
+// with more token rows (their accumulators and operands share the 128 registers).
+template <int G>
+inline constexpr int kRowBatch = G <= 2 ? 12 : 8;
 
 __device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
   uint4 v;
@@ -60,23 +69,17 @@ __device__ __forceinline__ void lane_dot(const DeviceWeight& w, int64_t part, in
     int k0 = 0;
     if (((reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(xs)) & 15) == 0) {
       const int chunks = n / 8;
-      constexpr int U = 4;
-      int c = lane;
-      for (; c + 32 * (U - 1) < chunks; c += 32 * U) {
-        uint4 v[U];
+      for (int c = lane; c < chunks; c += 32 * kRowBatch<G>) {
+        uint4 v[kRowBatch<G>];
 #pragma unroll
-        for (int u = 0; u < U; ++u) v[u] = load_stream(r + static_cast<size_t>(c + 32 * u) * 16);
+        for (int u = 0; u < kRowBatch<G>; ++u) v[u] = c + 32 * u < chunks ? load_stream(r + static_cast<size_t>(c + 32 * u) * 16) : uint4{};
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
+        for (int u = 0; u < kRowBatch<G>; ++u) {
+          if (c + 32 * u >= chunks) break;
           float f[8];
           unpack8(v[u], w.type, f);
           fma8<G>(f, xs, ld, (c + 32 * u) * 8, acc);
         }
-      }
-      for (; c < chunks; c += 32) {
-        float f[8];
-        unpack8(load_stream(r + static_cast<size_t>(c) * 16), w.type, f);
-        fma8<G>(f, xs, ld, c * 8, acc);
       }
       k0 = chunks * 8;
     }
@@ -91,16 +94,29 @@ __device__ __forceinline__ void lane_dot(const DeviceWeight& w, int64_t part, in
   if (w.type == kWMXFP4) {  // 16 bytes = 32 codes = one scale block (cols is a multiple of 32)
     const uint8_t* r = base + static_cast<size_t>(row) * static_cast<size_t>(w.cols / 2);
     const uint8_t* s = w.scales + part * w.scale_part_bytes + static_cast<size_t>(row) * static_cast<size_t>(w.cols / 32);
-    for (int c = lane; c < n / 32; c += 32) {
-      const uint4 v = load_stream(r + static_cast<size_t>(c) * 16);
-      const float scale = e8m0_value_dev(__ldg(s + c));
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    constexpr int U = 4;
+    const int blocks = n / 32;
+    for (int c = lane; c < blocks; c += 32 * U) {
+      uint4 v[U];
+      uint8_t e[U];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        float f[8];
+      for (int u = 0; u < U; ++u) {
+        const bool in = c + 32 * u < blocks;
+        v[u] = in ? load_stream(r + static_cast<size_t>(c + 32 * u) * 16) : uint4{};
+        e[u] = in ? __ldg(s + c + 32 * u) : uint8_t{0};
+      }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) f[j] = e2m1_bits((words[q] >> (4 * j)) & 0xF) * scale;
-        fma8<G>(f, xs, ld, c * 32 + q * 8, acc);
+      for (int u = 0; u < U; ++u) {
+        if (c + 32 * u >= blocks) break;
+        const float scale = e8m0_value_dev(e[u]);
+        const uint32_t words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          float f[8];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) f[j] = e2m1_bits((words[q] >> (4 * j)) & 0xF) * scale;
+          fma8<G>(f, xs, ld, (c + 32 * u) * 32 + q * 8, acc);
+        }
       }
     }
     return;
@@ -131,31 +147,24 @@ __device__ __forceinline__ void lane_dot2(int32_t type, const uint8_t* a, const 
                                           float (&acc_a)[G], float (&acc_b)[G]) {
   const int lane = threadIdx.x & 31;
   const int chunks = n / 8;
-  constexpr int U = 4;
-  int c = lane;
-  for (; c + 32 * (U - 1) < chunks; c += 32 * U) {
+  constexpr int U = kRowBatch<G> / 2;
+  for (int c = lane; c < chunks; c += 32 * U) {
     uint4 va[U], vb[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      va[u] = load_stream(a + static_cast<size_t>(c + 32 * u) * 16);
-      vb[u] = load_stream(b + static_cast<size_t>(c + 32 * u) * 16);
+      const bool in = c + 32 * u < chunks;
+      va[u] = in ? load_stream(a + static_cast<size_t>(c + 32 * u) * 16) : uint4{};
+      vb[u] = in ? load_stream(b + static_cast<size_t>(c + 32 * u) * 16) : uint4{};
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      if (c + 32 * u >= chunks) break;
       float f[8];
       unpack8(va[u], type, f);
       fma8<G>(f, xa, ld, (c + 32 * u) * 8, acc_a);
       unpack8(vb[u], type, f);
       fma8<G>(f, xb, ld, (c + 32 * u) * 8, acc_b);
     }
-  }
-  for (; c < chunks; c += 32) {
-    const uint4 va = load_stream(a + static_cast<size_t>(c) * 16), vb = load_stream(b + static_cast<size_t>(c) * 16);
-    float f[8];
-    unpack8(va, type, f);
-    fma8<G>(f, xa, ld, c * 8, acc_a);
-    unpack8(vb, type, f);
-    fma8<G>(f, xb, ld, c * 8, acc_b);
   }
 }
 
