@@ -11,14 +11,17 @@ namespace plow::cuda {
 
 inline constexpr int kMaxGroup = 8;  // token rows per pass over a weight row
 
-// 16-byte loads a lane keeps in flight on one weight row (lane_dot; lane_dot2 splits them over its two
-// rows), all issued before the first is used, the last batch of a row predicated: a 2,304-wide bf16
-// row is 9 loads a lane, one DRAM latency where batches of 4 (and a tail of 1) waited three. One block
-// of 512 threads an SM streams at most (bytes in flight) / (latency): with 4 loads a lane (≤ 32 KB an
-// SM) the batch-1 lm_head streamed 755 MB in 302 µs (2.5 TB/s), with 12 in 197 µs (3.8 TB/s). Fewer
-// with more token rows (their accumulators and operands share the 128 registers).
+// 16-byte loads a lane keeps in flight on one weight row (lane_dot), all issued before the first is
+// used, the last batch of a row predicated: a 2,304-wide bf16 row is 9 loads a lane, one DRAM latency
+// where batches of 4 (and a tail of 1) waited three. One block of 512 threads an SM streams at most
+// (bytes in flight) / (latency): with 4 loads a lane (≤ 32 KB an SM) the batch-1 lm_head streamed
+// 755 MB in 302 µs (2.5 TB/s), with 12 or 18 in ~197 µs (3.8 TB/s). Fewer with more token rows: their
+// accumulators and operands share the 128 registers (8 at G ≥ 4 spilled gate_up_act's bodies).
 template <int G>
-inline constexpr int kRowBatch = G <= 2 ? 12 : 8;
+inline constexpr int kRowBatch = G == 1 ? 18 : G == 2 ? 8 : 4;
+// lane_dot2's, on each of its two rows (9 a row at G = 1 did not speed moe_gate_up up and slowed moe_down).
+template <int G>
+inline constexpr int kPairBatch = G == 1 ? 6 : 4;
 
 __device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
   uint4 v;
@@ -147,7 +150,7 @@ __device__ __forceinline__ void lane_dot2(int32_t type, const uint8_t* a, const 
                                           float (&acc_a)[G], float (&acc_b)[G]) {
   const int lane = threadIdx.x & 31;
   const int chunks = n / 8;
-  constexpr int U = kRowBatch<G> / 2;
+  constexpr int U = kPairBatch<G>;
   for (int c = lane; c < chunks; c += 32 * U) {
     uint4 va[U], vb[U];
 #pragma unroll
