@@ -303,13 +303,14 @@ __device__ __noinline__ void op_gated_norm_linear(const TaskCtx& ctx) {
 // k·I + i = act(round(x·w1_e[i]), round(x·w3_e[i])) for e = the k-th routed expert of the token.
 // attr0 = top_k, attr1 = SiTU (1) or SiLU·mul (0), attr2 = β, attr3 = β_lin.
 __device__ __noinline__ void op_moe_gate_up(const TaskCtx& ctx) {
-  const int64_t top_k = static_cast<int64_t>(ctx.attr(0));
-  const int64_t inter = ctx.weight(0).rows;
+  const int top_k = static_cast<int>(ctx.attr(0));
+  const int inter = static_cast<int>(ctx.weight(0).rows);
   gemv_task<2, true>(
       ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx),
       [&ctx, top_k, inter](int j, int64_t c, int t) {
-        const int64_t e = static_cast<int64_t>(ctx.in(1, t)[top_k + c / inter]);
-        return RowRef{j, e, c % inter};
+        const int col = static_cast<int>(c);  // < k·I columns: 32-bit division, a few instructions where 64-bit takes dozens
+        const int64_t e = static_cast<int64_t>(ctx.in(1, t)[top_k + col / inter]);
+        return RowRef{j, e, col % inter};
       },
       [&ctx](int t, int64_t c, const float* dots) {
         const int32_t act = ctx.op->act;
@@ -332,8 +333,8 @@ __device__ __forceinline__ void moe_down_dots(const DeviceWeight& w2, const floa
   if (a != nullptr && b != nullptr) {
     lane_dot2<1>(w2.type, a, xa, b, xb, ld, inter, acc_a, acc_b);
   } else {
-    lane_dot<1>(w2, ea, o_a, xa, ld, inter, acc_a);
-    if (two) lane_dot<1>(w2, eb, o_b, xb, ld, inter, acc_b);
+    lane_dot<1, 4>(w2, ea, o_a, xa, ld, inter, acc_a);  // rows lane_dot2 cannot stream: rare, so a light batch
+    if (two) lane_dot<1, 4>(w2, eb, o_b, xb, ld, inter, acc_b);
   }
   da = warp_sum(acc_a[0]);
   db = warp_sum(acc_b[0]);
@@ -352,8 +353,8 @@ __device__ __noinline__ void op_moe_down_impl(const TaskCtx& ctx) {
   const DeviceWeight& w2 = ctx.weight(0);
   const int inter = static_cast<int>(w2.cols);
   const int n = static_cast<int>(ctx.in_width(0));  // k·I
-  const int64_t cols = ctx.col_end - ctx.col_begin;
-  const int64_t pairs = cols * top_k;
+  const int cols = static_cast<int>(ctx.col_end - ctx.col_begin);
+  const int pairs = cols * top_k;  // 32-bit pair arithmetic below (a task's columns × k)
   int ld = 0, group = 0;
   float* xs = staging(ctx, n, ld, group, pairs);
   if (group == 0) {  // beyond any model's shapes (k·I + the pairs > 1 MiB of scratch)
@@ -375,11 +376,11 @@ __device__ __noinline__ void op_moe_down_impl(const TaskCtx& ctx) {
         if (ADD) v = round_out(ctx, v + ctx.in(2, t0 + g)[o]);
         ctx.out(t0 + g)[o] = v;
       };
-      for (int64_t p = 2 * warp; p < pairs; p += 2 * kWarps) {  // pair p: column col_begin + p / top_k, slot p % top_k
+      for (int p = 2 * warp; p < pairs; p += 2 * kWarps) {  // pair p: column col_begin + p / top_k, slot p % top_k
         const bool two = p + 1 < pairs;
         float da = 0.0f, db = 0.0f;
-        moe_down_dots(w2, route, top_k, inter, x, ld, ctx.col_begin + p / top_k, static_cast<int>(p % top_k), ctx.col_begin + (p + 1) / top_k,
-                      static_cast<int>((p + 1) % top_k), two, da, db);
+        moe_down_dots(w2, route, top_k, inter, x, ld, ctx.col_begin + p / top_k, p % top_k, ctx.col_begin + (p + 1) / top_k, (p + 1) % top_k, two, da,
+                      db);
         if (lane == 0) {
           dots[p] = round_out(ctx, da);
           if (two) dots[p + 1] = round_out(ctx, db);

@@ -63,7 +63,9 @@ __device__ __forceinline__ void fma8(const float (&f)[8], const float* xs, int l
 
 // This lane's share of dot(row `row` of part `part`, xs[g·ld + k] for k < n), added to acc[g]. The
 // caller reduces acc over the warp. xs: shared (or scratch) memory, ld a multiple of 4.
-template <int G>
+// U: the loads a lane keeps in flight (kRowBatch<G>; a body that only falls back here passes fewer,
+// since the batch's registers count against the whole body).
+template <int G, int U = kRowBatch<G>>
 __device__ __forceinline__ void lane_dot(const DeviceWeight& w, int64_t part, int64_t row, const float* xs, int ld, int n, float (&acc)[G]) {
   const int lane = threadIdx.x & 31;
   const uint8_t* base = w.data + part * w.part_bytes;
@@ -72,12 +74,12 @@ __device__ __forceinline__ void lane_dot(const DeviceWeight& w, int64_t part, in
     int k0 = 0;
     if (((reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(xs)) & 15) == 0) {
       const int chunks = n / 8;
-      for (int c = lane; c < chunks; c += 32 * kRowBatch<G>) {
-        uint4 v[kRowBatch<G>];
+      for (int c = lane; c < chunks; c += 32 * U) {
+        uint4 v[U];
 #pragma unroll
-        for (int u = 0; u < kRowBatch<G>; ++u) v[u] = c + 32 * u < chunks ? load_stream(r + static_cast<size_t>(c + 32 * u) * 16) : uint4{};
+        for (int u = 0; u < U; ++u) v[u] = c + 32 * u < chunks ? load_stream(r + static_cast<size_t>(c + 32 * u) * 16) : uint4{};
 #pragma unroll
-        for (int u = 0; u < kRowBatch<G>; ++u) {
+        for (int u = 0; u < U; ++u) {
           if (c + 32 * u >= chunks) break;
           float f[8];
           unpack8(v[u], w.type, f);
@@ -97,19 +99,19 @@ __device__ __forceinline__ void lane_dot(const DeviceWeight& w, int64_t part, in
   if (w.type == kWMXFP4) {  // 16 bytes = 32 codes = one scale block (cols is a multiple of 32)
     const uint8_t* r = base + static_cast<size_t>(row) * static_cast<size_t>(w.cols / 2);
     const uint8_t* s = w.scales + part * w.scale_part_bytes + static_cast<size_t>(row) * static_cast<size_t>(w.cols / 32);
-    constexpr int U = 4;
+    constexpr int B = 4;  // 16-byte blocks a lane in flight
     const int blocks = n / 32;
-    for (int c = lane; c < blocks; c += 32 * U) {
-      uint4 v[U];
-      uint8_t e[U];
+    for (int c = lane; c < blocks; c += 32 * B) {
+      uint4 v[B];
+      uint8_t e[B];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
+      for (int u = 0; u < B; ++u) {
         const bool in = c + 32 * u < blocks;
         v[u] = in ? load_stream(r + static_cast<size_t>(c + 32 * u) * 16) : uint4{};
         e[u] = in ? __ldg(s + c + 32 * u) : uint8_t{0};
       }
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
+      for (int u = 0; u < B; ++u) {
         if (c + 32 * u >= blocks) break;
         const float scale = e8m0_value_dev(e[u]);
         const uint32_t words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
