@@ -106,7 +106,7 @@ __global__ void combine_kernel(const T* y, int64_t ld, const int32_t* inv, int64
 
 // launch_moe_gemv: block (column slice, expert i); the expert's rows in groups of G ≤ kGemvGroup,
 // staged as fp32 once per group. A warp streams two weight rows at a time (gate and up of one column,
-// or two columns of down): kRowBatch<G> 16-byte loads in flight a lane for half-precision rows (gemv_dot.cuh).
+// or two columns of down): kPairBatch<G> 16-byte loads in flight a lane on each row (gemv_dot.cuh).
 // 256 threads, two blocks an SM (128 registers: at 64 or 80 they spilled; one block of 512 an SM was
 // slower than cuBLAS's grouped GEMM, nothing streaming while it staged its rows).
 constexpr int kGemvThreads = 256, kGemvWarps = kGemvThreads / 32;
