@@ -259,7 +259,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
       const size_t at = records.size();
       records.resize(at + bytes, 0);
       std::memcpy(records.data() + at, &d, sizeof(OpDesc));
-      if (inline_arrays) {  // a record of kDescHeadBytes (no arrays to copy) keeps the global pointers
+      if (inline_arrays) {  // else the record is the OpDesc alone (kDescHeadBytes), with its global array pointers
         unsigned char* out = records.data() + at + sizeof(OpDesc);
         const int64_t* in = op_inputs.data() + input_at[i].first;  // offsets, widths, strides back to back
         std::memcpy(out, in, 3 * inputs * sizeof(int64_t));

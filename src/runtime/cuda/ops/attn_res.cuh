@@ -12,9 +12,9 @@ namespace plow::cuda {
 // value) computes Σv² and w_q·(w_n ⊙ v) in one pass; s = dot·rsqrt(mean(v²)+ε) (the CPU applies the
 // rsqrt inside each term: fp32 reassociation only); then one thread per row runs the softmax in the
 // CPU's order (max, exp, sequential total, α = e/total). Block-uniform; ends synchronized.
-// A lane loads kSumBatch elements of v, w_q and w_n before it adds any (in the same order): one element
-// at a time waited a memory latency per 32 elements (a K3 rank's attn_res_norm: 39.7 → 33.6 ms a
-// decode step; still ~180 µs an op, barrier-bound, docs/cuda.md).
+// A lane loads kSumBatch elements of v, w_q and w_n before it adds any (strided_sum, in the same
+// order): one element at a time waited a memory latency per 32 elements (a K3 rank's attn_res_norm:
+// 39.7 → 33.6 ms a decode step; still ~180 µs an op, barrier-bound, docs/cuda.md).
 __device__ inline void attn_res_weights(const TaskCtx& ctx, int t0, int rows, float eps, float* alpha) {
   const DeviceWeight norm = ctx.weight(0);   // w_n [H]
   const DeviceWeight query = ctx.weight(1);  // w_q [1, H]
@@ -24,26 +24,13 @@ __device__ inline void attn_res_weights(const TaskCtx& ctx, int t0, int rows, fl
   for (int u = warp_id(); u < rows * values; u += kWarps) {
     const int r = u / values, j = u % values;
     const float* v = ctx.in(j, t0 + r);
-    float sum_sq = 0.0f, dot = 0.0f;
-    for (int64_t i0 = lane; i0 < width; i0 += 32 * kSumBatch) {
-      float x[kSumBatch], wq[kSumBatch], wn[kSumBatch];
-#pragma unroll
-      for (int k = 0; k < kSumBatch; ++k) {
-        const int64_t i = i0 + 32 * k;
-        x[k] = i < width ? v[i] : 0.0f;
-        wq[k] = i < width ? weight_flat(query, i) : 0.0f;
-        wn[k] = i < width ? weight_flat(norm, i) : 0.0f;
-      }
-#pragma unroll
-      for (int k = 0; k < kSumBatch; ++k) {
-        if (i0 + 32 * k < width) {
-          sum_sq += x[k] * x[k];
-          dot += wq[k] * (wn[k] * x[k]);
-        }
-      }
-    }
-    sum_sq = warp_sum(sum_sq);
-    dot = warp_sum(dot);
+    struct Loaded {
+      float x, wq, wn;
+    };
+    const Operands sums = strided_sum(
+        lane, width, 32, [&](int64_t i) { return Loaded{v[i], weight_flat(query, i), weight_flat(norm, i)}; },
+        [](Operands s, Loaded e) { return Operands{s.a + e.x * e.x, s.b + e.wq * (e.wn * e.x)}; }, Operands{0.0f, 0.0f});
+    const float sum_sq = warp_sum(sums.a), dot = warp_sum(sums.b);
     if (lane == 0) alpha[u] = dot * inv_rms(sum_sq, width, eps);
   }
   __syncthreads();

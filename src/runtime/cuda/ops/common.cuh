@@ -183,16 +183,16 @@ __device__ __forceinline__ void for_each_strided(int64_t first, int64_t end, int
   }
 }
 
-// add(…add(add(0, load(first)), load(first + stride))…) over i < end, in that order (the split a row
-// reduction's results depend on), with kSumBatch loads in flight instead of one: twice kLoadBatch,
+// add(…add(add(init, load(first)), load(first + stride))…) over i < end, in that order (the split a
+// row reduction's results depend on), with kSumBatch loads in flight instead of one: twice kLoadBatch,
 // because a warp reduces a whole row alone (2304 columns: 72 loads a lane) and a task of a long step
-// has fewer rows (~8) than warps.
+// has fewer rows (~8) than warps. The sum and the loaded values may be structs (several sums at once).
 inline constexpr int kSumBatch = 2 * kLoadBatch;
-template <typename Load, typename Add>
-__device__ __forceinline__ float strided_sum(int64_t first, int64_t end, int stride, Load load, Add add) {
-  float sum = 0.0f;
+template <typename Load, typename Add, typename Sum = float>
+__device__ __forceinline__ Sum strided_sum(int64_t first, int64_t end, int stride, Load load, Add add, Sum init = Sum{}) {
+  Sum sum = init;
   for (int64_t i = first; i < end; i += static_cast<int64_t>(kSumBatch) * stride) {
-    float v[kSumBatch] = {};
+    decltype(load(i)) v[kSumBatch] = {};
 #pragma unroll
     for (int k = 0; k < kSumBatch; ++k) {
       if (i + k * stride < end) v[k] = load(i + k * stride);
