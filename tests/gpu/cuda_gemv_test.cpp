@@ -1,13 +1,16 @@
 // The weight-streaming op bodies of the cuda backend (ops/gemv.cuh) vs cpu/reference, test-backend-ops
 // style: one small graph per case (tokens → embedding → the op's inputs → the op), odd widths (rows
 // that are not 16-byte aligned take the scalar path), batches and prefill chunks, fp32 and bf16,
-// megakernel and eager, several worker counts. Outputs are poisoned by the previous case's run and the
-// arena is reused, so an unwritten column shows up as a mismatch; NaN fails. "_view" cases read the
-// embedding through a slice of a wider table (a plan reads it in place: row stride > width, odd offset).
+// megakernel and eager (the same bodies on the same slices: bit-identical), several worker counts.
+// Outputs are poisoned by the previous case's run and the arena is reused, so an unwritten column
+// shows up as a mismatch; NaN fails. "_view" cases read the embedding through a slice of a wider table
+// (a plan reads it in place: row stride > width, odd offset).
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <tuple>
 #include <utility>
@@ -138,7 +141,9 @@ TEST_P(CudaGemvTest, MatchesTheReference) {
   const Checkpoint checkpoint = random_checkpoint(graph, 11, c.dtype, "gemv-case");
   const BoundWeights bound(graph, checkpoint);
   auto weights = cuda::upload_weights(graph, bound);
+  const std::array<int64_t, 5> batches = {1, 3, 8, 13, 19};  // 19: one prefill sequence
   for (int workers : {3, 7, 132}) {
+    std::vector<std::vector<float>> megakernel_out;  // per step below: eager must give the same bits
     for (bool eager : {false, true}) {
       std::vector<Plan> plans;
       for (int64_t batch : {1, 3, 8, 13}) plans.push_back(lower_to_plan(graph, {PlanPhase::kDecode, batch, workers, 0, 0}));
@@ -151,7 +156,8 @@ TEST_P(CudaGemvTest, MatchesTheReference) {
       options.poison_arena = true;  // an unwritten column reads back as NaN
       cuda::CudaBackend gpu(graph, weights, std::move(plans), options);
       ReferenceBackend cpu(graph, bound, c.dtype, 13);
-      for (int64_t batch : {1, 3, 8, 13, 19}) {
+      for (size_t b = 0; b < batches.size(); ++b) {
+        const int64_t batch = batches[b];
         StepInputs in;
         in.all_logits = true;
         if (batch == 19) {  // one prefill sequence
@@ -177,6 +183,13 @@ TEST_P(CudaGemvTest, MatchesTheReference) {
               << c.name << " workers " << workers << (eager ? " eager" : " megakernel") << " batch " << batch << " element " << i << " (row "
               << static_cast<int64_t>(i) / want.vocab << ")";
         }
+        // Same bodies on the same slices: the megakernel's and eager's bits agree.
+        if (!eager) {
+          megakernel_out.push_back(have.logits);
+        } else {
+          const std::vector<float>& mega = megakernel_out.at(b);
+          ASSERT_EQ(0, std::memcmp(mega.data(), have.logits.data(), mega.size() * sizeof(float))) << c.name << " workers " << workers << " batch " << batch;
+        }
         for (const SequenceStep& s : in.sequences) {
           cpu.reset_slot(s.slot);
           gpu.reset_slot(s.slot);
@@ -196,6 +209,11 @@ std::vector<GemvCase> cases() {
                        out, dtype});
       }
     }
+  }
+  // Wide rows (2 KB) and tasks of ~200 KB at 3 workers: several rounds of kRowBatch loads a row, and
+  // many rows a warp.
+  for (Op op : {Op::kLinear, Op::kNormLinear, Op::kMultiLinear, Op::kNormMultiLinear, Op::kLinearAdd, Op::kGateUpAct, Op::kActLinear, Op::kGatedNormLinear}) {
+    all.push_back({std::string(op_name(op)) + "_1024x300_bf16", op, 1024, 300, DType::BF16});
   }
   // Router logits (out = experts): odd expert counts and widths (unaligned rows take the scalar path),
   // the 48B shape (256 × 2304) and more experts than a block has warps.
