@@ -4,6 +4,7 @@
 #include "runtime/cuda/kernels.h"
 
 #include <mutex>
+#include <new>
 #include <set>
 
 #include "graph/op_table.h"
@@ -83,6 +84,7 @@ __device__ __forceinline__ void add_release(unsigned* p, uint32_t v) {
 struct TaskSlot {
   Instr ins;
   alignas(16) unsigned char desc[kDescBytes];
+  alignas(16) unsigned char ctx[sizeof(TaskCtx)];  // the task's TaskCtx (thread 0 builds it; see task_ctx)
 };
 constexpr int kSlotBytes = kSharedBytes + 2 * static_cast<int>(sizeof(TaskSlot));
 constexpr int kLaunchSharedBytes = kSlotBytes + 2 * static_cast<int>(sizeof(uint64_t));
@@ -92,6 +94,14 @@ static_assert(kDescHeadBytes <= kDescBytes, "an OpDesc fits its record");
 static_assert(kInlineSignals == 2, "the releasing thread keeps two inline counters");
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+// The TaskCtx the bodies read, one per block in shared memory: built by thread 0 in `mem` before the
+// barrier that starts the task. Each thread building its own copy put it on the thread's stack (the
+// bodies take it by reference): nine 8-byte local stores a thread at every task, and every field read
+// through local memory (ncu: the kernel-entry stores among the top stalls of a small op, and local
+// memory 62% of kda_delta_rule's L1 requests).
+__device__ __forceinline__ const TaskCtx& build_task_ctx(unsigned char* mem, const TaskCtx& ctx) { return *new (mem) TaskCtx(ctx); }
+__device__ __forceinline__ const TaskCtx& task_ctx(const unsigned char* mem) { return *reinterpret_cast<const TaskCtx*>(mem); }
 
 // Task `ins` (global) and its op's record `desc` of `bytes` into `slot`; `bar` completes when both landed.
 __device__ __forceinline__ void load_task(TaskSlot* slot, uint64_t* bar, const Instr* ins, const unsigned char* desc, uint32_t bytes) {
@@ -155,6 +165,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
       const Instr& ins = slot->ins;
       // The other slot's task finished before the barrier that ended it: load the next one there.
       if (i + 1 < end) load_task(slots + ((k + 1) & 1), bars + ((k + 1) & 1), p.instrs + i + 1, p.descs + ins.next_desc, ins.next_desc_bytes);
+      build_task_ctx(slot->ctx, TaskCtx{reinterpret_cast<const OpDesc*>(slot->desc), p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task});
       const uint32_t target = ins.wait_threshold * p.epoch;
       if (target != 0) {
         while (load_acquire(p.counters + ins.wait_counter) < target) {
@@ -168,8 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
     __syncthreads();
     const long long r0 = clock64();
     const Instr& ins = slot->ins;
-    const TaskCtx ctx{reinterpret_cast<const OpDesc*>(slot->desc), p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task};
-    run_task(ctx, ins.opcode);
+    run_task(task_ctx(slot->ctx), ins.opcode);
     // The releasing thread reads its counters before the barrier: after it, thread 0 loads the task
     // after next into this slot.
     const int32_t signals = ins.num_signals, first_signal = ins.signal_begin, inline0 = ins.signal[0], inline1 = ins.signal[1];
@@ -206,10 +216,14 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
 
 __global__ void __launch_bounds__(kThreads, 1) eager_kernel(const __grid_constant__ KernelParams p, int32_t first) {
   extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ alignas(16) unsigned char ctx_mem[sizeof(TaskCtx)];  // as the megakernel's (build_task_ctx)
   const Instr& ins = p.instrs[first + blockIdx.x];
-  float* scratch = p.scratch + static_cast<int64_t>(blockIdx.x) * kScratchFloats;
-  const TaskCtx ctx{p.ops + ins.op, p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task};
-  run_task(ctx, ins.opcode);
+  if (threadIdx.x == 0) {
+    float* scratch = p.scratch + static_cast<int64_t>(blockIdx.x) * kScratchFloats;
+    build_task_ctx(ctx_mem, TaskCtx{p.ops + ins.op, p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task});
+  }
+  __syncthreads();
+  run_task(task_ctx(ctx_mem), ins.opcode);
 }
 
 // cand set: write (value, vocab_offset + id) pairs instead of ids / token_out (tensor parallelism).
