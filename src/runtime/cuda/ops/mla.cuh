@@ -161,7 +161,9 @@ __device__ inline void mla_append_latents(const TaskCtx& ctx, const MlaShape& sh
 
 // A item: q_abs[row][h] = [q_nope·W_UK,h | q_rope] for the block's rows, columns of its part: rank
 // columns [c0, c1) and rope columns rank + [t0, t1) (one read of the part's columns of W_UK,h).
-__device__ __noinline__ void mla_absorb_item(const TaskCtx& ctx, const MlaShape& sh, int parts, int item, float* qabs, float* red) {
+// (The non-inlined items take the shape, schedule and workspace by value: a reference is a pointer
+// into the caller's stack, every field a local-memory load.)
+__device__ __noinline__ void mla_absorb_item(const TaskCtx& ctx, const MlaShape sh, int parts, int item, float* qabs, float* red) {
   const DeviceWeight& kv_b = ctx.weight(1);  // [heads·(nope+v), rank]
   const MlaAcItem it = mla_ac_item(ctx, sh, parts, item);
   const int h = it.h, r0 = it.r0, n = it.n;
@@ -258,7 +260,7 @@ __device__ inline MlaBItem mla_b_item(const StepView& step, const MlaShape& sh, 
 
 // B item ib: positions [k·split_rows, …) of one sequence against query group gq (queries q0 + j, token
 // q / heads, head q % heads). Writes (max, sum) and u = Σ exp(s − max)·c of each query.
-__device__ __noinline__ void mla_split_item(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched, int ib, const MlaWorkspace& ws, float* smem) {
+__device__ __noinline__ void mla_split_item(const TaskCtx& ctx, const MlaShape sh, const MlaSchedule sched, int ib, const MlaWorkspace ws, float* smem) {
   const StepView& step = *ctx.step;
   const MlaBItem it = mla_b_item(step, sh, sched, ib);
   const int s = it.seq, context = it.context, first = it.first, q0 = it.q0, nq = it.nq, begin = it.begin, stop = it.stop;
@@ -332,7 +334,7 @@ __device__ __forceinline__ bool mla_uv_vector(const DeviceWeight& kv_b, const Ml
 }
 
 // Value rows [i_begin, i_end) of head h for the block's rows r0 + [0, n).
-__device__ __noinline__ void mla_uv_rows(const TaskCtx& ctx, const MlaShape& sh, int h, int r0, int n, int i_begin, int i_end, const float* usum) {
+__device__ __noinline__ void mla_uv_rows(const TaskCtx& ctx, const MlaShape sh, int h, int r0, int n, int i_begin, int i_end, const float* usum) {
   const DeviceWeight& kv_b = ctx.weight(1);
   const int lane = lane_id(), chunks = sh.rank / 8 / 32;  // 16-byte chunks per lane and row (≤ 2)
   constexpr int kRowsAtOnce = 2, kMaxChunks = kMlaMaxRank / 8 / 32;
@@ -379,7 +381,7 @@ __device__ __noinline__ void mla_uv_rows(const TaskCtx& ctx, const MlaShape& sh,
 // C item: for each row of the block, head h: u = Σ_k e^(m_k − M)·u_k / Σ_k e^(m_k − M)·l_k over the
 // query's splits (all of u: every part needs it), then out[row][h·dv + i] = act(W_UV,h[i]·u) for the
 // part's value rows [i_begin, i_end) (one read of those rows of W_UV,h for the block).
-__device__ __noinline__ void mla_combine_item(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched, int item, const MlaWorkspace& ws, float* smem) {
+__device__ __noinline__ void mla_combine_item(const TaskCtx& ctx, const MlaShape sh, const MlaSchedule sched, int item, const MlaWorkspace ws, float* smem) {
   const StepView& step = *ctx.step;
   const MlaAcItem it = mla_ac_item(ctx, sh, sched.ac_parts, item);
   const int h = it.h, r0 = it.r0, n = it.n;

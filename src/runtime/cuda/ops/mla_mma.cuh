@@ -66,7 +66,7 @@ static_assert(kMlaMmaRows * (kMlaMaxLatent / 4) % kThreads == 0, "the tile load:
 static_assert(kMlaGroup == 16 && kWarps == 16, "one m16 tile of queries; four score n-tiles × four k quarters over 16 warps");
 
 // B item ib on tensor cores: as mla_split_item (mla.cuh), same records.
-__device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaShape& sh, const MlaSchedule& sched, int ib, const MlaWorkspace& ws,
+__device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaShape sh, const MlaSchedule sched, int ib, const MlaWorkspace ws,
                                                 float* smem) {
   const StepView& step = *ctx.step;
   const MlaBItem it = mla_b_item(step, sh, sched, ib);

@@ -39,9 +39,10 @@ __device__ __forceinline__ void warp_argmax(float& value, int& index) {
 // on 64 SMs, one warp a row at an IPC of 0.25 (ncu), as if fetching instructions.
 // The lane's logits and biases are loaded by one unrolled loop, all in flight together (a loop bounded
 // by E issued them one DRAM round trip at a time: one decode row at E = 256 took 15.9 µs, long
-// scoreboard); the scores are still computed in a plain loop, from shared memory.
+// scoreboard); the scores are still computed in a plain loop, from shared memory. `a` by value: a
+// reference to a non-inlined function is a pointer into the caller's stack, its fields local loads.
 template <int kPerLane>
-__device__ __noinline__ void router_select_row(const TaskCtx& ctx, const RouterArgs& a, const float* logits, float* buf, float* out) {
+__device__ __noinline__ void router_select_row(const TaskCtx& ctx, const RouterArgs a, const float* logits, float* buf, float* out) {
   const DeviceWeight& bias = ctx.weight(0);
   const int lane = lane_id(), experts = a.experts;
   float logit[kPerLane], choice[kPerLane];  // candidate e = lane + 32m; choice holds its bias until the choice value
