@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "compiler/schedule.h"
 #include "core/error.h"
 
 namespace plow {
@@ -59,6 +60,7 @@ CompiledGraph compile_graph(const Graph& graph, const CompileOptions& options, c
   };
   const std::vector<Pass> pipeline = {
       {"egraph-fusion", options.fusion, [&](const Graph& g) { return fuse(g, rules, options, report); }},
+      {"serial-wait-fill", options.schedule, [](const Graph& g) { return schedule_serial_waits(g); }},
   };
   for (const Pass& pass : pipeline) {
     if (!pass.enabled) continue;

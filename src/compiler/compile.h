@@ -1,5 +1,6 @@
 // The compiler pipeline (one place gives the order of the passes): each pass is named, timed,
-// switchable, and followed by a graph verification. Today: e-graph fusion with certified rules.
+// switchable, and followed by a graph verification. Today: e-graph fusion with certified rules, then
+// the node order plans run in (schedule.h).
 #pragma once
 
 #include <map>
@@ -16,6 +17,7 @@ namespace plow {
 
 struct CompileOptions {
   bool fusion = true;
+  bool schedule = true;  // schedule_serial_waits (schedule.h)
   std::set<std::string> disabled_rules;
   RunnerLimits limits;
   CostModel cost;

@@ -79,6 +79,14 @@ int64_t kda_gate_rule(const Node& node, Widths in, Weights w) {
   return width;
 }
 
+int64_t linear_kda_gate_rule(const Node& node, Widths in, Weights w) {
+  const int64_t heads = node.attrs.i("heads");
+  const int64_t width = heads * node.attrs.i("head_dim");
+  PLOW_CHECK(w[0]->shape.size() == 2 && w[0]->shape[0] == width && w[0]->shape[1] == in[0] && numel(w[1]) == heads && numel(w[2]) == width,
+             "{}: linear + KDA gate shapes", node.label);
+  return width;
+}
+
 int64_t same_width_rule(const Node& node, Widths in, Weights) {
   for (int64_t width : in) PLOW_CHECK(width == in[0], "{}: input widths differ", node.label);
   return in[0];
@@ -253,6 +261,7 @@ constexpr std::array<OpInfo, static_cast<size_t>(Op::kCount)> kOps = {{
     {Op::kAddNorm, "add_norm", 2, 1, OutDType::kAct, false, add_norm_rule, Slicing::kColumns, ""},
     {Op::kAttnResNorm, "attn_res_norm", -1, 3, OutDType::kAct, false, attn_res_norm_rule, Slicing::kColumns, ""},
     {Op::kAllReduce, "all_reduce", 1, 0, OutDType::kAct, false, same_width_rule, Slicing::kWhole, ""},
+    {Op::kLinearKdaGate, "linear_kda_gate", 1, 3, OutDType::kF32, false, linear_kda_gate_rule, Slicing::kColumns, ""},
 }};
 
 constexpr bool table_in_enum_order() {

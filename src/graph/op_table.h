@@ -52,6 +52,9 @@ enum class Op : uint8_t {
   kAllReduce,        // [T,F] the sum over the group's ranks of x (fp32, rank order), rounded once. Its input is a
                      //       partial sum: a linear, moe_down or add with attr partial = 1, whose output stays fp32
                      //       (moe_down then also leaves each expert's dot unrounded)
+  // Fused, after kAllReduce so that the op codes above keep their values.
+  kLinearKdaGate,    // [T,P] fp32 kda_gate(linear(f; W)): the KDA gate in the f_b projection's epilogue
+                     //       weights: W [P, in], A_log (n_k), dt_bias (P)
   kCount,
 };
 

@@ -66,6 +66,7 @@ void check_options(const LowerOptions& options) {
   if (options.workers < 1 || options.workers > PlanLimits::kMaxWorkers) {
     fail("lower_to_plan: workers {} outside 1..{}", options.workers, PlanLimits::kMaxWorkers);
   }
+  if (options.light_task_elements < 1) fail("lower_to_plan: light_task_elements {} is below 1", options.light_task_elements);
   if (options.max_context < 0 || (options.max_context > 0 && options.max_context < options.max_tokens)) {
     fail("lower_to_plan: max_context {} is below the bucket's {} tokens", options.max_context, options.max_tokens);
   }
@@ -128,17 +129,39 @@ std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<st
   return war;
 }
 
-// Tasks of one op: min(workers, units) slices of near-equal whole units (unit = slice granularity). An
-// op that spreads (spread_tasks: MLA one per worker, moe_topk one per 16 rows, gated_rms_norm one per
-// 8) gets that many tasks when it has more than its slices: the tasks past its units own the empty
-// slice [width, width), for backends that split its work otherwise (cuda MLA's split-KV, the norm's
-// and moe_topk's rows).
-void add_tasks(Plan& plan, const Graph& graph, int32_t op_index, std::vector<std::vector<int32_t>>& tasks_of) {
+bool is_light(Op op) {
+  switch (op) {
+    case Op::kShortConvSilu:
+    case Op::kKdaGate:
+    case Op::kSigmoid:
+    case Op::kSiluMul:
+    case Op::kAdd:
+    case Op::kSituMul:
+    case Op::kSigmoidMul:
+    case Op::kRmsNorm:
+    case Op::kAddNorm:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Tasks of one op: min(workers, units) slices of near-equal whole units (unit = slice granularity);
+// a light op (is_light) at most one a light_task_elements output elements of the bucket. A task costs
+// its worker a fixed few µs whatever its size up to a load per thread (H200, 256 threads: add 2.8 µs,
+// short_conv_silu and kda_gate 5.2, add_norm 5.9 a task at 1 to 31 columns of one row), so 132 tasks
+// of a 4,096-wide decode conv cost 132 workers 5 µs each where 16 tasks cost 16 of them; the rotating
+// first worker (below) puts the next op's tasks on the others. An op that spreads (spread_tasks: MLA
+// one per worker, moe_topk one per 16 rows, gated_rms_norm one per 8) gets that many tasks when it has
+// more than its slices: the tasks past its units own the empty slice [width, width), for backends
+// that split its work otherwise (cuda MLA's split-KV, the norm's and moe_topk's rows).
+void add_tasks(Plan& plan, const Graph& graph, int32_t op_index, int64_t light_task_elements, std::vector<std::vector<int32_t>>& tasks_of) {
   const Node& node = graph.node(op_index);
   const int64_t unit = slice_granularity(node);
   PLOW_CHECK(unit > 0 && node.width % unit == 0, "{}: width {} is not a multiple of its slice unit {}", node.label, node.width, unit);
   const int64_t units = node.width / unit;
-  const int64_t slices = std::min<int64_t>(plan.workers, units);
+  int64_t slices = std::min<int64_t>(plan.workers, units);
+  if (is_light(node.op)) slices = std::clamp<int64_t>((plan.max_tokens * node.width + light_task_elements - 1) / light_task_elements, 1, slices);
   const int64_t tasks = std::max<int64_t>(spread_tasks(node.op, plan.workers, plan.max_tokens), slices);
   for (int64_t s = 0; s < tasks; ++s) {
     PlanTask task;
@@ -191,7 +214,7 @@ Plan lower_to_plan(const Graph& graph, const LowerOptions& options) {
   // has tasks.
   std::vector<std::vector<int32_t>> tasks_of(n);
   for (size_t i = 0; i < n; ++i) {
-    if (plan.ops[i].op() != Op::kTokens && !plan.ops[i].is_view()) add_tasks(plan, graph, static_cast<int32_t>(i), tasks_of);
+    if (plan.ops[i].op() != Op::kTokens && !plan.ops[i].is_view()) add_tasks(plan, graph, static_cast<int32_t>(i), options.light_task_elements, tasks_of);
   }
 
   // Every task of op Y waits for all tasks of the owners of Y's inputs (read after write) and of the

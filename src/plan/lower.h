@@ -15,6 +15,12 @@ struct LowerOptions {
   int32_t workers = 1;
   int64_t max_context = 0;        // informational for now (backends reserve caches from their own option)
   uint64_t model_fingerprint = 0; // model_fingerprint(config text, the model's graph before fusion)
+  // A light op (a few loads and flops an output element, no weight matrix to stream: short conv, KDA
+  // gate, sigmoid, elementwise products and sums, RMSNorm and add_norm) gets at most one task per this
+  // many output elements of the bucket (max_tokens × width), never fewer than one; 1: one slice per
+  // worker like every other op. See lower.cpp add_tasks.
+  static constexpr int64_t kLightTaskElements = 256;
+  int64_t light_task_elements = kLightTaskElements;
 };
 
 // The graph must pass Graph::verify(). Throws plow::Error for options out of range.

@@ -3,10 +3,12 @@
 // fixture, and the fused op counts of deep models.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "certify.h"
 #include "compiler/compile.h"
@@ -161,6 +163,8 @@ TEST(FusedModels, DeepModelsHaveTheExpectedFusedOps) {
     EXPECT_LT(compiled.report.cost_after, compiled.report.cost_before);
     EXPECT_LT(compiled.report.ops_after - static_cast<size_t>(count("slice")), compiled.report.ops_before) << "fewer tasks";
     EXPECT_EQ(compiled.report.saturation.stop_reason, "saturated");
+    EXPECT_EQ(count("linear_kda_gate"), c.num_layers_of(MixerKind::kKda));  // every KDA gate in its f_b projection
+    EXPECT_EQ(count("kda_gate"), 0);
     if (c.attn_res_block_size) {
       EXPECT_EQ(count("attn_res_norm"), 2 * c.num_layers + 1);  // every AttnRes mix feeds its norm directly
       EXPECT_EQ(count("attn_res_mix"), 0);
@@ -169,6 +173,47 @@ TEST(FusedModels, DeepModelsHaveTheExpectedFusedOps) {
       EXPECT_EQ(count("gate_up_act"), c.num_layers);                           // dense FFN or shared experts, per layer
       EXPECT_EQ(count("silu_mul"), 0);
     }
+  }
+}
+
+// The node order plans run in (compiler/schedule.h): on both deep graphs the shared expert's gate/up
+// sits between every moe_topk and its first reader, and the scheduled graph holds the same nodes as
+// the one in fusion order (EqualUnfusedOnEveryFixture compares its logits bit for bit).
+TEST(Schedule, SharedExpertFillsTheTopKWait) {
+  for (const char* name : {"kimi-linear-48b-a3b.json", "k3-tp8-rank.json"}) {
+    const auto model = LoadedModel::describe((fs::path(PLOW_SOURCE_DIR) / "bench/configs" / name).string());
+    CompileOptions in_fusion_order;
+    in_fusion_order.schedule = false;
+    const Graph scheduled = compile_graph(model->graph, {}).graph, plain = compile_graph(model->graph, in_fusion_order).graph;
+    auto labels = [](const Graph& g) {
+      std::multiset<std::string> all;
+      for (const Node& node : g.nodes()) all.insert(std::string(op_name(node.op)) + " " + node.label);
+      return all;
+    };
+    EXPECT_EQ(labels(scheduled), labels(plain)) << name;
+    EXPECT_EQ(scheduled.node(scheduled.output()).label, plain.node(plain.output()).label) << name;
+    const auto n = static_cast<int>(scheduled.nodes().size());
+    int topks = 0, filled = 0, moved_in_plain = 0;
+    for (const Graph* g : {&scheduled, &plain}) {
+      for (int t = 0; t < n; ++t) {
+        if (g->node(t).op != Op::kMoeTopK) continue;
+        int reader = t + 1;
+        while (reader < n && std::count(g->node(reader).inputs.begin(), g->node(reader).inputs.end(), t) == 0) ++reader;
+        ASSERT_LT(reader, n) << name << ": " << g->node(t).label << " has no reader";
+        bool shared_between = false;
+        for (int z = t + 1; z < reader; ++z) shared_between = shared_between || g->node(z).label.find(".shared") != std::string::npos;
+        if (g == &scheduled) {
+          ++topks;
+          filled += shared_between;
+        } else {
+          moved_in_plain += shared_between;
+        }
+      }
+    }
+    std::printf("%s: %d moe_topk, the shared expert before the routed experts after %d of them (%d in fusion order)\n", name, topks, filled, moved_in_plain);
+    EXPECT_GT(topks, 0) << name;
+    EXPECT_EQ(filled, topks) << name;
+    EXPECT_EQ(moved_in_plain, 0) << name << ": fusion order already did it (the test would show nothing)";
   }
 }
 

@@ -94,6 +94,13 @@ Graph build(const GemvCase& c) {
                 {{"heads", 2.0}, {"head_dim", static_cast<double>(d)}, {"eps", 1e-5}}, "y");
       break;
     }
+    case Op::kLinearKdaGate: {  // heads of out / 3 or out columns; an odd head dim takes K3's bounded gate
+      const int64_t heads = c.out % 3 == 0 ? 3 : 1, d = c.out / heads;
+      Attrs attrs{{"heads", static_cast<double>(heads)}, {"head_dim", static_cast<double>(d)}};
+      if (d % 2 != 0) attrs.set("lower_bound", -5.0);
+      y = g.add(Op::kLinearKdaGate, {x}, {weight("w", {c.out, c.hidden}), weight("kda.A_log", {heads}), weight("kda.dt_bias", {c.out})}, attrs, "y");
+      break;
+    }
     case Op::kRouterLogits:  // out = experts; the router's name draws the router's scale (random_weights.cpp)
       y = g.add(Op::kRouterLogits, {x}, {weight("mlp.block_sparse_moe.gate.weight", {c.out, c.hidden})}, {}, "y");
       break;
@@ -201,7 +208,8 @@ TEST_P(CudaGemvTest, MatchesTheReference) {
 
 std::vector<GemvCase> cases() {
   std::vector<GemvCase> all;
-  for (Op op : {Op::kLinear, Op::kNormLinear, Op::kMultiLinear, Op::kNormMultiLinear, Op::kLinearAdd, Op::kGateUpAct, Op::kActLinear, Op::kGatedNormLinear}) {
+  for (Op op : {Op::kLinear, Op::kNormLinear, Op::kMultiLinear, Op::kNormMultiLinear, Op::kLinearAdd, Op::kGateUpAct, Op::kActLinear, Op::kGatedNormLinear,
+                Op::kLinearKdaGate}) {
     for (auto [hidden, out] : {std::pair<int64_t, int64_t>{64, 37}, {96, 257}, {130, 1}, {256, 96}}) {
       for (DType dtype : {DType::F32, DType::BF16}) {
         if (op == Op::kGatedNormLinear && hidden % 2 != 0) continue;
@@ -212,7 +220,8 @@ std::vector<GemvCase> cases() {
   }
   // Wide rows (2 KB) and tasks of ~200 KB at 3 workers: several rounds of kRowBatch loads a row, and
   // many rows a warp.
-  for (Op op : {Op::kLinear, Op::kNormLinear, Op::kMultiLinear, Op::kNormMultiLinear, Op::kLinearAdd, Op::kGateUpAct, Op::kActLinear, Op::kGatedNormLinear}) {
+  for (Op op : {Op::kLinear, Op::kNormLinear, Op::kMultiLinear, Op::kNormMultiLinear, Op::kLinearAdd, Op::kGateUpAct, Op::kActLinear, Op::kGatedNormLinear,
+                Op::kLinearKdaGate}) {
     all.push_back({std::string(op_name(op)) + "_1024x300_bf16", op, 1024, 300, DType::BF16});
   }
   // Router logits (out = experts): odd expert counts and widths (unaligned rows take the scalar path),
@@ -236,7 +245,7 @@ std::vector<GemvCase> cases() {
   // Inputs through views (x read in place at stride hidden + 13), every op of the family once per dtype;
   // moe_down_add also reads x as its residual.
   for (Op op : {Op::kLinear, Op::kNormLinear, Op::kMultiLinear, Op::kNormMultiLinear, Op::kLinearAdd, Op::kGateUpAct, Op::kActLinear, Op::kGatedNormLinear,
-                Op::kRouterLogits, Op::kMoeDownAdd}) {
+                Op::kLinearKdaGate, Op::kRouterLogits, Op::kMoeDownAdd}) {
     for (DType dtype : {DType::F32, DType::BF16}) {
       const int64_t out = op == Op::kMoeDownAdd ? 40 : 37;
       all.push_back({std::string(op_name(op)) + "_96x" + std::to_string(out) + "_view_" + std::string(dtype_name(dtype)), op, 96, out, dtype, false, true});

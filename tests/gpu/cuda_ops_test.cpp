@@ -454,6 +454,9 @@ std::unique_ptr<Prepared> prepare(const OpCase& c, DType act, int workers) {
     options.phase = phase;
     options.max_tokens = tokens;
     options.workers = workers;
+    // Cases on 7 workers keep one slice a worker for light ops too (their column slices over many
+    // tasks); those on 3 get the plans' default (lower.h light_task_elements: one task at these widths).
+    if (workers == 7) options.light_task_elements = 1;
     p->plans.push_back(lower_to_plan(p->g.graph, options));
   }
   return p;

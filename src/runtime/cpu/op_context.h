@@ -93,6 +93,7 @@ void cpu_multi_linear(OpContext&);
 void cpu_norm_multi_linear(OpContext&);
 void cpu_slice(OpContext&);
 void cpu_linear_add(OpContext&);
+void cpu_linear_kda_gate(OpContext&);
 void cpu_gate_up_act(OpContext&);
 void cpu_act_linear(OpContext&);
 void cpu_moe_down_add(OpContext&);

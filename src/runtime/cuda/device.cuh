@@ -54,6 +54,13 @@ __device__ __forceinline__ float round_out(const TaskCtx& ctx, float v) { return
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
+// The KDA gate of z = f + dt_bias in head h (kda_gate, linear_kda_gate): −exp(A_log[h])·softplus(z)
+// (softplus returns z above 20), or with a lower bound lb (K3, bounded) lb·σ(exp(A_log[h])·z).
+__device__ __forceinline__ float kda_gate_value(float z, float a_log, bool bounded, float lower_bound) {
+  const float rate = expf(a_log);
+  const float softplus = z > 20.0f ? z : logf(1.0f + expf(z));
+  return bounded ? lower_bound * sigmoidf_(rate * z) : -rate * softplus;
+}
 __device__ __forceinline__ float situf_(float a, float b, float beta, float linear_beta) {
   const float up = linear_beta > 0 ? linear_beta * tanhf(b / linear_beta) : b;
   return beta * tanhf(a / beta) * sigmoidf_(a) * up;

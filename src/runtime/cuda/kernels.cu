@@ -30,6 +30,7 @@ __device__ void run_task(const TaskCtx& ctx, int32_t opcode) {
     case Op::kMultiLinear: op_multi_linear(ctx); return;
     case Op::kNormMultiLinear: op_norm_multi_linear(ctx); return;
     case Op::kLinearAdd: op_linear_add(ctx); return;
+    case Op::kLinearKdaGate: op_linear_kda_gate(ctx); return;
     case Op::kGateUpAct: op_gate_up_act(ctx); return;
     case Op::kActLinear: op_act_linear(ctx); return;
     case Op::kGatedNormLinear: op_gated_norm_linear(ctx); return;
@@ -51,6 +52,7 @@ constexpr bool host_has_op(Op op) {
     case Op::kMultiLinear:
     case Op::kNormMultiLinear:
     case Op::kLinearAdd:
+    case Op::kLinearKdaGate:
     case Op::kGateUpAct:
     case Op::kActLinear:
     case Op::kGatedNormLinear:

@@ -91,6 +91,13 @@ void cpu_linear_add(OpContext& ctx) {
   copy_columns(ctx, sum, ctx.node.width, 0, ctx.begin(), ctx.end());
 }
 
+void cpu_linear_kda_gate(OpContext& ctx) {
+  const int64_t width = ctx.node.width;
+  const auto f = run_sub(ctx, Op::kLinear, {}, width, {ctx.inputs[0]}, {ctx.weights[0]}, ctx.begin(), ctx.end());
+  const auto gate = run_sub(ctx, Op::kKdaGate, ctx.node.attrs, width, {{f.data(), width}}, {ctx.weights[1], ctx.weights[2]}, ctx.begin(), ctx.end());
+  copy_columns(ctx, gate, width, 0, ctx.begin(), ctx.end());
+}
+
 void cpu_gate_up_act(OpContext& ctx) {
   const int64_t width = ctx.node.width;
   const auto gate = run_sub(ctx, Op::kLinear, {}, width, {ctx.inputs[0]}, {ctx.weights[0]}, ctx.begin(), ctx.end());

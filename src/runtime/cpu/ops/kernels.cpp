@@ -31,6 +31,7 @@ CpuOpFn cpu_kernel(Op op) {
     case Op::kNormMultiLinear: return cpu_norm_multi_linear;
     case Op::kSlice: return cpu_slice;
     case Op::kLinearAdd: return cpu_linear_add;
+    case Op::kLinearKdaGate: return cpu_linear_kda_gate;
     case Op::kGateUpAct: return cpu_gate_up_act;
     case Op::kActLinear: return cpu_act_linear;
     case Op::kMoeDownAdd: return cpu_moe_down_add;

@@ -238,6 +238,17 @@ __device__ __noinline__ void op_linear_add(const TaskCtx& ctx) {
                       });
 }
 
+// kLinearKdaGate: kda_gate(round(f·Wᵀ)), fp32 out; weights W, A_log, dt_bias; attrs as kKdaGate
+// ([0] head_dim, [1] bounded, [2] lower_bound).
+__device__ __noinline__ void op_linear_kda_gate(const TaskCtx& ctx) {
+  gemv_task<1, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; },
+                      [&ctx](int t, int64_t c, const float* dots) {
+                        const float z = round_act(ctx.op->act, dots[0]) + weight_flat(ctx.weight(2), c);
+                        const float a_log = weight_flat(ctx.weight(1), static_cast<int>(c) / static_cast<int>(ctx.attr(0)));
+                        ctx.out(t)[c] = round_out(ctx, kda_gate_value(z, a_log, ctx.attr(1) != 0.0f, ctx.attr(2)));
+                      });
+}
+
 // The activations of the fused FFN ops: attr0 = act (0 SiLU·mul, 1 SiTU, 2 a·σ(b)), attr1 = β,
 // attr2 = β_lin; inputs already rounded; the result rounded once more as the unfused op's output.
 __device__ __forceinline__ float fused_act(const TaskCtx& ctx, float a, float b) {

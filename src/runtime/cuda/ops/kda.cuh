@@ -145,9 +145,9 @@ __device__ __noinline__ void op_short_conv_silu(const TaskCtx& ctx) {
   }
 }
 
-// kKdaGate, fp32 output: g = −exp(A_log[h])·softplus(f + dt_bias) (softplus returns z above 20), or
-// with a lower bound lb (K3, §7.5) g = lb·σ(exp(A_log[h])·(f + dt_bias)). attrs: [0] head_dim,
-// [1] bounded (0/1), [2] lower_bound. Weights A_log [heads], dt_bias [P] (fp32 in checkpoints).
+// kKdaGate, fp32 output: g = kda_gate_value(f + dt_bias, A_log[h]) (device.cuh; K3: bounded, §7.5).
+// attrs: [0] head_dim, [1] bounded (0/1), [2] lower_bound. Weights A_log [heads], dt_bias [P] (fp32
+// in checkpoints).
 // Over the task's element_share, with z and A_log[h] loaded in the batched loop's load phase.
 __device__ __noinline__ void op_kda_gate(const TaskCtx& ctx) {
   const DeviceWeight a_log = ctx.weight(0), dt_bias = ctx.weight(1);
@@ -159,11 +159,7 @@ __device__ __noinline__ void op_kda_gate(const TaskCtx& ctx) {
   const Rows<float> out = ctx.out_rows();
   for_each_share_element(
       ctx, [&](int t, int64_t c) { return Operands{f[t][c] + weight_flat(dt_bias, c), weight_flat(a_log, static_cast<int>(c) / d)}; },
-      [&](int t, int64_t c, Operands v) {
-        const float rate = expf(v.b), z = v.a;
-        const float softplus = z > 20.0f ? z : logf(1.0f + expf(z));
-        out[t][c] = round_act(act, bounded ? lower_bound * sigmoidf_(rate * z) : -rate * softplus);
-      });
+      [&](int t, int64_t c, Operands v) { out[t][c] = round_act(act, kda_gate_value(v.a, v.b, bounded, lower_bound)); });
 }
 
 // The delta rule for one head over the tokens of one sequence, state on chip, one pass per group of at

@@ -1,0 +1,82 @@
+#include "compiler/schedule.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "core/error.h"
+
+namespace plow {
+
+namespace {
+
+bool is_serial(Op op) { return op == Op::kMoeTopK; }
+
+// Whether a node may move past others: not a collective (ranks keep them in one order, and one makes
+// every worker wait), not stateful, not a view (a slice has no tasks: moving it gains nothing).
+bool movable(const Node& node) { return node.op != Op::kAllReduce && node.op != Op::kSlice && node.state < 0; }
+
+// The graph's weights, states and nodes, the nodes in `order` (a topological order of all of them).
+Graph reordered(const Graph& graph, const std::vector<int>& order) {
+  Graph out;
+  for (const WeightDecl& w : graph.weights()) out.add_weight(w);
+  for (const StateDecl& s : graph.states()) out.add_state(s);
+  std::vector<int> id(graph.nodes().size(), -1);
+  for (int old : order) {
+    const Node& node = graph.node(old);
+    std::vector<int> inputs;
+    for (int input : node.inputs) {
+      PLOW_CHECK(id[static_cast<size_t>(input)] >= 0, "schedule: node {} ({}) placed before its input {}", old, node.label, input);
+      inputs.push_back(id[static_cast<size_t>(input)]);
+    }
+    id[static_cast<size_t>(old)] = out.add(node.op, std::move(inputs), node.weights, node.attrs, node.label, node.state);
+  }
+  out.set_output(id[static_cast<size_t>(graph.output())]);
+  return out;
+}
+
+}  // namespace
+
+Graph schedule_serial_waits(const Graph& graph) {
+  const auto n = static_cast<int>(graph.nodes().size());
+  std::vector<int> order(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) order[static_cast<size_t>(i)] = i;
+  std::vector<int> position = order;  // node → its index in order
+  std::vector<std::vector<int>> readers(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    for (int input : graph.node(i).inputs) readers[static_cast<size_t>(input)].push_back(i);
+  }
+  for (int serial = 0; serial < n; ++serial) {
+    if (!is_serial(graph.node(serial).op)) continue;
+    const int p = position[static_cast<size_t>(serial)], first = std::max(0, p - kSerialFillWindow);
+    // In the window before the serial op: its ancestors stay; another node moves when it is movable
+    // and each of its readers placed before the serial op moves too (back to front: readers first).
+    std::vector<bool> ancestor(static_cast<size_t>(p - first + 1), false), moves(ancestor.size(), false);
+    ancestor[static_cast<size_t>(p - first)] = true;
+    for (int k = p; k >= first; --k) {
+      if (!ancestor[static_cast<size_t>(k - first)]) continue;
+      for (int input : graph.node(order[static_cast<size_t>(k)]).inputs) {
+        const int at = position[static_cast<size_t>(input)];
+        if (at >= first) ancestor[static_cast<size_t>(at - first)] = true;
+      }
+    }
+    for (int k = p - 1; k >= first; --k) {
+      const int node = order[static_cast<size_t>(k)];
+      if (ancestor[static_cast<size_t>(k - first)] || !movable(graph.node(node))) continue;
+      bool readers_move = true;
+      for (int reader : readers[static_cast<size_t>(node)]) {
+        const int at = position[static_cast<size_t>(reader)];
+        readers_move = readers_move && (at > p || moves[static_cast<size_t>(at - first)]);
+      }
+      moves[static_cast<size_t>(k - first)] = readers_move;
+    }
+    // order[first, p]: the staying nodes, the serial op last, then the moving ones in their order.
+    std::vector<int> stay, go;
+    for (int k = first; k <= p; ++k) (moves[static_cast<size_t>(k - first)] ? go : stay).push_back(order[static_cast<size_t>(k)]);
+    stay.insert(stay.end(), go.begin(), go.end());
+    std::copy(stay.begin(), stay.end(), order.begin() + first);
+    for (int k = first; k <= p; ++k) position[static_cast<size_t>(order[static_cast<size_t>(k)])] = k;
+  }
+  return reordered(graph, order);
+}
+
+}  // namespace plow
