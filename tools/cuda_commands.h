@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "engine/model.h"
+#include "plan/lower.h"
 #include "runtime/backend.h"
 
 namespace plow::tools {
@@ -78,6 +79,7 @@ struct BenchDecodeArgs {
   std::vector<int64_t> contexts{0};
   int steps = 30;
   int workers = 0;
+  int64_t light_task_elements = LowerOptions::kLightTaskElements;  // the decode plans' (plan/lower.h)
   bool profile = false;
   // Also time batches of ≥ gemm_min_rows on a prefill plan's GEMM path, as `serve` runs them (unset:
   // on for one GPU; a tensor-parallel run times it only when asked).

@@ -17,14 +17,17 @@ uint64_t fingerprint_of(const LoadedModel& model) {
   return model_fingerprint(text.str(), model.graph);
 }
 
-Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens, int workers, int64_t max_context, bool fuse) {
+Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens, int workers, int64_t max_context, bool fuse,
+                  int64_t light_task_elements) {
   CompileOptions options;
   options.fusion = fuse;
   // A prefill chunk's f_b projection stays a plain linear: the cuda backend runs those as cuBLAS GEMMs
   // (prefill_gemm.cpp), which take no epilogue, and the gate is then one pass over the chunk.
   if (phase == PlanPhase::kPrefill) options.disabled_rules.insert("kda-gate-into-linear");
   const CompiledGraph compiled = compile_graph(model.graph, options);
-  Plan plan = lower_to_plan(compiled.graph, {phase, max_tokens, workers, max_context, fingerprint_of(model)});
+  LowerOptions lower{phase, max_tokens, workers, max_context, fingerprint_of(model)};
+  lower.light_task_elements = light_task_elements;
+  Plan plan = lower_to_plan(compiled.graph, lower);
   plan.compile.ops_before_fusion = static_cast<int64_t>(compiled.report.ops_before);
   plan.compile.rules_fired = compiled.report.rules_fired();
   return plan;

@@ -150,7 +150,7 @@ bool is_light(Op op) {
 // a light op (is_light) at most one a light_task_elements output elements of the bucket. A task costs
 // its worker a fixed few µs whatever its size up to a load per thread (H200, 256 threads: add 2.8 µs,
 // short_conv_silu and kda_gate 5.2, add_norm 5.9 a task at 1 to 31 columns of one row), so 132 tasks
-// of a 4,096-wide decode conv cost 132 workers 5 µs each where 16 tasks cost 16 of them; the rotating
+// of a 4,096-wide decode conv cost 132 workers 5 µs each where 8 tasks cost 8 of them; the rotating
 // first worker (below) puts the next op's tasks on the others. An op that spreads (spread_tasks: MLA
 // one per worker, moe_topk one per 16 rows, gated_rms_norm one per 8) gets that many tasks when it has
 // more than its slices: the tasks past its units own the empty slice [width, width), for backends

@@ -18,8 +18,10 @@ struct LowerOptions {
   // A light op (a few loads and flops an output element, no weight matrix to stream: short conv, KDA
   // gate, sigmoid, elementwise products and sums, RMSNorm and add_norm) gets at most one task per this
   // many output elements of the bucket (max_tokens × width), never fewer than one; 1: one slice per
-  // worker like every other op. See lower.cpp add_tasks.
-  static constexpr int64_t kLightTaskElements = 256;
+  // worker like every other op. See lower.cpp add_tasks. 48B decode on the H200, ms a step at batch 1
+  // / 4 × context 0 (`plow bench decode --light-task-elements N`): 1: 6.08 / 11.43; 64: 5.84 / 11.42;
+  // 256: 5.72 / 11.16; 512: 5.72 / 11.03; 1,024: 5.75 / 11.06; 4,096: 6.06 / 11.33.
+  static constexpr int64_t kLightTaskElements = 512;
   int64_t light_task_elements = kLightTaskElements;
 };
 
