@@ -72,9 +72,40 @@ Graph schedule_serial_waits(const Graph& graph) {
     // order[first, p]: the staying nodes, the serial op last, then the moving ones in their order.
     std::vector<int> stay, go;
     for (int k = first; k <= p; ++k) (moves[static_cast<size_t>(k - first)] ? go : stay).push_back(order[static_cast<size_t>(k)]);
+    const int at = first + static_cast<int>(stay.size()) - 1;  // the serial op's new place
     stay.insert(stay.end(), go.begin(), go.end());
     std::copy(stay.begin(), stay.end(), order.begin() + first);
     for (int k = first; k <= p; ++k) position[static_cast<size_t>(order[static_cast<size_t>(k)])] = k;
+
+    // After its first reader y, within the window: the movable nodes that do not depend on it and
+    // whose inputs all come before y move to just before y. Not a chain of them: a node that reads
+    // another moved one would wait for it there, and every worker's queue with it (48B: the shared
+    // expert's down projection stays after the routed gate/up, where its input is long done).
+    int y = p + 1;
+    auto reads_serial = [&](int k) {
+      const std::vector<int>& inputs = graph.node(order[static_cast<size_t>(k)]).inputs;
+      return std::find(inputs.begin(), inputs.end(), serial) != inputs.end();
+    };
+    while (y < n && !reads_serial(y)) ++y;
+    if (y >= n) continue;
+    const int last = std::min(n - 1, y + kSerialFillWindow);
+    std::vector<bool> depends(static_cast<size_t>(last - at + 1), false), hoist(depends.size(), false);
+    depends[0] = true;
+    for (int k = at + 1; k <= last; ++k) {
+      const Node& node = graph.node(order[static_cast<size_t>(k)]);
+      bool ready = true;
+      for (int input : node.inputs) {
+        const int i = position[static_cast<size_t>(input)];
+        if (i >= at && depends[static_cast<size_t>(i - at)]) depends[static_cast<size_t>(k - at)] = true;
+        ready = ready && i < y;
+      }
+      hoist[static_cast<size_t>(k - at)] = k > y && ready && !depends[static_cast<size_t>(k - at)] && movable(node);
+    }
+    std::vector<int> before, after;
+    for (int k = y; k <= last; ++k) (hoist[static_cast<size_t>(k - at)] ? before : after).push_back(order[static_cast<size_t>(k)]);
+    before.insert(before.end(), after.begin(), after.end());
+    std::copy(before.begin(), before.end(), order.begin() + y);
+    for (int k = y; k <= last; ++k) position[static_cast<size_t>(order[static_cast<size_t>(k)])] = k;
   }
   return reordered(graph, order);
 }

@@ -6,13 +6,14 @@
 
 namespace plow {
 
-// The graph with the same nodes in another topological order: the given one, except that the nodes
-// in the kSerialFillWindow nodes before a serial op (moe_topk: one task per 16 rows, so one at decode,
-// while every other worker waits for it) that it does not depend on, and whose readers come after it
-// or move with them, move to just after it, so the workers run them while it runs. Collectives stay
-// (ranks keep them in one order anyway, and one would make every worker wait), so do stateful ops and
-// views. On the MoE layers this puts the shared expert's gate/up projection (it reads the layer input,
-// not the routes) between the router and the routed experts, where the workers waited for the top-k.
+// The graph with the same nodes in another topological order: the given one, except around a serial
+// op (moe_topk: one task per 16 rows, so one at decode, while every other worker waits for it), whose
+// window is kSerialFillWindow nodes either side. Of the nodes that do not depend on it, those before
+// it whose readers come after it (or move with them) move to just after it, and those after its first
+// reader whose inputs all come before that reader move to just before it, so the workers run them
+// while it runs. Collectives stay (ranks keep them in one order anyway, and one would
+// make every worker wait), so do stateful ops and views. On the MoE layers this puts the shared
+// expert (it reads the layer input, not the routes) between the top-k and the routed experts.
 inline constexpr int kSerialFillWindow = 16;
 Graph schedule_serial_waits(const Graph& graph);
 

@@ -177,8 +177,10 @@ TEST(FusedModels, DeepModelsHaveTheExpectedFusedOps) {
 }
 
 // The node order plans run in (compiler/schedule.h): on both deep graphs the shared expert's gate/up
-// sits between every moe_topk and its first reader, and the scheduled graph holds the same nodes as
-// the one in fusion order (EqualUnfusedOnEveryFixture compares its logits bit for bit).
+// sits between every moe_topk and its first reader (48B: moved up from after the routed gate/up, the
+// fusion order of moe_down_add; K3: moved down from before the router), and the scheduled graph
+// holds the same nodes as the one in fusion order (EqualUnfusedOnEveryFixture compares its logits bit
+// for bit).
 TEST(Schedule, SharedExpertFillsTheTopKWait) {
   for (const char* name : {"kimi-linear-48b-a3b.json", "k3-tp8-rank.json"}) {
     const auto model = LoadedModel::describe((fs::path(PLOW_SOURCE_DIR) / "bench/configs" / name).string());

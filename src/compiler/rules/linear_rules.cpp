@@ -112,13 +112,20 @@ Rule norm_into_multi_linear() {
   return r;
 }
 
+// Not where h is a moe_down: routed-shared-combine folds that add into the routed experts' down
+// projection instead, so the shared expert's projection runs beside the routed experts (in the
+// top-k's shadow, schedule.h) and not one dependency hop after them.
 Rule linear_residual(bool linear_first) {
   Rule r;
   r.name = linear_first ? "linear-residual-add-commuted" : "linear-residual-add";
-  r.definition = linear_first ? "(add@a (linear@lin ?y) ?h) => (linear_add ?y ?h | lin.W)" : "(add@a ?h (linear@lin ?y)) => (linear_add ?y ?h | lin.W)";
+  r.definition = linear_first ? "(add@a (linear@lin ?y) ?h) => (linear_add ?y ?h | lin.W), h no moe_down"
+                              : "(add@a ?h (linear@lin ?y)) => (linear_add ?y ?h | lin.W), h no moe_down";
   const Pattern lin = Pattern::n(Op::kLinear, "lin", {Pattern::v("y")});
   r.lhs = linear_first ? Pattern::n(Op::kAdd, "a", {lin, Pattern::v("h")}) : Pattern::n(Op::kAdd, "a", {Pattern::v("h"), lin});
   r.apply = [](EGraph& g, const Match& m) -> std::optional<ClassId> {
+    for (const ENode& node : g.nodes(m.vars.at("h"))) {
+      if (g.symbol(node.symbol).op == Op::kMoeDown) return std::nullopt;
+    }
     const Symbol& l = symbol_of(g, m, "lin");
     return add_fused(g, Op::kLinearAdd, {}, {l.weights[0]}, {m.vars.at("y"), m.vars.at("h")}, l.width, symbol_of(g, m, "a").label);
   };
