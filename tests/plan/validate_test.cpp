@@ -315,6 +315,39 @@ TEST(ValidatePlan, GatedRmsNormSpreadsOverRows) {
   EXPECT_NO_THROW(validate_plan(plan, PlanInterpreter::has_op));
 }
 
+// Light ops (lower.cpp is_light) get at most one task per light_task_elements output elements of the
+// bucket, at least one; 1 gives them one slice a worker like any other op; the weight-streaming ops
+// keep theirs. The plans validate and cover each op exactly (ValidatePlan checks both).
+TEST(ValidatePlan, LightOpsGetATaskPerLightTaskElements) {
+  const Graph graph = tiny_graph();
+  for (int64_t light : {int64_t{1}, int64_t{16}, int64_t{48}, int64_t{512}}) {
+    for (int64_t tokens : {int64_t{1}, int64_t{5}}) {
+      LowerOptions options{PlanPhase::kDecode, tokens, 8, 0, 42};
+      options.light_task_elements = light;
+      const Plan plan = lower_to_plan(graph, options);
+      EXPECT_NO_THROW(validate_plan(plan, PlanInterpreter::has_op));
+      int checked = 0;
+      for (Op op : {Op::kShortConvSilu, Op::kRmsNorm, Op::kSiluMul, Op::kLinear}) {
+        const PlanOp& planned = plan.ops[static_cast<size_t>(first_op(plan, op))];
+        const int64_t slices = std::min<int64_t>(8, planned.width);  // one-column units
+        const int64_t want = op == Op::kLinear ? slices : std::clamp<int64_t>((tokens * planned.width + light - 1) / light, 1, slices);
+        EXPECT_EQ(static_cast<int64_t>(tasks_of(plan, first_op(plan, op)).size()), want)
+            << op_name(op) << " width " << planned.width << ", " << tokens << " rows, light_task_elements " << light;
+        ++checked;
+      }
+      EXPECT_EQ(checked, 4);
+    }
+  }
+  LowerOptions zero{PlanPhase::kDecode, 1, 8, 0, 42};
+  zero.light_task_elements = 0;
+  try {
+    lower_to_plan(graph, zero);
+    ADD_FAILURE() << "light_task_elements 0 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("light_task_elements 0 is below 1"), std::string::npos) << e.what();
+  }
+}
+
 TEST(ValidatePlan, ShapesAndStatesAreRederived) {
   Plan plan = tiny_plan();
   plan.ops[static_cast<size_t>(first_op(plan, Op::kLinear))].width += 1;
