@@ -11,9 +11,9 @@ namespace plow {
 // window is kSerialFillWindow nodes either side. Of the nodes that do not depend on it, those before
 // it whose readers come after it (or move with them) move to just after it, and those after its first
 // reader whose inputs all come before that reader move to just before it, so the workers run them
-// while it runs. Collectives stay (ranks keep them in one order anyway, and one would
-// make every worker wait), so do stateful ops and views. On the MoE layers this puts the shared
-// expert (it reads the layer input, not the routes) between the top-k and the routed experts.
+// while it runs. Collectives stay (ranks keep them in one order anyway, and one would make every
+// worker wait), so do stateful ops and views. On the MoE layers this puts the shared expert (it reads
+// the layer input, not the routes) between the top-k and the routed experts.
 inline constexpr int kSerialFillWindow = 16;
 Graph schedule_serial_waits(const Graph& graph);
 

@@ -79,12 +79,10 @@ int64_t kda_gate_rule(const Node& node, Widths in, Weights w) {
   return width;
 }
 
+// The composition's rules: the projection's, then the gate's over the projected width.
 int64_t linear_kda_gate_rule(const Node& node, Widths in, Weights w) {
-  const int64_t heads = node.attrs.i("heads");
-  const int64_t width = heads * node.attrs.i("head_dim");
-  PLOW_CHECK(w[0]->shape.size() == 2 && w[0]->shape[0] == width && w[0]->shape[1] == in[0] && numel(w[1]) == heads && numel(w[2]) == width,
-             "{}: linear + KDA gate shapes", node.label);
-  return width;
+  const int64_t projected = linear_rule(node, in, w.first(1));
+  return kda_gate_rule(node, Widths(&projected, 1), w.subspan(1));
 }
 
 int64_t same_width_rule(const Node& node, Widths in, Weights) {

@@ -326,16 +326,13 @@ TEST(ValidatePlan, LightOpsGetATaskPerLightTaskElements) {
       options.light_task_elements = light;
       const Plan plan = lower_to_plan(graph, options);
       EXPECT_NO_THROW(validate_plan(plan, PlanInterpreter::has_op));
-      int checked = 0;
       for (Op op : {Op::kShortConvSilu, Op::kRmsNorm, Op::kSiluMul, Op::kLinear}) {
         const PlanOp& planned = plan.ops[static_cast<size_t>(first_op(plan, op))];
         const int64_t slices = std::min<int64_t>(8, planned.width);  // one-column units
         const int64_t want = op == Op::kLinear ? slices : std::clamp<int64_t>((tokens * planned.width + light - 1) / light, 1, slices);
         EXPECT_EQ(static_cast<int64_t>(tasks_of(plan, first_op(plan, op)).size()), want)
             << op_name(op) << " width " << planned.width << ", " << tokens << " rows, light_task_elements " << light;
-        ++checked;
       }
-      EXPECT_EQ(checked, 4);
     }
   }
   LowerOptions zero{PlanPhase::kDecode, 1, 8, 0, 42};

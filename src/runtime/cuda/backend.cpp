@@ -53,11 +53,6 @@ void pack_attrs(const PlanOp& op, float* attr) {
       attr[0] = get("eps");
       attr[1] = get("head_dim");
       return;
-    case Op::kLinearKdaGate:
-      attr[0] = get("head_dim");
-      attr[1] = a.has("lower_bound") ? 1.0f : 0.0f;
-      attr[2] = get("lower_bound");
-      return;
     case Op::kMoeGateUp:
       attr[0] = get("top_k");
       attr[1] = get("situ");

@@ -74,6 +74,7 @@ bool pack_misc_attrs(const PlanOp& op, float* attr) {
       return true;
     }
     case Op::kKdaGate:
+    case Op::kLinearKdaGate:  // the gate in a GEMV's epilogue (gemv.cuh): the same layout
       attr[0] = value(op, "head_dim");
       attr[1] = op.attrs.has("lower_bound") ? 1.0f : 0.0f;
       attr[2] = op.attrs.has("lower_bound") ? value(op, "lower_bound") : 0.0f;
