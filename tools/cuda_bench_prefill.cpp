@@ -191,6 +191,8 @@ void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
   cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
   cmd->add_flag("--gemv-peer", args.gemv_peer, "also time today's path (fused prefill plans, GEMV bodies) on the same weights");
   cmd->add_flag("--mla-body-peer", args.mla_body_peer, "also time the GEMM path with mla_attention on its op body (split-KV, absorbed) instead of GEMMs");
+  cmd->add_flag("--expert-peer", args.expert_peer,
+                "also time each prompt with the routed experts on cuBLAS's grouped GEMM instead of the wgmma kernel (same weights, plans and routing)");
   cmd->add_flag("--profile", args.profile, "also run each prompt once more one launch per op with events: per-opcode time (GEMMs and host ops included)");
   cmd->add_option("--kda-peer", args.kda_peer,
                   "command printing fla chunk_kda's times (bench/peers/fla_kda.py); given --tokens, --heads and --dim, run before the engine takes the GPU; "
@@ -272,17 +274,19 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
     const std::vector<int32_t> prefix = prompt_ids(args.cached_prefix, model->config.vocab_size, 2);
     const std::vector<int32_t> ids = prompt_ids(p, model->config.vocab_size);
     double expert_sum = 0, mla_sum = 0;  // the timed parts' shares (the prefix's ops excluded)
+    double sort_sum = 0, expert_gemm_sum = 0;
     int64_t experts_streamed = 0;        // distinct experts over the timed runs' MoE ops
     const std::vector<double> runs = time_prompt(*backend, prefix, ids, chunk, args.reps, [&](bool start) {
       expert_sum += start ? -backend->expert_ms() : backend->expert_ms();
+      const cuda::CudaBackend::ExpertParts parts = backend->expert_parts_ms();
+      sort_sum += start ? -parts.sort_ms : parts.sort_ms;
+      expert_gemm_sum += start ? -parts.gemm_ms : parts.gemm_ms;
       mla_sum += start ? -backend->mla_ms() : backend->mla_ms();
       if (start) backend->reset_expert_routing_stats();
       if (!start) experts_streamed += backend->expert_routing().experts;
     });
     const double expert_ms = expert_sum / args.reps;
-    const std::string expert_gemm = expert_ms <= 0                         ? "none (the op bodies)"
-                                    : backend->last_expert_gemm_grouped() ? "cublas grouped"
-                                                                          : "cublas per expert";
+    const std::string expert_gemm = expert_ms <= 0 ? "none (the op bodies)" : backend->last_expert_gemm();
     // Each op streams its distinct experts' weights once (gate_up reads w1 and w3, down w2).
     const double expert_weight_bytes = expert_bytes * static_cast<double>(experts_streamed) / args.reps;
     const double expert_gbps = expert_ms > 0 ? expert_weight_bytes / (expert_ms * 1e-3) / 1e9 : 0.0;
@@ -323,6 +327,10 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"gemm_ms_estimate", gemm_ms_per_chunk * static_cast<double>(p) / static_cast<double>(chunk)},
                    {"expert_ops_ms", expert_ms},
                    {"expert_gemm", expert_gemm},
+                   {"expert_parts_ms",
+                    {{"host_sort_and_upload", sort_sum / args.reps},
+                     {"gemms", expert_gemm_sum / args.reps},
+                     {"gathers_and_epilogues", (expert_sum - sort_sum - expert_gemm_sum) / args.reps}}},
                    {"expert_weight_bytes", expert_gbps > 0 ? json(expert_weight_bytes) : json(nullptr)},  // null: no dense expert GEMMs ran
                    {"expert_read_gbps", expert_gbps > 0 ? json(expert_gbps) : json(nullptr)},
                    {"roofline_read_gbps", roofline_gbps},
@@ -341,6 +349,28 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
     if (expert_gbps > 0) {
       std::cerr << fmt::format("  routed experts ({}): {:.2f} GB of expert weights streamed, {:.0f} GB/s ({:.0f}% of the read roofline)\n", expert_gemm,
                                expert_weight_bytes / 1e9, expert_gbps, 100.0 * expert_gbps / roofline_gbps);
+      std::cerr << fmt::format("  of their {:.1f} ms: host sort and upload {:.1f}, GEMMs {:.1f} ({:.0f} GB/s), gathers and epilogues {:.1f}\n", expert_ms,
+                               sort_sum / args.reps, expert_gemm_sum / args.reps, expert_weight_bytes / (expert_gemm_sum / args.reps * 1e-3) / 1e9,
+                               (expert_sum - sort_sum - expert_gemm_sum) / args.reps);
+    }
+    if (args.expert_peer && expert_gbps > 0) {
+      // The same prompt once more with the expert GEMMs on cuBLAS's grouped call: the kernel's peer.
+      backend->set_expert_gemm_cublas(true);
+      double peer_sum = 0;
+      const double ms = median(time_prompt(*backend, prefix, ids, chunk, 1, [&](bool start) { peer_sum += start ? -backend->expert_ms() : backend->expert_ms(); }));
+      const std::string peer_path = backend->last_expert_gemm();
+      backend->set_expert_gemm_cublas(false);
+      const double peer_gbps = expert_weight_bytes / (peer_sum * 1e-3) / 1e9;
+      record["peers"]["expert_gemm"] = {{"expert_gemm", peer_path},
+                                        {"expert_ops_ms", peer_sum},
+                                        {"expert_read_gbps", peer_gbps},
+                                        {"expert_roofline_fraction", peer_gbps / roofline_gbps},
+                                        {"ttft_ms", ms},
+                                        {"speedup_vs_peer", peer_sum / expert_ms},
+                                        {"what", "the expert ops (routing read and sort, gather, GEMMs, epilogues) with cuBLAS's grouped GEMM, one run after a "
+                                                 "one-chunk warm-up"}};
+      std::cerr << fmt::format("  routed experts on {}: {:.1f} ms ({:.0f} GB/s), ours {:.2f}x; TTFT {:.1f} ms\n", peer_path, peer_sum, peer_gbps,
+                               peer_sum / expert_ms, ms);
     }
     if (gemv) {
       const double ms = median(time_prompt(*gemv, prefix, ids, chunk, 1));

@@ -180,29 +180,31 @@ struct PathCounts {
   int64_t gemms = 0, expert_ops = 0;
 };
 
-// `graph` on the GPU (one prefill plan of 100 rows, a poisoned arena: an unwritten element reads back
-// as NaN) against cpu/reference, 7 and 132 workers, megakernel and eager, steps of 33 and 100 rows (the
-// GEMM path) and 5 (the GEMV bodies of the same plan). check(gpu, rows, counts, where) after each step;
-// every output within `fp32_rel` (fp32) or `bf16_ulps` output ulps (bf16) of the largest output, and
+// `graph` on the GPU (one prefill plan of `plan_rows` rows, default 100, a poisoned arena: an unwritten
+// element reads back as NaN) against cpu/reference, 7 and 132 workers, megakernel and eager, steps of 33
+// and plan_rows rows (the GEMM path) and 5 (the GEMV bodies of the same plan); `expert_cublas`: the
+// expert GEMMs on cuBLAS's grouped call instead of the wgmma kernel. check(gpu, rows, counts, where)
+// after each step; every output within `fp32_rel` (fp32) or `bf16_ulps` output ulps (bf16) of the largest output, and
 // bf16 outputs bf16 values (the tasks rounded). An fp32 output (`fp32_out`: router logits, never
 // rounded) is held to `fp32_rel` whatever the activation dtype.
 template <typename Check>
 void expect_gpu_matches_cpu(const Graph& graph, const Checkpoint& checkpoint, DType dtype, const std::string& what, float fp32_rel, float bf16_ulps,
-                            Check check, bool fp32_out = false) {
+                            Check check, bool fp32_out = false, bool expert_cublas = false, int64_t plan_rows = 100) {
   const BoundWeights bound_weights(graph, checkpoint);
   auto weights = cuda::upload_weights(graph, bound_weights);
   for (int workers : {7, 132}) {
     for (bool eager : {false, true}) {
       const std::string where = what + " " + std::string(dtype_name(dtype)) + " workers " + std::to_string(workers) + (eager ? " eager" : " megakernel");
-      std::vector<Plan> plans = {lower_to_plan(graph, {PlanPhase::kPrefill, 100, workers, 0, 0})};
+      std::vector<Plan> plans = {lower_to_plan(graph, {PlanPhase::kPrefill, plan_rows, workers, 0, 0})};
       cuda::CudaOptions options;
       options.act_dtype = dtype;
-      options.max_context_tokens = 128;
+      options.max_context_tokens = std::max<int64_t>(128, plan_rows);
       options.eager = eager;
       options.poison_arena = true;
       cuda::CudaBackend gpu(graph, weights, std::move(plans), options);
+      gpu.set_expert_gemm_cublas(expert_cublas);
       ReferenceBackend cpu(graph, bound_weights, dtype, 1);
-      for (int64_t rows : {33, 100, 5}) {
+      for (int64_t rows : {int64_t{33}, plan_rows, int64_t{5}}) {
         const PathCounts before{gpu.prefill_gemms(), gpu.prefill_expert_ops()};
         StepInputs in;
         in.all_logits = true;
@@ -268,8 +270,9 @@ struct MoeCase {
   int64_t hidden, inter, experts, top_k;
   std::vector<float> bias;  // e_score_correction_bias; empty: the random one (small, every expert in play)
   bool add, situ;
-  bool grouped;  // bf16 takes cuBLAS's grouped call (16-byte rows); else one GEMM per expert
+  bool grouped;  // bf16 takes one grouped launch (16-byte rows): the wgmma kernel, or cuBLAS's grouped call; else one GEMM per expert
   bool gemv = false;  // some rows route on the device and take the expert GEMV (cuda::kMoeDevicePairsPerExpert)
+  int64_t plan_rows = 100;  // the prefill plan's rows and the longest step
 };
 
 Graph moe_graph(const MoeCase& c) {
@@ -320,8 +323,9 @@ Checkpoint with_bias(const Checkpoint& random, const std::vector<float>& bias) {
   return out;
 }
 
-// Rows 33 and 100 take the expert GEMMs (two host ops a step: gate/up and down), 5 rows the GEMV
-// bodies. A bias of +4 puts an expert in every token's top-k (scores are in (0, 1)), −4 in none.
+// Rows 33 and 100 (or the case's plan_rows) take the expert GEMMs (two host ops a step: gate/up and
+// down), 5 rows the GEMV bodies. A bias of +4 puts an expert in every token's top-k (scores are in
+// (0, 1)), −4 in none. Each case runs with the wgmma kernel and with cuBLAS's grouped call.
 // Bounds: fp32 reassociation; bf16 three output ulps (a gate, up or per-expert dot next to a rounding
 // boundary moves one ulp, weighted by routes summing to 1, then the sum's own rounding).
 TEST(CudaPrefillGemm, RoutedExpertsMatchTheCpuOps) {
@@ -333,36 +337,46 @@ TEST(CudaPrefillGemm, RoutedExpertsMatchTheCpuOps) {
       {"128 experts, top-3, odd widths, SiTU: the expert GEMV on scalar loads at 33 rows", 100, 36, 128, 3, {}, false, true, false, true},
       {"8 experts, top-2, wide rows (gate/up 1032 -> 520, down 520 -> 1032)", 1032, 520, 8, 2, {}, true, false, true},
       {"expert 0 takes every token beside seven random ones", 200, 40, 8, 2, {4, 0, 0, 0, 0, 0, 0, 0}, false, false, true},
+      {"experts 0 and 5 take all 300 tokens (jobs of 128, 128 and 44 rows), 8 experts, top-3", 1024, 256, 8, 3, {4, 0, 0, 0, 0, 4, 0, 0}, true, false, true,
+       false, 300},
+      {"16 experts, top-4, 300 tokens: jobs of up to 128 rows, ragged widths (gate/up 264 -> 136)", 264, 136, 16, 4, {}, false, true, true, false, 300},
   };
   for (const MoeCase& c : cases) {
-    for (DType dtype : {DType::F32, DType::BF16}) {
-      const Graph graph = moe_graph(c);
-      bool gemv_ran = false;
-      auto check = [&](const cuda::CudaBackend& gpu, int64_t rows, PathCounts ran, const std::string& where) {
-        ASSERT_EQ(ran.expert_ops, rows >= cuda::kGemmMinRows ? 2 : 0) << where;
-        EXPECT_EQ(ran.gemms, rows >= cuda::kGemmMinRows ? (c.add ? 2 : 1) : 0) << where << ": the router logits (and the shared linear) as GEMMs";
-        if (rows < cuda::kGemmMinRows) return;
-        const std::vector<int32_t> tokens = gpu.last_expert_tokens();
-        ASSERT_EQ(static_cast<int64_t>(tokens.size()), c.experts) << where;
-        int64_t pairs = 0;
-        for (int64_t e = 0; e < c.experts; ++e) {
-          pairs += tokens[static_cast<size_t>(e)];
-          const float b = c.bias.empty() ? 0.0f : c.bias[static_cast<size_t>(e)];
-          const int64_t expected = b > 1 ? rows : b < -1 ? 0 : -1;  // −1: free to vary
-          if (expected >= 0) {
-            EXPECT_EQ(tokens[static_cast<size_t>(e)], expected) << where << " expert " << e;
+    for (const bool cublas : {false, true}) {
+      for (DType dtype : {DType::F32, DType::BF16}) {
+        const Graph graph = moe_graph(c);
+        bool gemv_ran = false;
+        auto check = [&](const cuda::CudaBackend& gpu, int64_t rows, PathCounts ran, const std::string& where) {
+          ASSERT_EQ(ran.expert_ops, rows >= cuda::kGemmMinRows ? 2 : 0) << where;
+          EXPECT_EQ(ran.gemms, rows >= cuda::kGemmMinRows ? (c.add ? 2 : 1) : 0) << where << ": the router logits (and the shared linear) as GEMMs";
+          if (rows < cuda::kGemmMinRows) return;
+          const std::vector<int32_t> tokens = gpu.last_expert_tokens();
+          ASSERT_EQ(static_cast<int64_t>(tokens.size()), c.experts) << where;
+          int64_t pairs = 0;
+          for (int64_t e = 0; e < c.experts; ++e) {
+            pairs += tokens[static_cast<size_t>(e)];
+            const float b = c.bias.empty() ? 0.0f : c.bias[static_cast<size_t>(e)];
+            const int64_t expected = b > 1 ? rows : b < -1 ? 0 : -1;  // −1: free to vary
+            if (expected >= 0) {
+              EXPECT_EQ(tokens[static_cast<size_t>(e)], expected) << where << " expert " << e;
+            }
           }
+          EXPECT_EQ(pairs, rows * c.top_k) << where;
+          const bool device = pairs <= cuda::kMoeDevicePairsPerExpert * c.experts;
+          EXPECT_EQ(gpu.last_expert_gemv(), device) << where << ": " << pairs << " pairs over " << c.experts << " experts";
+          const std::string path = device                              ? "expert gemv"
+                                   : dtype == DType::F32 || !c.grouped ? "cublas per expert"
+                                   : cublas                            ? "cublas grouped"
+                                                                       : "wgmma grouped";
+          EXPECT_EQ(gpu.last_expert_gemm(), path) << where << ": one grouped launch expected for bf16 with 16-byte rows";
+          gemv_ran = gemv_ran || gpu.last_expert_gemv();
+        };
+        const std::string name = std::string(c.name) + (cublas ? " (cuBLAS grouped)" : "");
+        expect_gpu_matches_cpu(graph, with_bias(random_checkpoint(graph, 11, dtype, "prefill-moe"), c.bias), dtype, name, 2e-5f, 3.0f, check, false, cublas,
+                               c.plan_rows);
+        if (c.gemv) {
+          EXPECT_TRUE(gemv_ran) << name << " " << dtype_name(dtype) << ": the case is meant for the expert GEMV, which never ran";
         }
-        EXPECT_EQ(pairs, rows * c.top_k) << where;
-        const bool device = pairs <= cuda::kMoeDevicePairsPerExpert * c.experts;
-        EXPECT_EQ(gpu.last_expert_gemv(), device) << where << ": " << pairs << " pairs over " << c.experts << " experts";
-        EXPECT_EQ(gpu.last_expert_gemm_grouped(), !device && c.grouped && dtype == DType::BF16)
-            << where << ": grouped call expected for bf16 with 16-byte rows (false with it: cuBLAS refused the grouped form)";
-        gemv_ran = gemv_ran || gpu.last_expert_gemv();
-      };
-      expect_gpu_matches_cpu(graph, with_bias(random_checkpoint(graph, 11, dtype, "prefill-moe"), c.bias), dtype, c.name, 2e-5f, 3.0f, check);
-      if (c.gemv) {
-        EXPECT_TRUE(gemv_ran) << c.name << " " << dtype_name(dtype) << ": the case is meant for the expert GEMV, which never ran";
       }
     }
   }

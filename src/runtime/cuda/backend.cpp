@@ -508,7 +508,13 @@ int64_t CudaBackend::prefill_expert_ops() const { return impl_->moe_runner ? imp
 
 std::vector<int32_t> CudaBackend::last_expert_tokens() const { return impl_->moe_runner ? impl_->moe_runner->last_expert_tokens() : std::vector<int32_t>{}; }
 
-bool CudaBackend::last_expert_gemm_grouped() const { return impl_->moe_runner && impl_->moe_runner->last_grouped(); }
+std::string CudaBackend::last_expert_gemm() const {
+  return expert_gemm_path_name(impl_->moe_runner ? impl_->moe_runner->last_path() : ExpertGemmPath::kNone);
+}
+
+void CudaBackend::set_expert_gemm_cublas(bool on) {
+  if (impl_->moe_runner) impl_->moe_runner->set_prefer_cublas(on);
+}
 
 bool CudaBackend::last_expert_gemv() const { return impl_->moe_runner && impl_->moe_runner->last_gemv(); }
 
@@ -529,6 +535,13 @@ void CudaBackend::set_expert_timing(bool on) {
 double CudaBackend::expert_ms() {
   impl_->use_device();
   return impl_->moe_runner ? impl_->moe_runner->timed_ms() : 0.0;
+}
+
+CudaBackend::ExpertParts CudaBackend::expert_parts_ms() {
+  impl_->use_device();
+  if (!impl_->moe_runner) return {};
+  const MoeGemmRunner::TimedParts parts = impl_->moe_runner->timed_parts();
+  return {parts.sort_ms, parts.gemm_ms};
 }
 
 void CudaBackend::reset_expert_ms() {

@@ -137,10 +137,13 @@ class CudaBackend : public Backend {
   // Prefill GEMMs run through cuBLAS since construction (prefill_gemm.h; tests and benchmarks).
   int64_t prefill_gemms() const;
   // Routed-expert ops (moe_gate_up, moe_down) run as expert GEMMs since construction (moe_gemm.h), the
-  // tokens per expert of the last routing they read, and whether the last one ran as one grouped call.
+  // tokens per expert of the last routing they read, and how the last one's GEMMs ran ("wgmma grouped",
+  // "cublas grouped", "cublas per expert", "expert gemv"; "none" before any).
   int64_t prefill_expert_ops() const;
   std::vector<int32_t> last_expert_tokens() const;
-  bool last_expert_gemm_grouped() const;
+  std::string last_expert_gemm() const;
+  // Benchmarks and tests: cuBLAS's grouped call for the expert GEMMs instead of the wgmma kernel.
+  void set_expert_gemm_cublas(bool on);
   bool last_expert_gemv() const;  // the last one ran as the expert GEMV (moe_gemm.h: few pairs an expert)
   // Benchmarks: the expert ops' routing reads since the last reset, and the distinct experts they
   // routed to, summed over the reads.
@@ -153,6 +156,12 @@ class CudaBackend : public Backend {
   // expert_ms() waits for the stream.
   void set_expert_timing(bool on);
   double expert_ms();
+  // Of it: the host's routing sort (the stream idle) and the GEMMs of host-routed ops; the rest is the
+  // gathers and epilogues. Reset with it.
+  struct ExpertParts {
+    double sort_ms = 0, gemm_ms = 0;
+  };
+  ExpertParts expert_parts_ms();
   void reset_expert_ms();
   // mla_attention ops run as MLA GEMMs since construction (mla_gemm.h), the score blocks they ran
   // (fp32: more than ops × sequences when the scores budget split a sequence's queries or heads) and the

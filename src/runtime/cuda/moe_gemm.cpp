@@ -1,5 +1,6 @@
 // Routed experts as grouped GEMMs (moe_gemm.h): which MoE ops take them, the routing read and sort on
-// the host, and the GEMM calls (one cuBLAS grouped call, or one cublasGemmEx per expert with tokens).
+// the host, and the GEMM calls (the wgmma kernel over every expert's jobs, or one cuBLAS grouped call, or
+// one cublasGemmEx per expert with tokens).
 #include "runtime/cuda/moe_gemm.h"
 
 #include <algorithm>
@@ -29,7 +30,27 @@ bool dense_expert_stack(const DeviceWeight& w, int64_t experts) {
   return w.parts == experts && w.parts > 1 && (w.type == kWF32 || w.type == kWBF16 || w.type == kWF16);
 }
 
+// The wgmma kernel's jobs of a routing: each expert's rows in jobs of kMoeWgmmaJobRows, so at most one
+// per expert plus one per 128 pairs.
+int64_t max_jobs(const MoeGemmCapacity& capacity) { return capacity.experts + capacity.pairs / kMoeWgmmaJobRows + 1; }
+
 }  // namespace
+
+const char* expert_gemm_path_name(ExpertGemmPath path) {
+  switch (path) {
+    case ExpertGemmPath::kNone:
+      return "none";
+    case ExpertGemmPath::kWgmma:
+      return "wgmma grouped";
+    case ExpertGemmPath::kCublasGrouped:
+      return "cublas grouped";
+    case ExpertGemmPath::kCublasPerExpert:
+      return "cublas per expert";
+    case ExpertGemmPath::kGemv:
+      return "expert gemv";
+  }
+  return "?";
+}
 
 std::optional<MoeGemmOp> moe_gemm_form(const Plan& plan, const PlanOp& op, const std::vector<DeviceWeight>& weights, int32_t act) {
   const bool gate_up = op.op() == Op::kMoeGateUp, add = op.op() == Op::kMoeDownAdd;
@@ -100,13 +121,15 @@ MoeGemmRunner::MoeGemmRunner(const MoeGemmCapacity& capacity, cudaStream_t strea
       capacity_(capacity),
       error_(error),
       workspace_(kWorkspaceBytes, "cuBLAS workspace"),
-      lists_(static_cast<size_t>(2 * capacity.pairs + 2 * capacity.experts) * sizeof(int32_t), "MoE routing lists"),
+      lists_(static_cast<size_t>(2 * capacity.pairs + 2 * capacity.experts + 3 * max_jobs(capacity)) * sizeof(int32_t), "MoE routing lists"),
       pointers_(static_cast<size_t>(3 * 2 * capacity.experts) * sizeof(void*), "MoE GEMM pointers"),
       in_(static_cast<size_t>(std::max<int64_t>(capacity.in_bytes, 16)), "MoE GEMM inputs"),
       out_(static_cast<size_t>(std::max<int64_t>(capacity.out_bytes, 16)), "MoE GEMM outputs"),
       device_counts_(static_cast<size_t>(capacity.experts + 1) * sizeof(int32_t), "MoE routing counts"),
       device_stats_(2 * sizeof(unsigned long long), "MoE routing stats"),
-      timer_(stream) {
+      timer_(stream),
+      sort_timer_(stream),
+      gemm_timer_(stream) {
   check(cudaMemsetAsync(device_stats_.ptr, 0, device_stats_.bytes, stream_), "MoE routing stats");
   check_cublas(cublasCreate(&handle_), "handle");
   check_cublas(cublasSetStream(handle_, stream_), "stream");
@@ -128,6 +151,8 @@ void MoeGemmRunner::read_routing(const MoeGemmOp& op, const float* arena, int64_
         "MoE routing read");
   check(cudaStreamSynchronize(stream_), "MoE routing read");
   timer_.harvest();
+  sort_timer_.harvest();
+  gemm_timer_.harvest();
 }
 
 // A counting sort of the pairs by expert (ascending token order within an expert), and the lists
@@ -157,7 +182,12 @@ void MoeGemmRunner::sort_routing(const MoeGemmOp& op, int64_t rows) {
     r.offsets.push_back(total);
     total += r.counts[static_cast<size_t>(e)];
   }
-  lists_host_.resize(static_cast<size_t>(2 * pairs) + 2 * r.active.size());
+  // The wgmma kernel's jobs: each expert's rows in pieces of kMoeWgmmaJobRows, those of ≤ 64 rows first.
+  r.short_jobs = r.long_jobs = 0;
+  for (int32_t n : r.counts) {
+    for (int32_t left = n; left > 0; left -= kMoeWgmmaJobRows) (left <= 64 ? r.short_jobs : r.long_jobs) += 1;
+  }
+  lists_host_.resize(static_cast<size_t>(2 * pairs) + 2 * r.active.size() + 3 * static_cast<size_t>(r.short_jobs + r.long_jobs));
   int32_t* perm = lists_host_.data();
   int32_t* inv = perm + pairs;
   for (int64_t q = 0; q < pairs; ++q) {
@@ -167,6 +197,19 @@ void MoeGemmRunner::sort_routing(const MoeGemmOp& op, int64_t rows) {
   }
   std::copy(r.active.begin(), r.active.end(), inv + pairs);
   std::copy(r.offsets.begin(), r.offsets.end(), inv + pairs + r.active.size());
+  int32_t* short_job = inv + pairs + 2 * r.active.size();  // expert, first sorted row, rows
+  int32_t* long_job = short_job + 3 * r.short_jobs;
+  for (size_t i = 0; i < r.active.size(); ++i) {
+    const int32_t e = r.active[i], count = r.counts[static_cast<size_t>(e)];
+    for (int32_t f = 0; f < count; f += kMoeWgmmaJobRows) {
+      const int32_t n = std::min(kMoeWgmmaJobRows, count - f);
+      int32_t*& job = n <= 64 ? short_job : long_job;
+      job[0] = e;
+      job[1] = r.offsets[i] + f;
+      job[2] = n;
+      job += 3;
+    }
+  }
   // Pageable memory: the copy has taken the bytes when the call returns (and the stream is idle here).
   check(cudaMemcpyAsync(lists_.ptr, lists_host_.data(), lists_host_.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_), "MoE routing lists");
   r.valid = true;
@@ -211,7 +254,9 @@ void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
   } else {
     if (!reuse) read_routing(op, arena, rows);
     if (timing_) timer_.start();  // the stream is idle after a routing read: the sort counts
+    if (timing_) sort_timer_.start();
     if (!reuse) sort_routing(op, rows);
+    if (timing_) sort_timer_.stop();
   }
   const int32_t* perm = lists_.as<int32_t>();
   const int64_t ld_in = padded(op.gemm_in);
@@ -222,15 +267,16 @@ void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
     const int64_t max_n = std::min(pairs, op.experts), ld_out = padded(op.gemm_out);
     uint8_t* c0 = out_.as<uint8_t>();
     uint8_t* c1 = c0 + pairs * ld_out * type_bytes(op.out_type());
-    last_grouped_ = false;
-    last_gemv_ = launch_moe_gemv(perm + 2 * pairs, perm + 2 * pairs + max_n, device_counts_.as<int32_t>() + op.experts, static_cast<int>(max_n), pairs,
-                                 op.w, op.sets(), op.gemm_in, op.gemm_out, in_.ptr, ld_in, op.in_type(), c0, c1, ld_out, op.out_type(), stream_);
-    if (!last_gemv_) {
+    last_path_ = ExpertGemmPath::kGemv;
+    if (!launch_moe_gemv(perm + 2 * pairs, perm + 2 * pairs + max_n, device_counts_.as<int32_t>() + op.experts, static_cast<int>(max_n), pairs, op.w,
+                         op.sets(), op.gemm_in, op.gemm_out, in_.ptr, ld_in, op.in_type(), c0, c1, ld_out, op.out_type(), stream_)) {
       fail("cuda: the expert GEMV refused a step of {} pairs over {} experts ({}-wide rows, weight type {}, output type {}) that the device route took",
            pairs, op.experts, op.gemm_in, op.in_type(), op.out_type());
     }
   } else {
+    if (timing_) gemm_timer_.start();
     gemms(op, pairs);
+    if (timing_) gemm_timer_.stop();
   }
   epilogue(op, arena, rows);
   if (timing_) timer_.stop();
@@ -257,11 +303,19 @@ void MoeGemmRunner::epilogue(const MoeGemmOp& op, float* arena, int64_t rows) {
 void MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs) {
   const Routing& r = routing_;
   const int n = static_cast<int>(r.active.size()), sets = op.sets();
-  last_gemv_ = false;
+  last_path_ = ExpertGemmPath::kNone;
   if (n == 0) return;  // no rows
   const int64_t ld_in = padded(op.gemm_in), ld_out = padded(op.gemm_out);
   const int64_t in_row = ld_in * type_bytes(op.in_type()), out_row = ld_out * type_bytes(op.out_type());
   uint8_t* c[2] = {out_.as<uint8_t>(), out_.as<uint8_t>() + pairs * out_row};
+  if (!prefer_cublas_ && op.in_type() != kWF32) {
+    const int32_t* jobs = lists_.as<int32_t>() + 2 * pairs + 2 * n;
+    if (launch_moe_wgmma(jobs, r.short_jobs, r.long_jobs, op.w, sets, op.gemm_in, op.gemm_out, in_.ptr, ld_in, op.in_type(), c[0], c[1], ld_out, op.out_type(),
+                         stream_)) {
+      last_path_ = ExpertGemmPath::kWgmma;
+      return;
+    }
+  }
   const cudaDataType a_type = data_type(op.in_type()), c_type = data_type(op.out_type());
   const float one = 1.0f, zero = 0.0f;
   // cuBLAS's grouped GEMM takes one type for A, B and C: half weights with half outputs. Its pointers
@@ -269,8 +323,8 @@ void MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs) {
   bool aligned = true;
   for (int j = 0; j < sets; ++j) aligned = aligned && reinterpret_cast<uintptr_t>(op.w[j].data) % 16 == 0 && op.w[j].part_bytes % 16 == 0;
   aligned = aligned && (op.gemm_in * type_bytes(op.in_type())) % 16 == 0;
-  last_grouped_ = grouped_ok_ && aligned && op.in_type() != kWF32 && op.out_type() == op.in_type();
-  if (last_grouped_) {
+  if (grouped_ok_ && aligned && op.in_type() != kWF32 && op.out_type() == op.in_type()) {
+    last_path_ = ExpertGemmPath::kCublasGrouped;
     launch_moe_pointers(lists_.as<int32_t>() + 2 * pairs, n, sets, op.w[0].data, op.w[sets - 1].data, op.w[0].part_bytes, in_.as<uint8_t>(), in_row, c[0],
                         c[1], out_row, pointers_.as<void*>(), stream_);
     HostArrays& h = arrays_[op.gate_up() ? 0 : 1];
@@ -295,8 +349,8 @@ void MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs) {
     if (status == CUBLAS_STATUS_SUCCESS) return;
     if (status != CUBLAS_STATUS_NOT_SUPPORTED) check_cublas(status, "grouped expert GEMM");
     grouped_ok_ = false;  // this cuBLAS lacks the grouped form for these types: per-expert calls from now on
-    last_grouped_ = false;
   }
+  last_path_ = ExpertGemmPath::kCublasPerExpert;
   // fp32: pedantic, never TF32, whatever NVIDIA_TF32_OVERRIDE says (as GemmRunner).
   const cublasComputeType_t compute = op.in_type() == kWF32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
   for (int i = 0; i < n; ++i) {
@@ -333,6 +387,12 @@ void MoeGemmRunner::reset_routing_stats() {
 
 double MoeGemmRunner::timed_ms() { return timer_.total_ms(); }
 
-void MoeGemmRunner::reset_timed_ms() { timer_.reset(); }
+MoeGemmRunner::TimedParts MoeGemmRunner::timed_parts() { return {sort_timer_.total_ms(), gemm_timer_.total_ms()}; }
+
+void MoeGemmRunner::reset_timed_ms() {
+  timer_.reset();
+  sort_timer_.reset();
+  gemm_timer_.reset();
+}
 
 }  // namespace plow::cuda

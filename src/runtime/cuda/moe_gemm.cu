@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 
 #include <cub/block/block_scan.cuh>
+#include <type_traits>
 
 #include "runtime/cuda/device.cuh"
 #include "runtime/cuda/kernels.h"  // declared in moe_gemm.h (host headers nvcc need not see)
@@ -35,13 +36,54 @@ __device__ __forceinline__ void store_f(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store_f(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_f(__half* p, float v) { *p = __float2half_rn(v); }
 
-template <typename T>
+// V consecutive elements at p as fp32, and back (V = 4: one 16-byte fp32 or 8-byte 16-bit access; the
+// launchers take V = 4 only where every such access is aligned).
+template <int V, typename T>
+__device__ __forceinline__ void load_n(const T* p, float (&v)[V]) {
+  if constexpr (V == 1) {
+    v[0] = load_f(p);
+  } else if constexpr (std::is_same_v<T, float>) {
+    static_assert(V == 4);
+    const float4 x = *reinterpret_cast<const float4*>(p);
+    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+  } else {
+    static_assert(V == 4);
+    const uint2 x = *reinterpret_cast<const uint2*>(p);
+    const T* h = reinterpret_cast<const T*>(&x);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = load_f(h + e);
+  }
+}
+template <int V, typename T>
+__device__ __forceinline__ void store_n(T* p, const float (&v)[V]) {
+  if constexpr (V == 1) {
+    store_f(p, v[0]);
+  } else if constexpr (std::is_same_v<T, float>) {
+    static_assert(V == 4);
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    static_assert(V == 4);
+    uint2 x;
+    T* h = reinterpret_cast<T*>(&x);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) store_f(h + e, v[e]);
+    *reinterpret_cast<uint2*>(p) = x;
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <typename T, int V>
 __global__ void gather_kernel(const float* base, int64_t stride, int64_t slot_width, int64_t top_k, const int32_t* perm, int64_t pairs, int64_t cols, T* dst,
                               int64_t ld) {
   for (int64_t p = blockIdx.x; p < pairs; p += gridDim.x) {
     const int64_t q = perm[p];
     const float* src = base + (q / top_k) * stride + (q % top_k) * slot_width;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) store_f(dst + p * ld + c, src[c]);
+    for (int64_t c = threadIdx.x * V; c < cols; c += blockDim.x * V) {
+      float v[V];
+      load_n<V>(src + c, v);
+      store_n<V>(dst + p * ld + c, v);
+    }
   }
 }
 
@@ -67,39 +109,55 @@ __global__ void pointers_kernel(const int32_t* groups, int n, int sets, PointerS
 
 // op_moe_gate_up's epilogue: gate and up rounded (cuBLAS already rounded half outputs: rounding again
 // leaves them), the activation rounded, the output rounded when the op's dtype is the activation's.
-template <typename T>
+template <typename T, int V>
 __global__ void activation_kernel(const T* gate, const T* up, int64_t ld, const int32_t* perm, int64_t pairs, int64_t inter, float* out, int32_t act,
                                   bool round_out, bool situ, float beta, float linear_beta) {
   for (int64_t p = blockIdx.x; p < pairs; p += gridDim.x) {
     float* row = out + static_cast<int64_t>(perm[p]) * inter;  // pair q's columns [s·I, (s+1)·I) of token row t: q·I
-    for (int64_t i = threadIdx.x; i < inter; i += blockDim.x) {
-      const float g = round_act(act, load_f(gate + p * ld + i)), u = round_act(act, load_f(up + p * ld + i));
-      const float v = situ ? round_act(act, situf_(g, u, beta, linear_beta)) : round_act(act, round_act(act, siluf_(g)) * u);
-      row[i] = round_out ? round_act(act, v) : v;
+    for (int64_t i = threadIdx.x * V; i < inter; i += blockDim.x * V) {
+      float g[V], u[V], y[V];
+      load_n<V>(gate + p * ld + i, g);
+      load_n<V>(up + p * ld + i, u);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const float ge = round_act(act, g[e]), ue = round_act(act, u[e]);
+        const float v = situ ? round_act(act, situf_(ge, ue, beta, linear_beta)) : round_act(act, round_act(act, siluf_(ge)) * ue);
+        y[e] = round_out ? round_act(act, v) : v;
+      }
+      store_n<V>(row + i, y);
     }
   }
 }
 
 // op_moe_down_impl's epilogue: per token, Σ_s route_s · round(y_s) in slot order from 0 (fp32), rounded;
 // plus the shared input, rounded again (kMoeDownAdd). No rounding at all for a partial sum.
-template <typename T, bool ADD>
+template <typename T, bool ADD, int V>
 __global__ void combine_kernel(const T* y, int64_t ld, const int32_t* inv, int64_t rows, int64_t top_k, int64_t width, const float* routes,
                                int64_t routes_stride, const float* shared, int64_t shared_stride, float* out, int32_t act, bool round_out) {
   for (int64_t t = blockIdx.x; t < rows; t += gridDim.x) {
     const float* route = routes + t * routes_stride;
     const int32_t* sorted = inv + t * top_k;
-    for (int64_t o = threadIdx.x; o < width; o += blockDim.x) {
-      float total = 0.0f;
+    for (int64_t o = threadIdx.x * V; o < width; o += blockDim.x * V) {
+      float total[V] = {};
       for (int64_t s = 0; s < top_k; ++s) {
-        const float dot = load_f(y + static_cast<int64_t>(sorted[s]) * ld + o);
-        total += route[s] * (round_out ? round_act(act, dot) : dot);
+        float dot[V];
+        load_n<V>(y + static_cast<int64_t>(sorted[s]) * ld + o, dot);
+#pragma unroll
+        for (int e = 0; e < V; ++e) total[e] += route[s] * (round_out ? round_act(act, dot[e]) : dot[e]);
       }
-      float v = round_out ? round_act(act, total) : total;
+      float v[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[e] = round_out ? round_act(act, total[e]) : total[e];
       if (ADD) {
-        v = v + shared[t * shared_stride + o];
-        v = round_out ? round_act(act, v) : v;
+        float add[V];
+        load_n<V>(shared + t * shared_stride + o, add);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          v[e] = v[e] + add[e];
+          v[e] = round_out ? round_act(act, v[e]) : v[e];
+        }
       }
-      out[t * width + o] = v;
+      store_n<V>(out + t * width + o, v);
     }
   }
 }
@@ -288,12 +346,16 @@ template <typename T>
 void combine(const void* y, int64_t ld, const int32_t* inv, int64_t rows, int64_t top_k, int64_t width, const float* routes, int64_t routes_stride,
              const float* shared, int64_t shared_stride, float* out, int32_t act, bool round_out, cudaStream_t stream) {
   const T* typed = static_cast<const T*>(y);
+  const bool v4 = width % 4 == 0 && ld % 4 == 0 && aligned16(y) && aligned16(out) && (shared == nullptr || (shared_stride % 4 == 0 && aligned16(shared)));
+  const auto launch = [&](auto kernel) {
+    kernel<<<grid_for(rows), kBlock, 0, stream>>>(typed, ld, inv, rows, top_k, width, routes, routes_stride, shared, shared_stride, out, act, round_out);
+  };
   if (shared != nullptr) {
-    combine_kernel<T, true><<<grid_for(rows), kBlock, 0, stream>>>(typed, ld, inv, rows, top_k, width, routes, routes_stride, shared, shared_stride, out, act,
-                                                                   round_out);
+    if (v4) launch(combine_kernel<T, true, 4>);
+    else launch(combine_kernel<T, true, 1>);
   } else {
-    combine_kernel<T, false><<<grid_for(rows), kBlock, 0, stream>>>(typed, ld, inv, rows, top_k, width, routes, routes_stride, shared, shared_stride, out, act,
-                                                                    round_out);
+    if (v4) launch(combine_kernel<T, false, 4>);
+    else launch(combine_kernel<T, false, 1>);
   }
 }
 
@@ -302,12 +364,17 @@ void combine(const void* y, int64_t ld, const int32_t* inv, int64_t rows, int64_
 void launch_moe_gather(const float* base, int64_t stride, int64_t slot_width, int64_t top_k, const int32_t* perm, int64_t pairs, int64_t cols, void* dst,
                        int64_t ld, int32_t type, cudaStream_t stream) {
   if (pairs == 0) return;
+  const bool v4 = cols % 4 == 0 && stride % 4 == 0 && slot_width % 4 == 0 && ld % 4 == 0 && aligned16(base) && aligned16(dst);
+  const auto launch = [&](auto* typed, auto kernel) { kernel<<<grid_for(pairs), kBlock, 0, stream>>>(base, stride, slot_width, top_k, perm, pairs, cols, typed, ld); };
   if (type == kWBF16) {
-    gather_kernel<<<grid_for(pairs), kBlock, 0, stream>>>(base, stride, slot_width, top_k, perm, pairs, cols, static_cast<__nv_bfloat16*>(dst), ld);
+    auto* typed = static_cast<__nv_bfloat16*>(dst);
+    v4 ? launch(typed, gather_kernel<__nv_bfloat16, 4>) : launch(typed, gather_kernel<__nv_bfloat16, 1>);
   } else if (type == kWF16) {
-    gather_kernel<<<grid_for(pairs), kBlock, 0, stream>>>(base, stride, slot_width, top_k, perm, pairs, cols, static_cast<__half*>(dst), ld);
+    auto* typed = static_cast<__half*>(dst);
+    v4 ? launch(typed, gather_kernel<__half, 4>) : launch(typed, gather_kernel<__half, 1>);
   } else {
-    gather_kernel<<<grid_for(pairs), kBlock, 0, stream>>>(base, stride, slot_width, top_k, perm, pairs, cols, static_cast<float*>(dst), ld);
+    auto* typed = static_cast<float*>(dst);
+    v4 ? launch(typed, gather_kernel<float, 4>) : launch(typed, gather_kernel<float, 1>);
   }
   check_launch("MoE gather");
 }
@@ -351,15 +418,19 @@ bool launch_moe_gemv(const int32_t* active, const int32_t* offsets, const int32_
 void launch_moe_activation(const void* gate, const void* up, int64_t ld, int32_t type, const int32_t* perm, int64_t pairs, int64_t inter, float* out,
                            int32_t act, bool round_out, bool situ, float beta, float linear_beta, cudaStream_t stream) {
   if (pairs == 0) return;
+  const bool v4 = inter % 4 == 0 && ld % 4 == 0 && aligned16(gate) && aligned16(up) && aligned16(out);
+  const auto launch = [&](const auto* g, const auto* u, auto kernel) {
+    kernel<<<grid_for(pairs), kBlock, 0, stream>>>(g, u, ld, perm, pairs, inter, out, act, round_out, situ, beta, linear_beta);
+  };
   if (type == kWBF16) {
-    activation_kernel<<<grid_for(pairs), kBlock, 0, stream>>>(static_cast<const __nv_bfloat16*>(gate), static_cast<const __nv_bfloat16*>(up), ld, perm, pairs,
-                                                              inter, out, act, round_out, situ, beta, linear_beta);
+    const auto *g = static_cast<const __nv_bfloat16*>(gate), *u = static_cast<const __nv_bfloat16*>(up);
+    v4 ? launch(g, u, activation_kernel<__nv_bfloat16, 4>) : launch(g, u, activation_kernel<__nv_bfloat16, 1>);
   } else if (type == kWF16) {
-    activation_kernel<<<grid_for(pairs), kBlock, 0, stream>>>(static_cast<const __half*>(gate), static_cast<const __half*>(up), ld, perm, pairs, inter, out,
-                                                              act, round_out, situ, beta, linear_beta);
+    const auto *g = static_cast<const __half*>(gate), *u = static_cast<const __half*>(up);
+    v4 ? launch(g, u, activation_kernel<__half, 4>) : launch(g, u, activation_kernel<__half, 1>);
   } else {
-    activation_kernel<<<grid_for(pairs), kBlock, 0, stream>>>(static_cast<const float*>(gate), static_cast<const float*>(up), ld, perm, pairs, inter, out, act,
-                                                              round_out, situ, beta, linear_beta);
+    const auto *g = static_cast<const float*>(gate), *u = static_cast<const float*>(up);
+    v4 ? launch(g, u, activation_kernel<float, 4>) : launch(g, u, activation_kernel<float, 1>);
   }
   check_launch("MoE activation");
 }

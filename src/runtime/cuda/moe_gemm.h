@@ -2,7 +2,8 @@
 // moe_gate_up and moe_down(_add) ops on the GEMM path (prefill_gemm.h) run on the host between
 // megakernel segments. The host reads the step's top-k ids once per MoE layer, sorts the (token, slot)
 // pairs by expert, and the device gathers the pairs' rows in that order, runs one GEMM per expert with
-// tokens (one cuBLAS grouped call), then applies the op body's activation (gate_up) or weighted sum in
+// tokens (16-bit weights: one launch of the wgmma kernel, moe_wgmma.cu; cuBLAS where it declines),
+// then applies the op body's activation (gate_up) or weighted sum in
 // top-k order (down) with the op body's rounding points (ops/gemv.cuh), writing the op's output rows.
 // Internal to src/runtime/cuda (backend.cpp, prefill_gemm.cpp).
 #pragma once
@@ -67,6 +68,16 @@ struct MoeGemmCapacity {
 // kMoeGemvMaxStagedBytes (ops/limits.h).
 inline constexpr int64_t kMoeDevicePairsPerExpert = 1;
 
+// How a MoE op's expert GEMMs ran.
+enum class ExpertGemmPath {
+  kNone,             // no op yet
+  kWgmma,            // launch_moe_wgmma: one launch over every expert's jobs
+  kCublasGrouped,    // one cublasGemmGroupedBatchedEx call
+  kCublasPerExpert,  // one cublasGemmEx per expert with tokens (fp32, or rows the others refuse)
+  kGemv,             // launch_moe_gemv after a device routing
+};
+const char* expert_gemm_path_name(ExpertGemmPath path);
+
 // Runs MoE ops on one stream. Per step: new_step(), then run() for each MoE host op in plan order.
 // A gate_up op sorts the routing, on the device for decode-sized steps (kMoeDevicePairsPerExpert),
 // else on the host (device → host, one stream synchronization, the sorted pairs uploaded); the down op
@@ -88,10 +99,13 @@ class MoeGemmRunner {
   // Tokens per expert of the last routing (tests: which experts got none, which got all); after a
   // device routing, read from the device (waits for the stream).
   const std::vector<int32_t>& last_expert_tokens();
-  // Whether the last op ran as one grouped GEMM (false: one cublasGemmEx per expert with tokens, or
-  // the expert GEMV), and whether as the expert GEMV after a device routing (kMoeDevicePairsPerExpert).
-  bool last_grouped() const { return last_grouped_; }
-  bool last_gemv() const { return last_gemv_; }
+  // How the last op's GEMMs ran (ExpertGemmPath), and whether as the expert GEMV after a device
+  // routing (kMoeDevicePairsPerExpert).
+  ExpertGemmPath last_path() const { return last_path_; }
+  bool last_gemv() const { return last_path_ == ExpertGemmPath::kGemv; }
+  // Benchmarks and tests: cuBLAS's grouped call instead of the wgmma kernel where both apply (the peer
+  // the kernel is measured against in the same run).
+  void set_prefer_cublas(bool on) { prefer_cublas_ = on; }
   // Routing reads since the last reset, and the experts with pairs summed over them (benchmarks: how
   // many distinct experts a step's MoE ops actually stream, against uniform routing's expectation).
   struct RoutingStats {
@@ -103,6 +117,12 @@ class MoeGemmRunner {
   // kernel (the host's sorting included) is added up; timed_ms() synchronizes the stream.
   void set_timing(bool on) { timing_ = on; }
   double timed_ms();
+  // Of that time: the host's sort with the lists' upload (the stream idle), and the GEMM launches of
+  // host-routed ops (the rest is the gathers and the epilogues).
+  struct TimedParts {
+    double sort_ms = 0, gemm_ms = 0;
+  };
+  TimedParts timed_parts();
   void reset_timed_ms();
 
  private:
@@ -112,6 +132,7 @@ class MoeGemmRunner {
     int64_t routes_offset = -1, rows = 0, top_k = 0;
     std::vector<int32_t> counts;                  // [experts] pairs per expert
     std::vector<int32_t> active, offsets;         // experts with pairs, ascending, and their first sorted pair
+    int short_jobs = 0, long_jobs = 0;            // host routing: the wgmma kernel's jobs (launch_moe_wgmma), uploaded with the lists
   };
   void read_routing(const MoeGemmOp& op, const float* arena, int64_t rows);
   void route_on_device(const MoeGemmOp& op, const float* arena, int64_t rows);
@@ -126,7 +147,7 @@ class MoeGemmRunner {
   DeviceBuffer workspace_, lists_, pointers_, in_, out_;
   DeviceBuffer device_counts_, device_stats_;  // device routing: pairs per expert [experts], then the active count; reads and experts (2 × u64)
   std::vector<float> routes_host_;
-  std::vector<int32_t> lists_host_;  // perm [pairs], inv [pairs], active experts, their offsets
+  std::vector<int32_t> lists_host_;  // perm [pairs], inv [pairs], active experts, their offsets, the jobs
   Routing routing_;
   RoutingStats host_stats_;
   // The grouped call's host arrays, one set per op kind (gate_up, down): each is rewritten only after
@@ -137,10 +158,11 @@ class MoeGemmRunner {
     std::vector<float> alpha, beta;
   } arrays_[2];
   bool grouped_ok_ = true;  // cleared when cuBLAS reports the grouped call unsupported
-  bool last_grouped_ = false, last_gemv_ = false;
+  bool prefer_cublas_ = false;
+  ExpertGemmPath last_path_ = ExpertGemmPath::kNone;
   int64_t calls_ = 0;
   bool timing_ = false;
-  StreamTimer timer_;
+  StreamTimer timer_, sort_timer_, gemm_timer_;
 };
 
 // ---- device side (moe_gemm.cu) ------------------------------------------------------------------------
@@ -173,6 +195,15 @@ void launch_moe_route(const float* routes, int64_t stride, int64_t rows, int64_t
 bool launch_moe_gemv(const int32_t* active, const int32_t* offsets, const int32_t* n, int max_n, int64_t pairs, const DeviceWeight* w, int sets,
                      int64_t gemm_in, int64_t gemm_out, const void* b, int64_t ld_in, int32_t in_type, void* c0, void* c1, int64_t ld_out,
                      int32_t out_type, cudaStream_t stream);
+// The expert GEMMs of a host-routed step on Hopper's warpgroup MMA (moe_wgmma.cu): for each job (jobs
+// [3·j]: expert e, first sorted row f, rows n; the first `short_jobs` with n ≤ 64, then `long_jobs`
+// with n ≤ kMoeWgmmaJobRows) and stack j < sets, c_j[f + i, o] = Σ_k b[f + i, k]·w_j[e][o, k] for i < n, o < gemm_out (fp32
+// accumulation, rounded once to out_type: in_type or kWF32). b: sorted rows, row stride ld_in, of
+// in_type (kWBF16 or kWF16, the weights' type); c_j row stride ld_out. False, launching nothing: types,
+// alignment (16-byte rows: gemm_in and ld_in multiples of 8) or sizes it has no kernel for.
+inline constexpr int kMoeWgmmaJobRows = 128;  // an expert's rows past it take more jobs (each streams its weights again)
+bool launch_moe_wgmma(const int32_t* jobs, int short_jobs, int long_jobs, const DeviceWeight* w, int sets, int64_t gemm_in, int64_t gemm_out, const void* b,
+                      int64_t ld_in, int32_t in_type, void* c0, void* c1, int64_t ld_out, int32_t out_type, cudaStream_t stream);
 // gate_up: out[q·inter + i] for sorted pair p (q = perm[p]) from gate/up rows p (row stride ld, type
 // `type`), with op_moe_gate_up's rounding.
 void launch_moe_activation(const void* gate, const void* up, int64_t ld, int32_t type, const int32_t* perm, int64_t pairs, int64_t inter, float* out,

@@ -1,0 +1,263 @@
+// The routed experts' GEMMs of a prefill step on Hopper's warpgroup MMA (moe_gemm.h launch_moe_wgmma).
+// A block computes 128 GEMM outputs (weight rows) of one weight stack for one job: up to BN sorted rows
+// of one expert (the host cuts an expert's rows into jobs of at most 128; those of at most 64 take the
+// BN = 64 kernel, with half the multiply work and a deeper ring, the others BN = 128). Its 256 threads stream the weight rows
+// and the job's rows through a ring of shared-memory stages by cp.async, 64 K elements a stage in the
+// 128-byte swizzled layout wgmma reads; each warpgroup multiplies its 64 weight rows by the job's rows
+// with wgmma m64nBNk16 (16-bit in, fp32 accumulate), four a stage. The output is rounded once, to the
+// output type, as cuBLAS rounds its GEMM's output.
+//
+// Why: at 2,048-token steps an expert gets ~64 rows, so the op is a weight stream (below the ridge) whose
+// instruction count decides how close it comes to the bandwidth: one wgmma is 64·BN·16 multiply-adds
+// (an mma.sync 16·8·16), and the threads' remaining work is the cp.async of their stage share.
+// K past gemm_in, weight rows past gemm_out and job rows past its count are the copies' zero fill.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "runtime/cuda/kernels.h"
+
+namespace plow::cuda {
+
+namespace {
+
+constexpr int kWgRows = 128;     // weight rows (GEMM outputs) of a block: 64 a warpgroup
+constexpr int kWgK = 64;         // K elements of a stage: one 128-byte row
+constexpr int kWgThreads = 256;  // two warpgroups
+
+template <int BN>
+struct WgLayout {
+  static constexpr int kStages = BN == 64 ? 4 : 3;  // ~96 KB: two blocks an SM
+  static constexpr int kABytes = kWgRows * 128;
+  static constexpr int kStageBytes = kABytes + BN * 128;
+  static constexpr int kBytes = kStages * kStageBytes + 1024;  // + the slack to align the ring to 1024 bytes
+  static_assert(kABytes % 1024 == 0 && kStageBytes % 1024 == 0, "stages start on swizzle atoms");
+};
+
+struct WgArgs {
+  const int32_t* jobs;  // [jobs][3]: expert, first sorted row, rows (≤ BN)
+  const uint8_t* w[2];  // weight stacks: expert e's [gemm_out, gemm_in] at w + e·part_bytes
+  int64_t part_bytes;
+  const uint8_t* b;     // sorted rows, row stride ld_in elements
+  int64_t ld_in;
+  uint8_t* c[2];        // outputs, row stride ld_out elements of TOut
+  int64_t ld_out;
+  int32_t gemm_in, gemm_out, out_tiles;
+};
+
+__device__ __forceinline__ uint32_t wg_smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void wg_cp16(uint32_t dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+// The descriptor of a K-major tile of 8-row, 128-byte-swizzled atoms at shared address `at` (1024-byte
+// aligned, or advanced by a multiple of 32 bytes inside the first row for the k16 steps): leading offset
+// 16 bytes (unused by this layout), stride 1024 bytes (one atom), swizzle mode 1 (128 bytes).
+__device__ __forceinline__ uint64_t wg_desc(uint32_t at) {
+  return static_cast<uint64_t>((at & 0x3FFFF) >> 4) | (uint64_t{16 >> 4} << 16) | (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// d += A·B for a 64×N×16 step: A (64 weight rows) and B (N job rows) by their descriptors, both
+// K-major; d the warpgroup's accumulator fragment (thread t: rows 16·(t/32) + (t%32)/4 (+8), columns
+// 8j + 2·(t%4) (+1) at d[4j..4j+3]). The macros: the accumulator operands of a 64×64 (32 registers)
+// and a 64×128 (64 registers) tile, and the instruction with both operands from shared memory (scale-d
+// 1: accumulate; A and B unscaled, K-major).
+#define PLOW_WG_REGS32 \
+  "{" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+  "}"
+#define PLOW_WG_REGS64 \
+  "{" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+  "}"
+#define PLOW_WG_OUT32 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define PLOW_WG_OUT64 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define PLOW_WG_MMA(shape, type, regs, a, b) "wgmma.mma_async.sync.aligned." shape ".f32." type "." type " " regs ", %" a ", %" b ", 1, 1, 1, 0, 0;\n"
+
+__device__ __forceinline__ void wgmma_m64n64k16_bf16(float (&d)[32], uint64_t a, uint64_t b) {
+  asm volatile(PLOW_WG_MMA("m64n64k16", "bf16", PLOW_WG_REGS32, "32", "33") : PLOW_WG_OUT32 : "l"(a), "l"(b));
+}
+__device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], uint64_t a, uint64_t b) {
+  asm volatile(PLOW_WG_MMA("m64n64k16", "f16", PLOW_WG_REGS32, "32", "33") : PLOW_WG_OUT32 : "l"(a), "l"(b));
+}
+__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t a, uint64_t b) {
+  asm volatile(PLOW_WG_MMA("m64n128k16", "bf16", PLOW_WG_REGS64, "64", "65") : PLOW_WG_OUT64 : "l"(a), "l"(b));
+}
+__device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], uint64_t a, uint64_t b) {
+  asm volatile(PLOW_WG_MMA("m64n128k16", "f16", PLOW_WG_REGS64, "64", "65") : PLOW_WG_OUT64 : "l"(a), "l"(b));
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void wg_mma(float (&d)[N / 2], uint64_t a, uint64_t b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if constexpr (N == 64) wgmma_m64n64k16_bf16(d, a, b);
+    else wgmma_m64n128k16_bf16(d, a, b);
+  } else {
+    if constexpr (N == 64) wgmma_m64n64k16_f16(d, a, b);
+    else wgmma_m64n128k16_f16(d, a, b);
+  }
+}
+
+__device__ __forceinline__ void store_out(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store_out(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
+
+// Stage `slot` ← K elements [64·kt, 64·kt + 64) of the block's weight rows and the job's rows. Thread
+// copies: 16 bytes (8 elements) each, 8 consecutive threads a 128-byte row; chunk c of row r lands at
+// chunk c ^ (r mod 8) of its row (the 128-byte swizzle).
+template <int BN>
+__device__ __forceinline__ void wg_load(uint32_t ring, int slot, int kt, const uint8_t* w, int rows_w, const uint8_t* b, int rows_b, int64_t ld_b_bytes,
+                                        int gemm_in, int elem_bytes) {
+  using L = WgLayout<BN>;
+  const uint32_t a_at = ring + slot * L::kStageBytes, b_at = a_at + L::kABytes;
+  const int64_t w_row_bytes = static_cast<int64_t>(gemm_in) * elem_bytes;
+  const int tid = static_cast<int>(threadIdx.x);
+#pragma unroll
+  for (int i = 0; i < kWgRows * 8 / kWgThreads; ++i) {
+    const int idx = tid + i * kWgThreads, r = idx / 8, c = idx % 8, k = kt * kWgK + 8 * c;
+    const bool real = r < rows_w && k < gemm_in;
+    wg_cp16(a_at + r * 128 + ((c ^ (r & 7)) << 4), real ? w + r * w_row_bytes + static_cast<int64_t>(k) * elem_bytes : w, real ? 16 : 0);
+  }
+#pragma unroll
+  for (int i = 0; i < BN * 8 / kWgThreads; ++i) {
+    const int idx = tid + i * kWgThreads, r = idx / 8, c = idx % 8, k = kt * kWgK + 8 * c;
+    const bool real = r < rows_b && k < gemm_in;
+    wg_cp16(b_at + r * 128 + ((c ^ (r & 7)) << 4), real ? b + r * ld_b_bytes + static_cast<int64_t>(k) * elem_bytes : b, real ? 16 : 0);
+  }
+}
+
+// Block (x = set · out_tiles + out tile, y = job).
+template <typename T, typename TOut, int BN>
+__global__ void __launch_bounds__(kWgThreads, 2) moe_wgmma_kernel(WgArgs a) {
+  using L = WgLayout<BN>;
+  extern __shared__ uint8_t wg_smem_raw[];
+  const uint32_t ring = (wg_smem(wg_smem_raw) + 1023u) & ~1023u;
+  const int expert = a.jobs[3 * blockIdx.y], first = a.jobs[3 * blockIdx.y + 1], rows = a.jobs[3 * blockIdx.y + 2];
+  const int set = static_cast<int>(blockIdx.x) / a.out_tiles, out0 = static_cast<int>(blockIdx.x) % a.out_tiles * kWgRows;
+  const int elem_bytes = static_cast<int>(sizeof(T));
+  const uint8_t* w = (set == 0 ? a.w[0] : a.w[1]) + expert * a.part_bytes + static_cast<int64_t>(out0) * a.gemm_in * elem_bytes;
+  const int rows_w = a.gemm_out - out0 < kWgRows ? a.gemm_out - out0 : kWgRows;
+  const int64_t ld_b_bytes = a.ld_in * elem_bytes;
+  const uint8_t* b = a.b + first * ld_b_bytes;
+  const int k_tiles = (a.gemm_in + kWgK - 1) / kWgK;
+
+  float d[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) d[i] = 0.0f;
+  // Every stage of the ring is in flight while a block waits for its oldest: a slot is refilled as soon
+  // as both warpgroups are done with it (the second barrier), not after the next stage has landed.
+#pragma unroll
+  for (int s = 0; s < L::kStages; ++s) {
+    if (s < k_tiles) wg_load<BN>(ring, s, s, w, rows_w, b, rows, ld_b_bytes, a.gemm_in, elem_bytes);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+  const int group = static_cast<int>(threadIdx.x) / 128;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(L::kStages - 1) : "memory");  // stage kt has landed (this thread's copies)
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");                // visible to wgmma's (async proxy) reads
+    __syncthreads();  // every thread's copies of stage kt
+    const int slot = kt % L::kStages;
+    const uint32_t a_at = ring + slot * L::kStageBytes + group * 64 * 128, b_at = ring + slot * L::kStageBytes + L::kABytes;
+    wg_fence();
+#pragma unroll
+    for (int k = 0; k < kWgK / 16; ++k) wg_mma<T, BN>(d, wg_desc(a_at + 32 * k), wg_desc(b_at + 32 * k));
+    wg_commit();
+    wg_wait();
+    __syncthreads();  // both warpgroups are done with the slot
+    if (kt + L::kStages < k_tiles) wg_load<BN>(ring, slot, kt + L::kStages, w, rows_w, b, rows, ld_b_bytes, a.gemm_in, elem_bytes);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // the trailing (empty) groups
+
+  // Output (row first + n, column out0 + m) for weight row m of this warpgroup and job row n.
+  TOut* c = reinterpret_cast<TOut*>(set == 0 ? a.c[0] : a.c[1]);
+  const int t = static_cast<int>(threadIdx.x) % 128, m = out0 + group * 64 + t / 32 * 16 + t % 32 / 4;
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int n = 8 * j + 2 * (t % 4) + (e & 1), o = m + 8 * (e / 2);
+      if (n < rows && o < a.gemm_out) store_out(c + (static_cast<int64_t>(first) + n) * a.ld_out + o, d[4 * j + e]);
+    }
+  }
+}
+
+template <typename T, typename TOut, int BN>
+void launch(const WgArgs& a, int jobs, int sets, cudaStream_t stream) {
+  const auto kernel = moe_wgmma_kernel<T, TOut, BN>;
+  const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WgLayout<BN>::kBytes);
+  if (error != cudaSuccess) cuda_failure("MoE wgmma GEMM shared memory", error);
+  kernel<<<dim3(static_cast<unsigned>(a.out_tiles * sets), static_cast<unsigned>(jobs)), kWgThreads, WgLayout<BN>::kBytes, stream>>>(a);
+}
+
+// The short jobs on the 64-row kernel, then the long ones on the 128-row kernel (one stream: in order).
+template <typename T, typename TOut>
+void launch_both(WgArgs a, int short_jobs, int long_jobs, int sets, cudaStream_t stream) {
+  if (short_jobs > 0) launch<T, TOut, 64>(a, short_jobs, sets, stream);
+  a.jobs += 3 * short_jobs;
+  if (long_jobs > 0) launch<T, TOut, 128>(a, long_jobs, sets, stream);
+}
+
+}  // namespace
+
+bool launch_moe_wgmma(const int32_t* jobs, int short_jobs, int long_jobs, const DeviceWeight* w, int sets, int64_t gemm_in, int64_t gemm_out, const void* b,
+                      int64_t ld_in, int32_t in_type, void* c0, void* c1, int64_t ld_out, int32_t out_type, cudaStream_t stream) {
+  if ((in_type != kWBF16 && in_type != kWF16) || (out_type != in_type && out_type != kWF32)) return false;
+  if (sets < 1 || sets > 2 || gemm_in % 8 != 0 || ld_in % 8 != 0 || gemm_in > (int64_t{1} << 30) || gemm_out > (int64_t{1} << 30)) return false;
+  for (int j = 0; j < sets; ++j) {
+    if (w[j].type != in_type || reinterpret_cast<uintptr_t>(w[j].data) % 16 != 0 || w[j].part_bytes != w[0].part_bytes) return false;
+  }
+  if (reinterpret_cast<uintptr_t>(b) % 16 != 0 || w[0].part_bytes % 16 != 0 || short_jobs < 0 || long_jobs < 0 || short_jobs > 65535 ||
+      long_jobs > 65535) {
+    return false;
+  }
+  if (short_jobs + long_jobs == 0) return true;
+  WgArgs a{};
+  a.jobs = jobs;
+  a.w[0] = w[0].data;
+  a.w[1] = sets > 1 ? w[1].data : w[0].data;
+  a.part_bytes = w[0].part_bytes;
+  a.b = static_cast<const uint8_t*>(b);
+  a.ld_in = ld_in;
+  a.c[0] = static_cast<uint8_t*>(c0);
+  a.c[1] = static_cast<uint8_t*>(sets > 1 ? c1 : c0);
+  a.ld_out = ld_out;
+  a.gemm_in = static_cast<int32_t>(gemm_in);
+  a.gemm_out = static_cast<int32_t>(gemm_out);
+  a.out_tiles = static_cast<int32_t>((gemm_out + kWgRows - 1) / kWgRows);
+  if (in_type == kWBF16) {
+    if (out_type == kWF32) launch_both<__nv_bfloat16, float>(a, short_jobs, long_jobs, sets, stream);
+    else launch_both<__nv_bfloat16, __nv_bfloat16>(a, short_jobs, long_jobs, sets, stream);
+  } else {
+    if (out_type == kWF32) launch_both<__half, float>(a, short_jobs, long_jobs, sets, stream);
+    else launch_both<__half, __half>(a, short_jobs, long_jobs, sets, stream);
+  }
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) cuda_failure("MoE wgmma GEMM", error);
+  return true;
+}
+
+}  // namespace plow::cuda
