@@ -328,7 +328,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"expert_ops_ms", expert_ms},
                    {"expert_gemm", expert_gemm},
                    {"expert_parts_ms",
-                    {{"host_sort_and_upload", sort_sum / args.reps},
+                    {{"routing_sort", sort_sum / args.reps},
                      {"gemms", expert_gemm_sum / args.reps},
                      {"gathers_and_epilogues", (expert_sum - sort_sum - expert_gemm_sum) / args.reps}}},
                    {"expert_weight_bytes", expert_gbps > 0 ? json(expert_weight_bytes) : json(nullptr)},  // null: no dense expert GEMMs ran
@@ -349,7 +349,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
     if (expert_gbps > 0) {
       std::cerr << fmt::format("  routed experts ({}): {:.2f} GB of expert weights streamed, {:.0f} GB/s ({:.0f}% of the read roofline)\n", expert_gemm,
                                expert_weight_bytes / 1e9, expert_gbps, 100.0 * expert_gbps / roofline_gbps);
-      std::cerr << fmt::format("  of their {:.1f} ms: host sort and upload {:.1f}, GEMMs {:.1f} ({:.0f} GB/s), gathers and epilogues {:.1f}\n", expert_ms,
+      std::cerr << fmt::format("  of their {:.1f} ms: routing sort {:.1f}, GEMMs {:.1f} ({:.0f} GB/s), gathers and epilogues {:.1f}\n", expert_ms,
                                sort_sum / args.reps, expert_gemm_sum / args.reps, expert_weight_bytes / (expert_gemm_sum / args.reps * 1e-3) / 1e9,
                                (expert_sum - sort_sum - expert_gemm_sum) / args.reps);
     }

@@ -156,8 +156,9 @@ class CudaBackend : public Backend {
   // expert_ms() waits for the stream.
   void set_expert_timing(bool on);
   double expert_ms();
-  // Of it: the host's routing sort (the stream idle) and the GEMMs of host-routed ops; the rest is the
-  // gathers and epilogues. Reset with it.
+  // Of it: the routing sort (on the device for steps whose GEMMs take the wgmma kernel, else on the
+  // host with the stream idle) and the GEMMs of steps past the expert GEMV; the rest is the gathers and
+  // epilogues. Reset with it.
   struct ExpertParts {
     double sort_ms = 0, gemm_ms = 0;
   };

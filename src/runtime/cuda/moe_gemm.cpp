@@ -30,10 +30,6 @@ bool dense_expert_stack(const DeviceWeight& w, int64_t experts) {
   return w.parts == experts && w.parts > 1 && (w.type == kWF32 || w.type == kWBF16 || w.type == kWF16);
 }
 
-// The wgmma kernel's jobs of a routing: each expert's rows in jobs of kMoeWgmmaJobRows, so at most one
-// per expert plus one per 128 pairs.
-int64_t max_jobs(const MoeGemmCapacity& capacity) { return capacity.experts + capacity.pairs / kMoeWgmmaJobRows + 1; }
-
 }  // namespace
 
 const char* expert_gemm_path_name(ExpertGemmPath path) {
@@ -121,7 +117,8 @@ MoeGemmRunner::MoeGemmRunner(const MoeGemmCapacity& capacity, cudaStream_t strea
       capacity_(capacity),
       error_(error),
       workspace_(kWorkspaceBytes, "cuBLAS workspace"),
-      lists_(static_cast<size_t>(2 * capacity.pairs + 2 * capacity.experts + 3 * max_jobs(capacity)) * sizeof(int32_t), "MoE routing lists"),
+      lists_(static_cast<size_t>(2 * capacity.pairs + 2 * capacity.experts + moe_job_list_ints(capacity.experts, capacity.pairs)) * sizeof(int32_t),
+             "MoE routing lists"),
       pointers_(static_cast<size_t>(3 * 2 * capacity.experts) * sizeof(void*), "MoE GEMM pointers"),
       in_(static_cast<size_t>(std::max<int64_t>(capacity.in_bytes, 16)), "MoE GEMM inputs"),
       out_(static_cast<size_t>(std::max<int64_t>(capacity.out_bytes, 16)), "MoE GEMM outputs"),
@@ -131,6 +128,16 @@ MoeGemmRunner::MoeGemmRunner(const MoeGemmCapacity& capacity, cudaStream_t strea
       sort_timer_(stream),
       gemm_timer_(stream) {
   check(cudaMemsetAsync(device_stats_.ptr, 0, device_stats_.bytes, stream_), "MoE routing stats");
+  if (capacity.pairs > 0 && capacity.experts <= kMoeDeviceMaxExperts) {  // launch_moe_sort's scratch: three int arrays, then the radix sort's storage
+    const size_t ints = static_cast<size_t>(capacity.pairs) * sizeof(int32_t), array = (ints + 255) / 256 * 256;
+    sort_buffers_.temp_bytes = moe_sort_temp_bytes(capacity.pairs);
+    sort_scratch_ = DeviceBuffer(3 * array + sort_buffers_.temp_bytes, "MoE routing sort");
+    uint8_t* base = sort_scratch_.as<uint8_t>();
+    sort_buffers_.keys = reinterpret_cast<int32_t*>(base);
+    sort_buffers_.sorted_keys = reinterpret_cast<int32_t*>(base + array);
+    sort_buffers_.values = reinterpret_cast<int32_t*>(base + 2 * array);
+    sort_buffers_.temp = base + 3 * array;
+  }
   check_cublas(cublasCreate(&handle_), "handle");
   check_cublas(cublasSetStream(handle_, stream_), "stream");
   check_cublas(cublasSetWorkspace(handle_, workspace_.ptr, workspace_.bytes), "workspace");  // after SetStream, which resets it
@@ -183,11 +190,12 @@ void MoeGemmRunner::sort_routing(const MoeGemmOp& op, int64_t rows) {
     total += r.counts[static_cast<size_t>(e)];
   }
   // The wgmma kernel's jobs: each expert's rows in pieces of kMoeWgmmaJobRows, those of ≤ 64 rows first.
-  r.short_jobs = r.long_jobs = 0;
+  r.short_grid = r.long_grid = 0;
   for (int32_t n : r.counts) {
-    for (int32_t left = n; left > 0; left -= kMoeWgmmaJobRows) (left <= 64 ? r.short_jobs : r.long_jobs) += 1;
+    for (int32_t left = n; left > 0; left -= kMoeWgmmaJobRows) (left <= 64 ? r.short_grid : r.long_grid) += 1;
   }
-  lists_host_.resize(static_cast<size_t>(2 * pairs) + 2 * r.active.size() + 3 * static_cast<size_t>(r.short_jobs + r.long_jobs));
+  r.job_list_at = 2 * pairs + 2 * static_cast<int64_t>(r.active.size());
+  lists_host_.resize(static_cast<size_t>(r.job_list_at) + 2 + 3 * static_cast<size_t>(r.short_grid + r.long_grid));
   int32_t* perm = lists_host_.data();
   int32_t* inv = perm + pairs;
   for (int64_t q = 0; q < pairs; ++q) {
@@ -197,8 +205,11 @@ void MoeGemmRunner::sort_routing(const MoeGemmOp& op, int64_t rows) {
   }
   std::copy(r.active.begin(), r.active.end(), inv + pairs);
   std::copy(r.offsets.begin(), r.offsets.end(), inv + pairs + r.active.size());
-  int32_t* short_job = inv + pairs + 2 * r.active.size();  // expert, first sorted row, rows
-  int32_t* long_job = short_job + 3 * r.short_jobs;
+  int32_t* job_list = perm + r.job_list_at;  // moe_lists.h: the counts, then the jobs (expert, first sorted row, rows)
+  job_list[0] = r.short_grid;
+  job_list[1] = r.long_grid;
+  int32_t* short_job = job_list + 2;
+  int32_t* long_job = short_job + 3 * r.short_grid;
   for (size_t i = 0; i < r.active.size(); ++i) {
     const int32_t e = r.active[i], count = r.counts[static_cast<size_t>(e)];
     for (int32_t f = 0; f < count; f += kMoeWgmmaJobRows) {
@@ -214,6 +225,7 @@ void MoeGemmRunner::sort_routing(const MoeGemmOp& op, int64_t rows) {
   check(cudaMemcpyAsync(lists_.ptr, lists_host_.data(), lists_host_.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_), "MoE routing lists");
   r.valid = true;
   r.device = false;
+  r.sorted = false;
   host_stats_.reads += 1;
   host_stats_.experts += static_cast<int64_t>(r.active.size());
   r.routes_offset = op.routes_offset;
@@ -232,6 +244,7 @@ void MoeGemmRunner::route_on_device(const MoeGemmOp& op, const float* arena, int
   Routing& r = routing_;
   r.valid = true;
   r.device = true;
+  r.sorted = false;
   r.counts.assign(static_cast<size_t>(op.experts), 0);  // on the device until last_expert_tokens() reads them
   r.active.clear();
   r.offsets.clear();
@@ -240,17 +253,58 @@ void MoeGemmRunner::route_on_device(const MoeGemmOp& op, const float* arena, int
   r.top_k = op.top_k;
 }
 
+// A large step's routing sorted on the device (launch_moe_sort) into the host sort's lists and the
+// wgmma kernel's job list: no routing read, nothing waits. Its GEMMs must take the wgmma kernel.
+void MoeGemmRunner::sort_on_device(const MoeGemmOp& op, const float* arena, int64_t rows) {
+  const int64_t pairs = rows * op.top_k;
+  if (pairs > capacity_.pairs || op.experts > capacity_.experts || sort_buffers_.keys == nullptr) {
+    fail("cuda: a MoE step of {} pairs over {} experts outgrows its buffers", pairs, op.experts);
+  }
+  int32_t* perm = lists_.as<int32_t>();
+  const int64_t max_n = std::min(pairs, op.experts);
+  Routing& r = routing_;
+  r.job_list_at = 2 * pairs + 2 * max_n;
+  launch_moe_sort(arena + op.routes_offset, op.routes_stride, rows, op.top_k, static_cast<int>(op.experts), sort_buffers_, perm, perm + pairs, perm + 2 * pairs,
+                  perm + 2 * pairs + max_n, perm + r.job_list_at, device_counts_.as<int32_t>(), device_stats_.as<unsigned long long>(), error_, stream_);
+  r.valid = true;
+  r.device = true;
+  r.sorted = true;
+  r.counts.assign(static_cast<size_t>(op.experts), 0);  // on the device until last_expert_tokens() reads them
+  r.active.clear();
+  r.offsets.clear();
+  // The job counts live on the device: the grids hold every job a routing can have, per class.
+  const int64_t bound = std::min<int64_t>(op.experts + pairs / kMoeWgmmaJobRows + 1, 65535);
+  r.short_grid = r.long_grid = static_cast<int>(bound);
+  r.routes_offset = op.routes_offset;
+  r.rows = rows;
+  r.top_k = op.top_k;
+}
+
+// Whether the op's expert GEMMs take the wgmma kernel (launch_moe_wgmma) rather than cuBLAS.
+bool MoeGemmRunner::wgmma_takes(const MoeGemmOp& op) const {
+  return !prefer_cublas_ && op.in_type() != kWF32 &&
+         moe_wgmma_supports(op.w, op.sets(), op.gemm_in, op.gemm_out, in_.ptr, padded(op.gemm_in), op.in_type(), op.out_type());
+}
+
 void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
   calls_ += 1;
   const int64_t pairs = rows * op.top_k;
   const bool on_device = pairs <= kMoeDevicePairsPerExpert * op.experts && pairs <= kMoeDeviceMaxPairs && op.experts <= kMoeDeviceMaxExperts &&
                          padded(op.gemm_in) * static_cast<int64_t>(sizeof(float)) <= kMoeGemvMaxStagedBytes;
+  // Larger steps whose GEMMs take the wgmma kernel sort on the device too (the job list stays there).
+  const bool sorted = !on_device && op.experts <= kMoeDeviceMaxExperts && sort_buffers_.keys != nullptr && wgmma_takes(op);
   // A down op reads the routing its gate_up read (the same top-k buffer in the same step).
-  const bool reuse = !op.gate_up() && routing_.valid && routing_.device == on_device && routing_.routes_offset == op.routes_offset &&
-                     routing_.rows == rows && routing_.top_k == op.top_k && static_cast<int64_t>(routing_.counts.size()) == op.experts;
+  const bool reuse = !op.gate_up() && routing_.valid && routing_.device == (on_device || sorted) && routing_.sorted == sorted &&
+                     routing_.routes_offset == op.routes_offset && routing_.rows == rows && routing_.top_k == op.top_k &&
+                     static_cast<int64_t>(routing_.counts.size()) == op.experts;
   if (on_device) {
     if (timing_) timer_.start();
     if (!reuse) route_on_device(op, arena, rows);
+  } else if (sorted) {
+    if (timing_) timer_.start();
+    if (timing_) sort_timer_.start();
+    if (!reuse) sort_on_device(op, arena, rows);
+    if (timing_) sort_timer_.stop();
   } else {
     if (!reuse) read_routing(op, arena, rows);
     if (timing_) timer_.start();  // the stream is idle after a routing read: the sort counts
@@ -304,18 +358,19 @@ void MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs) {
   const Routing& r = routing_;
   const int n = static_cast<int>(r.active.size()), sets = op.sets();
   last_path_ = ExpertGemmPath::kNone;
-  if (n == 0) return;  // no rows
   const int64_t ld_in = padded(op.gemm_in), ld_out = padded(op.gemm_out);
   const int64_t in_row = ld_in * type_bytes(op.in_type()), out_row = ld_out * type_bytes(op.out_type());
   uint8_t* c[2] = {out_.as<uint8_t>(), out_.as<uint8_t>() + pairs * out_row};
-  if (!prefer_cublas_ && op.in_type() != kWF32) {
-    const int32_t* jobs = lists_.as<int32_t>() + 2 * pairs + 2 * n;
-    if (launch_moe_wgmma(jobs, r.short_jobs, r.long_jobs, op.w, sets, op.gemm_in, op.gemm_out, in_.ptr, ld_in, op.in_type(), c[0], c[1], ld_out, op.out_type(),
-                         stream_)) {
-      last_path_ = ExpertGemmPath::kWgmma;
-      return;
+  if (r.sorted || (n > 0 && wgmma_takes(op))) {  // a device sort's job list has no host copy: only this kernel reads it
+    if (!launch_moe_wgmma(lists_.as<int32_t>() + r.job_list_at, r.short_grid, r.long_grid, op.w, sets, op.gemm_in, op.gemm_out, in_.ptr, ld_in, op.in_type(),
+                          c[0], c[1], ld_out, op.out_type(), stream_)) {
+      fail("cuda: the wgmma expert GEMM refused a step of {} pairs over {} experts ({}-wide rows, weight type {}) it was chosen for", pairs, op.experts,
+           op.gemm_in, op.in_type());
     }
+    last_path_ = ExpertGemmPath::kWgmma;
+    return;
   }
+  if (n == 0) return;  // no rows
   const cudaDataType a_type = data_type(op.in_type()), c_type = data_type(op.out_type());
   const float one = 1.0f, zero = 0.0f;
   // cuBLAS's grouped GEMM takes one type for A, B and C: half weights with half outputs. Its pointers

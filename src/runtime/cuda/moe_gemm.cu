@@ -7,10 +7,12 @@
 #include <cuda_fp16.h>
 
 #include <cub/block/block_scan.cuh>
+#include <cub/device/device_radix_sort.cuh>
 #include <type_traits>
 
 #include "runtime/cuda/device.cuh"
 #include "runtime/cuda/kernels.h"  // declared in moe_gemm.h (host headers nvcc need not see)
+#include "runtime/cuda/moe_lists.h"
 #include "runtime/cuda/ops/common.cuh"
 #include "runtime/cuda/ops/gemv_dot.cuh"
 #include "runtime/cuda/ops/limits.h"
@@ -286,6 +288,15 @@ bool gemv(const int32_t* active, const int32_t* offsets, const int32_t* n, int m
 }
 
 // launch_moe_route: one block, one thread per expert for the scans.
+// The expert of pair q (slot q mod k of top-k row q / k: k weights, then k ids as floats); an id that is
+// not an integer in 0..experts-1 sets *error to kErrRouting and counts as expert 0.
+__device__ __forceinline__ int routed_expert(const float* routes, int64_t stride, int64_t top_k, int64_t q, int experts, int32_t* error) {
+  const float id = routes[(q / top_k) * stride + top_k + q % top_k];
+  if (id >= 0.0f && id < static_cast<float>(experts) && id == floorf(id)) return static_cast<int>(id);
+  atomicCAS(error, 0, kErrRouting);
+  return 0;
+}
+
 constexpr int kRouteThreads = 1024;
 static_assert(kRouteThreads >= kMoeDeviceMaxExperts, "the routing sort scans one expert per thread");
 
@@ -301,13 +312,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const float* route
   if (t < experts) count[t] = 0;
   __syncthreads();
   for (int q = t; q < pairs; q += kRouteThreads) {
-    const float id = routes[(q / top_k) * stride + top_k + q % top_k];
-    int e = 0;
-    if (id >= 0.0f && id < static_cast<float>(experts) && id == floorf(id)) {
-      e = static_cast<int>(id);
-    } else {
-      atomicCAS(error, 0, kErrRouting);
-    }
+    const int e = routed_expert(routes, stride, top_k, q, experts, error);
     expert_of[q] = static_cast<int16_t>(e);
     atomicAdd(&count[e], 1);
   }
@@ -340,6 +345,72 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const float* route
     perm[p] = q;
     inv[q] = p;
   }
+}
+
+// The large-step routing sort (launch_moe_sort). Keys: each pair's expert id (an invalid one sets
+// kErrRouting and counts as expert 0, as route_kernel does), values the pair indices; counts by a
+// shared-memory histogram per block.
+__global__ void __launch_bounds__(kBlock) sort_keys_kernel(const float* routes, int64_t stride, int64_t top_k, int64_t pairs, int experts, int32_t* keys,
+                                                           int32_t* values, int32_t* counts, int32_t* error) {
+  __shared__ int hist[kMoeDeviceMaxExperts];
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  for (int64_t q = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; q < pairs; q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int e = routed_expert(routes, stride, top_k, q, experts, error);
+    keys[q] = e;
+    values[q] = static_cast<int32_t>(q);
+    atomicAdd(&hist[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    if (hist[e] != 0) atomicAdd(&counts[e], hist[e]);
+  }
+}
+
+// One block: from the counts, the active experts and their first sorted pairs (as the host's sort
+// writes them), the active count after the counts, the statistics, and the wgmma kernel's job list
+// (launch_moe_wgmma: the short and long job counts, then the short jobs, then the long ones). Expert e's
+// rows are pieces of kMoeWgmmaJobRows; its last piece is a short job when it has at most 64 rows.
+__global__ void __launch_bounds__(kRouteThreads) sort_lists_kernel(int experts, int32_t* counts, int32_t* active, int32_t* offsets, int32_t* job_list,
+                                                                   unsigned long long* stats) {
+  using Scan = cub::BlockScan<int, kRouteThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  const int t = threadIdx.x;
+  const int c = t < experts ? counts[t] : 0;
+  const int pieces = (c + kMoeWgmmaJobRows - 1) / kMoeWgmmaJobRows, last = c - (pieces - 1) * kMoeWgmmaJobRows;
+  const int short_jobs = c > 0 && last <= 64 ? 1 : 0, long_jobs = pieces - short_jobs;
+  int first = 0, slot = 0, n = 0, short_at = 0, short_total = 0, long_at = 0, long_total = 0;
+  Scan(scan).ExclusiveSum(c, first);
+  __syncthreads();  // the scan's storage is reused
+  Scan(scan).ExclusiveSum(c > 0 ? 1 : 0, slot, n);
+  __syncthreads();
+  Scan(scan).ExclusiveSum(short_jobs, short_at, short_total);
+  __syncthreads();
+  Scan(scan).ExclusiveSum(long_jobs, long_at, long_total);
+  if (c > 0) {
+    active[slot] = t;
+    offsets[slot] = first;
+  }
+  int32_t* jobs = job_list + 2;
+  if (short_jobs > 0) {
+    int32_t* job = jobs + 3 * short_at;
+    job[0] = t, job[1] = first + (pieces - 1) * kMoeWgmmaJobRows, job[2] = last;
+  }
+  for (int j = 0; j < long_jobs; ++j) {
+    int32_t* job = jobs + 3 * (short_total + long_at + j);
+    job[0] = t, job[1] = first + j * kMoeWgmmaJobRows, job[2] = min(kMoeWgmmaJobRows, c - j * kMoeWgmmaJobRows);
+  }
+  if (t == 0) {
+    counts[experts] = n;
+    job_list[0] = short_total;
+    job_list[1] = long_total;
+    stats[0] += 1;
+    stats[1] += static_cast<unsigned long long>(n);
+  }
+}
+
+__global__ void inverse_kernel(const int32_t* perm, int64_t pairs, int32_t* inv) {
+  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < pairs; p += static_cast<int64_t>(gridDim.x) * blockDim.x) inv[perm[p]] = static_cast<int32_t>(p);
 }
 
 template <typename T>
@@ -391,6 +462,36 @@ void launch_moe_route(const float* routes, int64_t stride, int64_t rows, int64_t
                       int32_t* offsets, int32_t* counts, unsigned long long* stats, int32_t* error, cudaStream_t stream) {
   route_kernel<<<1, kRouteThreads, 0, stream>>>(routes, stride, rows, top_k, experts, perm, inv, active, offsets, counts, stats, error);
   check_launch("MoE routing sort");
+}
+
+size_t moe_sort_temp_bytes(int64_t pairs) {
+  size_t bytes = 0;
+  const cudaError_t error = cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+                                                            static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), static_cast<int>(pairs), 0,
+                                                            10);
+  if (error != cudaSuccess) cuda_failure("MoE routing sort storage", error);
+  return bytes;
+}
+
+void launch_moe_sort(const float* routes, int64_t stride, int64_t rows, int64_t top_k, int experts, const MoeSortBuffers& b, int32_t* perm, int32_t* inv,
+                     int32_t* active, int32_t* offsets, int32_t* job_list, int32_t* counts, unsigned long long* stats, int32_t* error, cudaStream_t stream) {
+  const int64_t pairs = rows * top_k;
+  const cudaError_t cleared = cudaMemsetAsync(counts, 0, static_cast<size_t>(experts) * sizeof(int32_t), stream);
+  if (cleared != cudaSuccess) cuda_failure("MoE routing counts", cleared);
+  const int blocks = static_cast<int>(std::min<int64_t>((pairs + kBlock - 1) / kBlock, 264));
+  sort_keys_kernel<<<std::max(blocks, 1), kBlock, 0, stream>>>(routes, stride, top_k, pairs, experts, b.keys, b.values, counts, error);
+  check_launch("MoE routing keys");
+  int bits = 1;
+  while ((1 << bits) < experts) ++bits;
+  size_t bytes = b.temp_bytes;
+  // Unsigned keys: the ids are non-negative, and no sign bit is reordered.
+  const cudaError_t sorted = cub::DeviceRadixSort::SortPairs(b.temp, bytes, reinterpret_cast<const uint32_t*>(b.keys), reinterpret_cast<uint32_t*>(b.sorted_keys),
+                                                             b.values, perm, static_cast<int>(pairs), 0, bits, stream);
+  if (sorted != cudaSuccess) cuda_failure("MoE routing radix sort", sorted);
+  sort_lists_kernel<<<1, kRouteThreads, 0, stream>>>(experts, counts, active, offsets, job_list, stats);
+  check_launch("MoE routing lists");
+  inverse_kernel<<<grid_for(pairs), kBlock, 0, stream>>>(perm, pairs, inv);
+  check_launch("MoE routing inverse");
 }
 
 bool launch_moe_gemv(const int32_t* active, const int32_t* offsets, const int32_t* n, int max_n, int64_t pairs, const DeviceWeight* w, int sets,

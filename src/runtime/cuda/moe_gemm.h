@@ -1,10 +1,11 @@
 // Routed experts of a prefill step as grouped GEMMs over routing-sorted tokens (issue H): a plan's
 // moe_gate_up and moe_down(_add) ops on the GEMM path (prefill_gemm.h) run on the host between
-// megakernel segments. The host reads the step's top-k ids once per MoE layer, sorts the (token, slot)
-// pairs by expert, and the device gathers the pairs' rows in that order, runs one GEMM per expert with
-// tokens (16-bit weights: one launch of the wgmma kernel, moe_wgmma.cu; cuBLAS where it declines),
-// then applies the op body's activation (gate_up) or weighted sum in
-// top-k order (down) with the op body's rounding points (ops/gemv.cuh), writing the op's output rows.
+// megakernel segments. Once per MoE layer the step's (token, slot) pairs are sorted by expert (on the
+// device, or on the host after reading the top-k ids back), and the device gathers the pairs' rows in
+// that order, runs one GEMM per expert with tokens (16-bit weights: one launch of the wgmma kernel,
+// moe_wgmma.cu; cuBLAS where it declines), then applies the op body's activation (gate_up) or weighted
+// sum in top-k order (down) with the op body's rounding points (ops/gemv.cuh), writing the op's output
+// rows.
 // Internal to src/runtime/cuda (backend.cpp, prefill_gemm.cpp).
 #pragma once
 
@@ -17,6 +18,7 @@
 
 #include "plan/plan.h"
 #include "runtime/cuda/device_memory.h"
+#include "runtime/cuda/moe_lists.h"
 #include "runtime/cuda/ops/limits.h"
 #include "runtime/cuda/stream_timer.h"
 
@@ -61,8 +63,9 @@ struct MoeGemmCapacity {
 
 // Steps of at most this many (token, slot) pairs per expert of the stack (a batch of ≤ 32 decode rows
 // at the 48B shape: 256 experts, top-8) route on the device and take the expert GEMV
-// (launch_moe_route, launch_moe_gemv): no host synchronization in the step. Larger steps read the
-// routing on the host and take cuBLAS's grouped GEMM. Measured at 2 pairs an expert (H200, 48B shape,
+// (launch_moe_route, launch_moe_gemv): no host synchronization in the step. Larger steps take the GEMMs
+// (the wgmma kernel after a device sort, launch_moe_sort; else cuBLAS after the host's). Measured at 2
+// pairs an expert, when those were all on the host and cuBLAS (H200, 48B shape,
 // context 4096, ms a step, host / device): batch 48 46.2 / 45.8, batch 64 53.4 / 54.8.
 // Also at most kMoeDeviceMaxPairs pairs over kMoeDeviceMaxExperts experts, input rows that stage in
 // kMoeGemvMaxStagedBytes (ops/limits.h).
@@ -79,9 +82,10 @@ enum class ExpertGemmPath {
 const char* expert_gemm_path_name(ExpertGemmPath path);
 
 // Runs MoE ops on one stream. Per step: new_step(), then run() for each MoE host op in plan order.
-// A gate_up op sorts the routing, on the device for decode-sized steps (kMoeDevicePairsPerExpert),
-// else on the host (device → host, one stream synchronization, the sorted pairs uploaded); the down op
-// that follows reuses the lists (the same top-k buffer, still live: it is its input).
+// A gate_up op sorts the routing: on the device for decode-sized steps (kMoeDevicePairsPerExpert,
+// launch_moe_route) and for larger ones whose GEMMs take the wgmma kernel (launch_moe_sort), else on the
+// host (device → host, one stream synchronization, the sorted pairs uploaded); the down op that follows
+// reuses the lists (the same top-k buffer, still live: it is its input) when it takes the same path.
 class MoeGemmRunner {
  public:
   // `error`: the backend's device error flag (kErrRouting from the device routing sort).
@@ -117,8 +121,8 @@ class MoeGemmRunner {
   // kernel (the host's sorting included) is added up; timed_ms() synchronizes the stream.
   void set_timing(bool on) { timing_ = on; }
   double timed_ms();
-  // Of that time: the host's sort with the lists' upload (the stream idle), and the GEMM launches of
-  // host-routed ops (the rest is the gathers and the epilogues).
+  // Of that time: the routing sort (on the host with the lists' upload, the stream idle; or on the
+  // device), and the GEMM launches of large steps (the rest is the gathers and the epilogues).
   struct TimedParts {
     double sort_ms = 0, gemm_ms = 0;
   };
@@ -129,13 +133,17 @@ class MoeGemmRunner {
   struct Routing {
     bool valid = false;
     bool device = false;  // sorted on the device: the counts and the active count live in device_counts_
+    bool sorted = false;  // by launch_moe_sort (a large step whose GEMMs take the wgmma kernel), not launch_moe_route
     int64_t routes_offset = -1, rows = 0, top_k = 0;
     std::vector<int32_t> counts;                  // [experts] pairs per expert
     std::vector<int32_t> active, offsets;         // experts with pairs, ascending, and their first sorted pair
-    int short_jobs = 0, long_jobs = 0;            // host routing: the wgmma kernel's jobs (launch_moe_wgmma), uploaded with the lists
+    int64_t job_list_at = 0;                      // ints into lists_: the wgmma kernel's job list (moe_lists.h)
+    int short_grid = 0, long_grid = 0;            // its launches' grids: the host's job counts, or the device sort's bound
   };
   void read_routing(const MoeGemmOp& op, const float* arena, int64_t rows);
   void route_on_device(const MoeGemmOp& op, const float* arena, int64_t rows);
+  void sort_on_device(const MoeGemmOp& op, const float* arena, int64_t rows);
+  bool wgmma_takes(const MoeGemmOp& op) const;
   void sort_routing(const MoeGemmOp& op, int64_t rows);
   void gemms(const MoeGemmOp& op, int64_t pairs);
   void epilogue(const MoeGemmOp& op, float* arena, int64_t rows);
@@ -146,6 +154,8 @@ class MoeGemmRunner {
   int32_t* error_ = nullptr;
   DeviceBuffer workspace_, lists_, pointers_, in_, out_;
   DeviceBuffer device_counts_, device_stats_;  // device routing: pairs per expert [experts], then the active count; reads and experts (2 × u64)
+  DeviceBuffer sort_scratch_;                   // launch_moe_sort's keys, sorted keys, values and radix-sort storage
+  MoeSortBuffers sort_buffers_;
   std::vector<float> routes_host_;
   std::vector<int32_t> lists_host_;  // perm [pairs], inv [pairs], active experts, their offsets, the jobs
   Routing routing_;
@@ -195,15 +205,26 @@ void launch_moe_route(const float* routes, int64_t stride, int64_t rows, int64_t
 bool launch_moe_gemv(const int32_t* active, const int32_t* offsets, const int32_t* n, int max_n, int64_t pairs, const DeviceWeight* w, int sets,
                      int64_t gemm_in, int64_t gemm_out, const void* b, int64_t ld_in, int32_t in_type, void* c0, void* c1, int64_t ld_out,
                      int32_t out_type, cudaStream_t stream);
-// The expert GEMMs of a host-routed step on Hopper's warpgroup MMA (moe_wgmma.cu): for each job (jobs
-// [3·j]: expert e, first sorted row f, rows n; the first `short_jobs` with n ≤ 64, then `long_jobs`
-// with n ≤ kMoeWgmmaJobRows) and stack j < sets, c_j[f + i, o] = Σ_k b[f + i, k]·w_j[e][o, k] for i < n, o < gemm_out (fp32
-// accumulation, rounded once to out_type: in_type or kWF32). b: sorted rows, row stride ld_in, of
-// in_type (kWBF16 or kWF16, the weights' type); c_j row stride ld_out. False, launching nothing: types,
-// alignment (16-byte rows: gemm_in and ld_in multiples of 8) or sizes it has no kernel for.
-inline constexpr int kMoeWgmmaJobRows = 128;  // an expert's rows past it take more jobs (each streams its weights again)
-bool launch_moe_wgmma(const int32_t* jobs, int short_jobs, int long_jobs, const DeviceWeight* w, int sets, int64_t gemm_in, int64_t gemm_out, const void* b,
-                      int64_t ld_in, int32_t in_type, void* c0, void* c1, int64_t ld_out, int32_t out_type, cudaStream_t stream);
+// The expert GEMMs of a step on Hopper's warpgroup MMA (moe_wgmma.cu): for each job of `job_list`
+// (moe_lists.h: expert e, first sorted row f, rows n) and stack j < sets, c_j[f + i, o] =
+// Σ_k b[f + i, k]·w_j[e][o, k] for i < n, o < gemm_out (fp32 accumulation, rounded once to out_type:
+// in_type or kWF32). b: sorted rows, row stride ld_in, of in_type (kWBF16 or kWF16, the weights' type);
+// c_j row stride ld_out. The grids hold short_grid and long_grid jobs: the list's counts, or more (a
+// device routing: the blocks past the list's counts return). False, launching nothing, where
+// moe_wgmma_supports is: types, alignment (16-byte rows: gemm_in and ld_in multiples of 8) or sizes it
+// has no kernel for.
+bool moe_wgmma_supports(const DeviceWeight* w, int sets, int64_t gemm_in, int64_t gemm_out, const void* b, int64_t ld_in, int32_t in_type, int32_t out_type);
+bool launch_moe_wgmma(const int32_t* job_list, int short_grid, int long_grid, const DeviceWeight* w, int sets, int64_t gemm_in, int64_t gemm_out,
+                      const void* b, int64_t ld_in, int32_t in_type, void* c0, void* c1, int64_t ld_out, int32_t out_type, cudaStream_t stream);
+// The routing of a step too large for launch_moe_route, sorted on the device into the lists the host's
+// sort writes (perm, inv, the active experts and their first sorted pairs, at most min(pairs, experts)
+// of each, the active count at counts[experts]) and the wgmma kernel's job list: the pairs' expert ids
+// as keys of a stable radix sort (ascending token order within an expert), counts by histogram, the
+// lists and jobs by block scans over the experts (≤ kMoeDeviceMaxExperts). An id that is not an integer
+// expert index sets *error to kErrRouting (and counts as expert 0). stats [2] += {1, active experts}.
+size_t moe_sort_temp_bytes(int64_t pairs);
+void launch_moe_sort(const float* routes, int64_t stride, int64_t rows, int64_t top_k, int experts, const MoeSortBuffers& buffers, int32_t* perm, int32_t* inv,
+                     int32_t* active, int32_t* offsets, int32_t* job_list, int32_t* counts, unsigned long long* stats, int32_t* error, cudaStream_t stream);
 // gate_up: out[q·inter + i] for sorted pair p (q = perm[p]) from gate/up rows p (row stride ld, type
 // `type`), with op_moe_gate_up's rounding.
 void launch_moe_activation(const void* gate, const void* up, int64_t ld, int32_t type, const int32_t* perm, int64_t pairs, int64_t inter, float* out,

@@ -1,7 +1,7 @@
 // The routed experts' GEMMs of a prefill step on Hopper's warpgroup MMA (moe_gemm.h launch_moe_wgmma).
 // A block computes 128 GEMM outputs (weight rows) of one weight stack for one job: up to BN sorted rows
-// of one expert (the host cuts an expert's rows into jobs of at most 128; those of at most 64 take the
-// BN = 64 kernel, with half the multiply work and a deeper ring, the others BN = 128). Its 256 threads stream the weight rows
+// of one expert (the routing sort cuts an expert's rows into jobs of at most kMoeWgmmaJobRows; those of at
+// most 64 take the BN = 64 kernel, with half the multiply work and a deeper ring, the others BN = 128). Its 256 threads stream the weight rows
 // and the job's rows through a ring of shared-memory stages by cp.async, 64 K elements a stage in the
 // 128-byte swizzled layout wgmma reads; each warpgroup multiplies its 64 weight rows by the job's rows
 // with wgmma m64nBNk16 (16-bit in, fp32 accumulate), four a stage. The output is rounded once, to the
@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "runtime/cuda/kernels.h"
+#include "runtime/cuda/moe_lists.h"
 
 namespace plow::cuda {
 
@@ -37,7 +38,8 @@ struct WgLayout {
 };
 
 struct WgArgs {
-  const int32_t* jobs;  // [jobs][3]: expert, first sorted row, rows (≤ BN)
+  const int32_t* job_list;  // moe_lists.h: the short and long job counts, then the jobs (expert, first sorted row, rows)
+  int32_t job_class;        // 0: the short jobs (≤ 64 rows), 1: the long ones (≤ kMoeWgmmaJobRows)
   const uint8_t* w[2];  // weight stacks: expert e's [gemm_out, gemm_in] at w + e·part_bytes
   int64_t part_bytes;
   const uint8_t* b;     // sorted rows, row stride ld_in elements
@@ -155,7 +157,9 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_wgmma_kernel(WgArgs a) {
   using L = WgLayout<BN>;
   extern __shared__ uint8_t wg_smem_raw[];
   const uint32_t ring = (wg_smem(wg_smem_raw) + 1023u) & ~1023u;
-  const int expert = a.jobs[3 * blockIdx.y], first = a.jobs[3 * blockIdx.y + 1], rows = a.jobs[3 * blockIdx.y + 2];
+  if (static_cast<int>(blockIdx.y) >= a.job_list[a.job_class]) return;  // the grid may hold more rows than the list has jobs (a device routing)
+  const int32_t* job = a.job_list + 2 + 3 * (a.job_class == 0 ? 0 : a.job_list[0]) + 3 * blockIdx.y;
+  const int expert = job[0], first = job[1], rows = job[2];
   const int set = static_cast<int>(blockIdx.x) / a.out_tiles, out0 = static_cast<int>(blockIdx.x) % a.out_tiles * kWgRows;
   const int elem_bytes = static_cast<int>(sizeof(T));
   const uint8_t* w = (set == 0 ? a.w[0] : a.w[1]) + expert * a.part_bytes + static_cast<int64_t>(out0) * a.gemm_in * elem_bytes;
@@ -215,28 +219,31 @@ void launch(const WgArgs& a, int jobs, int sets, cudaStream_t stream) {
 
 // The short jobs on the 64-row kernel, then the long ones on the 128-row kernel (one stream: in order).
 template <typename T, typename TOut>
-void launch_both(WgArgs a, int short_jobs, int long_jobs, int sets, cudaStream_t stream) {
-  if (short_jobs > 0) launch<T, TOut, 64>(a, short_jobs, sets, stream);
-  a.jobs += 3 * short_jobs;
-  if (long_jobs > 0) launch<T, TOut, 128>(a, long_jobs, sets, stream);
+void launch_both(WgArgs a, int short_grid, int long_grid, int sets, cudaStream_t stream) {
+  a.job_class = 0;
+  if (short_grid > 0) launch<T, TOut, 64>(a, short_grid, sets, stream);
+  a.job_class = 1;
+  if (long_grid > 0) launch<T, TOut, 128>(a, long_grid, sets, stream);
 }
 
 }  // namespace
 
-bool launch_moe_wgmma(const int32_t* jobs, int short_jobs, int long_jobs, const DeviceWeight* w, int sets, int64_t gemm_in, int64_t gemm_out, const void* b,
-                      int64_t ld_in, int32_t in_type, void* c0, void* c1, int64_t ld_out, int32_t out_type, cudaStream_t stream) {
+bool moe_wgmma_supports(const DeviceWeight* w, int sets, int64_t gemm_in, int64_t gemm_out, const void* b, int64_t ld_in, int32_t in_type, int32_t out_type) {
   if ((in_type != kWBF16 && in_type != kWF16) || (out_type != in_type && out_type != kWF32)) return false;
   if (sets < 1 || sets > 2 || gemm_in % 8 != 0 || ld_in % 8 != 0 || gemm_in > (int64_t{1} << 30) || gemm_out > (int64_t{1} << 30)) return false;
   for (int j = 0; j < sets; ++j) {
     if (w[j].type != in_type || reinterpret_cast<uintptr_t>(w[j].data) % 16 != 0 || w[j].part_bytes != w[0].part_bytes) return false;
   }
-  if (reinterpret_cast<uintptr_t>(b) % 16 != 0 || w[0].part_bytes % 16 != 0 || short_jobs < 0 || long_jobs < 0 || short_jobs > 65535 ||
-      long_jobs > 65535) {
-    return false;
-  }
-  if (short_jobs + long_jobs == 0) return true;
+  return reinterpret_cast<uintptr_t>(b) % 16 == 0 && w[0].part_bytes % 16 == 0;
+}
+
+bool launch_moe_wgmma(const int32_t* job_list, int short_grid, int long_grid, const DeviceWeight* w, int sets, int64_t gemm_in, int64_t gemm_out,
+                      const void* b, int64_t ld_in, int32_t in_type, void* c0, void* c1, int64_t ld_out, int32_t out_type, cudaStream_t stream) {
+  if (!moe_wgmma_supports(w, sets, gemm_in, gemm_out, b, ld_in, in_type, out_type)) return false;
+  if (short_grid < 0 || long_grid < 0 || short_grid > 65535 || long_grid > 65535) return false;
+  if (short_grid + long_grid == 0) return true;
   WgArgs a{};
-  a.jobs = jobs;
+  a.job_list = job_list;
   a.w[0] = w[0].data;
   a.w[1] = sets > 1 ? w[1].data : w[0].data;
   a.part_bytes = w[0].part_bytes;
@@ -249,11 +256,11 @@ bool launch_moe_wgmma(const int32_t* jobs, int short_jobs, int long_jobs, const 
   a.gemm_out = static_cast<int32_t>(gemm_out);
   a.out_tiles = static_cast<int32_t>((gemm_out + kWgRows - 1) / kWgRows);
   if (in_type == kWBF16) {
-    if (out_type == kWF32) launch_both<__nv_bfloat16, float>(a, short_jobs, long_jobs, sets, stream);
-    else launch_both<__nv_bfloat16, __nv_bfloat16>(a, short_jobs, long_jobs, sets, stream);
+    if (out_type == kWF32) launch_both<__nv_bfloat16, float>(a, short_grid, long_grid, sets, stream);
+    else launch_both<__nv_bfloat16, __nv_bfloat16>(a, short_grid, long_grid, sets, stream);
   } else {
-    if (out_type == kWF32) launch_both<__half, float>(a, short_jobs, long_jobs, sets, stream);
-    else launch_both<__half, __half>(a, short_jobs, long_jobs, sets, stream);
+    if (out_type == kWF32) launch_both<__half, float>(a, short_grid, long_grid, sets, stream);
+    else launch_both<__half, __half>(a, short_grid, long_grid, sets, stream);
   }
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) cuda_failure("MoE wgmma GEMM", error);
