@@ -12,6 +12,7 @@
 
 #include "certify.h"
 #include "compiler/compile.h"
+#include "compiler/schedule.h"
 #include "core/error.h"
 #include "engine/generate.h"
 #include "engine/model.h"
@@ -217,6 +218,102 @@ TEST(Schedule, SharedExpertFillsTheTopKWait) {
     EXPECT_EQ(filled, topks) << name;
     EXPECT_EQ(moved_in_plain, 0) << name << ": fusion order already did it (the test would show nothing)";
   }
+}
+
+// ---- serial-wait-fill on small hand-built graphs --------------------------------------------------
+
+// A MoE layer over x = embedding(tokens), hidden 8, 4 experts of 8, top-2: router_logits(`router_in`),
+// moe_topk, moe_gate_up(x, routes), moe_down; `before` adds nodes between x and the router (returns the
+// node the router reads), `after` nodes between the gate/up and the down; the output sums the down
+// projection with `tail`'s node. Labels name every node.
+struct MoeLayer {
+  Graph g;
+  int tokens = 0, x = 0, logits = 0, topk = 0, up = 0, down = 0;
+  int weight(const std::string& name, std::vector<int64_t> shape, int64_t parts = 1) {
+    WeightDecl decl;
+    decl.name = name;
+    for (int64_t p = 0; p < parts; ++p) decl.parts.push_back(parts == 1 ? name : fmt::format("{}.{}", name, p));
+    decl.shape = std::move(shape);
+    return g.add_weight(std::move(decl));
+  }
+  int sigmoid(int input, const std::string& label) { return g.add(Op::kSigmoid, {input}, {}, {}, label); }
+};
+
+template <typename Before, typename After, typename Tail>
+Graph moe_layer(Before before, After after, Tail tail) {
+  MoeLayer m;
+  m.tokens = m.g.add(Op::kTokens, {}, {}, {}, "tokens");
+  m.x = m.g.add(Op::kEmbedding, {m.tokens}, {m.weight("embed", {50, 8})}, {}, "x");
+  const int router_in = before(m);
+  m.logits = m.g.add(Op::kRouterLogits, {router_in}, {m.weight("gate", {4, 8})}, {}, "logits");
+  m.topk = m.g.add(Op::kMoeTopK, {m.logits}, {m.weight("bias", {4})},
+                   {{"experts", 4}, {"top_k", 2}, {"groups", 1}, {"topk_groups", 1}, {"renormalize", 1}, {"scale", 1}, {"softmax", 0}}, "topk");
+  const Attrs routing = {{"experts", 4}, {"top_k", 2}};
+  m.up = m.g.add(Op::kMoeGateUp, {m.x, m.topk}, {m.weight("w1", {8, 8}, 4), m.weight("w3", {8, 8}, 4)}, routing, "up");
+  after(m);
+  m.down = m.g.add(Op::kMoeDown, {m.up, m.topk}, {m.weight("w2", {8, 8}, 4)}, routing, "down");
+  m.g.set_output(m.g.add(Op::kAdd, {m.down, tail(m)}, {}, {}, "out"));
+  m.g.verify();
+  return m.g;
+}
+
+std::vector<std::string> node_labels(const Graph& g) {
+  std::vector<std::string> labels;
+  for (const Node& node : g.nodes()) labels.push_back(node.label);
+  return labels;
+}
+
+// Before the top-k: a chain of two independent nodes both move after it (the first because its reader
+// moves too). After its first reader: a ready node moves before that reader, the node reading it (a
+// chain) stays behind.
+TEST(Schedule, SinksChainsBeforeTheTopKAndHoistsOneLevelAfterIt) {
+  int b = 0, d = 0;
+  const Graph g = moe_layer(
+      [&](MoeLayer& m) {
+        b = m.sigmoid(m.sigmoid(m.x, "a"), "b");
+        return m.x;
+      },
+      [&](MoeLayer& m) { d = m.sigmoid(m.sigmoid(m.x, "c"), "d"); },
+      [&](MoeLayer& m) { return m.g.add(Op::kAdd, {b, d}, {}, {}, "tail"); });
+  ASSERT_EQ(node_labels(g), (std::vector<std::string>{"tokens", "x", "a", "b", "logits", "topk", "up", "c", "d", "down", "tail", "out"}));
+  const Graph s = schedule_serial_waits(g);
+  EXPECT_EQ(node_labels(s), (std::vector<std::string>{"tokens", "x", "logits", "topk", "a", "b", "c", "up", "d", "down", "tail", "out"}));
+  s.verify();
+}
+
+// The nodes the router reads (ancestors of the top-k) stay before it.
+TEST(Schedule, KeepsTheTopKsAncestors) {
+  const Graph g = moe_layer([](MoeLayer& m) { return m.sigmoid(m.sigmoid(m.x, "a"), "b"); }, [](MoeLayer&) {}, [](MoeLayer& m) { return m.x; });
+  EXPECT_EQ(node_labels(schedule_serial_waits(g)), node_labels(g));
+}
+
+// Nodes further than kSerialFillWindow before the top-k stay where they are, even when they could fill
+// its wait; at the graph's start the window is cut at node 0 (the test above).
+TEST(Schedule, LooksOnlyInsideTheWindow) {
+  int far = 0;
+  const Graph g = moe_layer(
+      [&](MoeLayer& m) {
+        far = m.sigmoid(m.x, "far");
+        int chain = m.x;
+        for (int i = 0; i < kSerialFillWindow + 2; ++i) chain = m.sigmoid(chain, fmt::format("r{}", i));
+        return chain;
+      },
+      [](MoeLayer&) {}, [&](MoeLayer&) { return far; });
+  const Graph s = schedule_serial_waits(g);
+  EXPECT_EQ(node_labels(s), node_labels(g));
+}
+
+// A top-k that is the graph's output (no reader): nothing to hoist, and nothing fails.
+TEST(Schedule, TopKWithoutReaderIsLeftAlone) {
+  MoeLayer m;
+  m.tokens = m.g.add(Op::kTokens, {}, {}, {}, "tokens");
+  m.x = m.g.add(Op::kEmbedding, {m.tokens}, {m.weight("embed", {50, 8})}, {}, "x");
+  m.logits = m.g.add(Op::kRouterLogits, {m.x}, {m.weight("gate", {4, 8})}, {}, "logits");
+  m.topk = m.g.add(Op::kMoeTopK, {m.logits}, {m.weight("bias", {4})},
+                   {{"experts", 4}, {"top_k", 2}, {"groups", 1}, {"topk_groups", 1}, {"renormalize", 1}, {"scale", 1}, {"softmax", 0}}, "topk");
+  m.g.set_output(m.topk);
+  m.g.verify();
+  EXPECT_EQ(node_labels(schedule_serial_waits(m.g)), node_labels(m.g));
 }
 
 }  // namespace
