@@ -1,6 +1,6 @@
-// Routed experts as grouped GEMMs (moe_gemm.h): which MoE ops take them, the routing read and sort on
-// the host, and the GEMM calls (the wgmma kernel over every expert's jobs, or one cuBLAS grouped call, or
-// one cublasGemmEx per expert with tokens).
+// Routed experts as grouped GEMMs (moe_gemm.h): which MoE ops take them, the routing sort (on the
+// device, or read back and sorted on the host), and the GEMM calls (the wgmma kernel over every expert's
+// jobs, or one cuBLAS grouped call, or one cublasGemmEx per expert with tokens).
 #include "runtime/cuda/moe_gemm.h"
 
 #include <algorithm>

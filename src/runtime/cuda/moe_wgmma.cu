@@ -1,11 +1,11 @@
 // The routed experts' GEMMs of a prefill step on Hopper's warpgroup MMA (moe_gemm.h launch_moe_wgmma).
 // A block computes 128 GEMM outputs (weight rows) of one weight stack for one job: up to BN sorted rows
-// of one expert (the routing sort cuts an expert's rows into jobs of at most kMoeWgmmaJobRows; those of at
-// most 64 take the BN = 64 kernel, with half the multiply work and a deeper ring, the others BN = 128). Its 256 threads stream the weight rows
-// and the job's rows through a ring of shared-memory stages by cp.async, 64 K elements a stage in the
-// 128-byte swizzled layout wgmma reads; each warpgroup multiplies its 64 weight rows by the job's rows
-// with wgmma m64nBNk16 (16-bit in, fp32 accumulate), four a stage. The output is rounded once, to the
-// output type, as cuBLAS rounds its GEMM's output.
+// of one expert (the routing sort cuts an expert's rows into jobs of at most kMoeWgmmaJobRows; those of
+// at most 64 take the BN = 64 kernel, with half the multiply work and a deeper ring, the others
+// BN = 128). Its 256 threads stream the weight rows and the job's rows through a ring of shared-memory
+// stages by cp.async, 64 K elements a stage in the 128-byte swizzled layout wgmma reads; each warpgroup
+// multiplies its 64 weight rows by the job's rows with wgmma m64nBNk16 (16-bit in, fp32 accumulate),
+// four a stage. The output is rounded once, to the output type, as cuBLAS rounds its GEMM's output.
 //
 // Why: at 2,048-token steps an expert gets ~64 rows, so the op is a weight stream (below the ridge) whose
 // instruction count decides how close it comes to the bandwidth: one wgmma is 64·BN·16 multiply-adds
@@ -40,11 +40,11 @@ struct WgLayout {
 struct WgArgs {
   const int32_t* job_list;  // moe_lists.h: the short and long job counts, then the jobs (expert, first sorted row, rows)
   int32_t job_class;        // 0: the short jobs (≤ 64 rows), 1: the long ones (≤ kMoeWgmmaJobRows)
-  const uint8_t* w[2];  // weight stacks: expert e's [gemm_out, gemm_in] at w + e·part_bytes
+  const uint8_t* w[2];      // weight stacks: expert e's [gemm_out, gemm_in] at w + e·part_bytes
   int64_t part_bytes;
-  const uint8_t* b;     // sorted rows, row stride ld_in elements
+  const uint8_t* b;         // sorted rows, row stride ld_in elements
   int64_t ld_in;
-  uint8_t* c[2];        // outputs, row stride ld_out elements of TOut
+  uint8_t* c[2];            // outputs, row stride ld_out elements of TOut
   int64_t ld_out;
   int32_t gemm_in, gemm_out, out_tiles;
 };
