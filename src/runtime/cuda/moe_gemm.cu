@@ -478,6 +478,7 @@ void launch_moe_sort(const float* routes, int64_t stride, int64_t rows, int64_t 
   const int64_t pairs = rows * top_k;
   const cudaError_t cleared = cudaMemsetAsync(counts, 0, static_cast<size_t>(experts) * sizeof(int32_t), stream);
   if (cleared != cudaSuccess) cuda_failure("MoE routing counts", cleared);
+  // A block per 256 pairs up to 264 (two an SM of the H200): each block's histogram adds its counts once.
   const int blocks = static_cast<int>(std::min<int64_t>((pairs + kBlock - 1) / kBlock, 264));
   sort_keys_kernel<<<std::max(blocks, 1), kBlock, 0, stream>>>(routes, stride, top_k, pairs, experts, b.keys, b.values, counts, error);
   check_launch("MoE routing keys");
