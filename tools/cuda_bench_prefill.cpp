@@ -349,8 +349,9 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
     if (expert_gbps > 0) {
       std::cerr << fmt::format("  routed experts ({}): {:.2f} GB of expert weights streamed, {:.0f} GB/s ({:.0f}% of the read roofline)\n", expert_gemm,
                                expert_weight_bytes / 1e9, expert_gbps, 100.0 * expert_gbps / roofline_gbps);
-      std::cerr << fmt::format("  of their {:.1f} ms: routing sort {:.1f}, GEMMs {:.1f} ({:.0f} GB/s), gathers and epilogues {:.1f}\n", expert_ms,
-                               sort_sum / args.reps, expert_gemm_sum / args.reps, expert_weight_bytes / (expert_gemm_sum / args.reps * 1e-3) / 1e9,
+      const double gemm_ms = expert_gemm_sum / args.reps;  // 0 when every step took the expert GEMV
+      std::cerr << fmt::format("  of their {:.1f} ms: routing sort {:.1f}, GEMMs {:.1f}{}, gathers and epilogues {:.1f}\n", expert_ms, sort_sum / args.reps,
+                               gemm_ms, gemm_ms > 0 ? fmt::format(" ({:.0f} GB/s)", expert_weight_bytes / (gemm_ms * 1e-3) / 1e9) : "",
                                (expert_sum - sort_sum - expert_gemm_sum) / args.reps);
     }
     if (args.expert_peer && expert_gbps > 0) {
