@@ -223,14 +223,23 @@ void MoeGemmRunner::sort_routing(const MoeGemmOp& op, int64_t rows) {
   }
   // Pageable memory: the copy has taken the bytes when the call returns (and the stream is idle here).
   check(cudaMemcpyAsync(lists_.ptr, lists_host_.data(), lists_host_.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_), "MoE routing lists");
-  r.valid = true;
-  r.device = false;
-  r.sorted = false;
+  r.mark(op, rows, false, false);
   host_stats_.reads += 1;
   host_stats_.experts += static_cast<int64_t>(r.active.size());
-  r.routes_offset = op.routes_offset;
-  r.rows = rows;
-  r.top_k = k;
+}
+
+void MoeGemmRunner::Routing::mark(const MoeGemmOp& op, int64_t step_rows, bool on_device, bool by_sort) {
+  valid = true;
+  device = on_device;
+  sorted = by_sort;
+  routes_offset = op.routes_offset;
+  rows = step_rows;
+  top_k = op.top_k;
+  if (on_device) {  // the counts stay on the device until last_expert_tokens() reads them
+    counts.assign(static_cast<size_t>(op.experts), 0);
+    active.clear();
+    offsets.clear();
+  }
 }
 
 // The routing sorted on the device into the same lists (launch_moe_route): nothing waits.
@@ -241,16 +250,7 @@ void MoeGemmRunner::route_on_device(const MoeGemmOp& op, const float* arena, int
   const int64_t max_n = std::min(pairs, op.experts);
   launch_moe_route(arena + op.routes_offset, op.routes_stride, rows, op.top_k, static_cast<int>(op.experts), perm, perm + pairs, perm + 2 * pairs,
                    perm + 2 * pairs + max_n, device_counts_.as<int32_t>(), device_stats_.as<unsigned long long>(), error_, stream_);
-  Routing& r = routing_;
-  r.valid = true;
-  r.device = true;
-  r.sorted = false;
-  r.counts.assign(static_cast<size_t>(op.experts), 0);  // on the device until last_expert_tokens() reads them
-  r.active.clear();
-  r.offsets.clear();
-  r.routes_offset = op.routes_offset;
-  r.rows = rows;
-  r.top_k = op.top_k;
+  routing_.mark(op, rows, true, false);
 }
 
 // A large step's routing sorted on the device (launch_moe_sort) into the host sort's lists and the
@@ -266,18 +266,10 @@ void MoeGemmRunner::sort_on_device(const MoeGemmOp& op, const float* arena, int6
   r.job_list_at = 2 * pairs + 2 * max_n;
   launch_moe_sort(arena + op.routes_offset, op.routes_stride, rows, op.top_k, static_cast<int>(op.experts), sort_buffers_, perm, perm + pairs, perm + 2 * pairs,
                   perm + 2 * pairs + max_n, perm + r.job_list_at, device_counts_.as<int32_t>(), device_stats_.as<unsigned long long>(), error_, stream_);
-  r.valid = true;
-  r.device = true;
-  r.sorted = true;
-  r.counts.assign(static_cast<size_t>(op.experts), 0);  // on the device until last_expert_tokens() reads them
-  r.active.clear();
-  r.offsets.clear();
+  r.mark(op, rows, true, true);
   // The job counts live on the device: the grids hold every job a routing can have, per class.
   const int64_t bound = std::min<int64_t>(op.experts + pairs / kMoeWgmmaJobRows + 1, 65535);
   r.short_grid = r.long_grid = static_cast<int>(bound);
-  r.routes_offset = op.routes_offset;
-  r.rows = rows;
-  r.top_k = op.top_k;
 }
 
 // Whether the op's expert GEMMs take the wgmma kernel (launch_moe_wgmma) rather than cuBLAS.

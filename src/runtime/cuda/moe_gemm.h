@@ -139,6 +139,9 @@ class MoeGemmRunner {
     std::vector<int32_t> active, offsets;         // experts with pairs, ascending, and their first sorted pair
     int64_t job_list_at = 0;                      // ints into lists_: the wgmma kernel's job list (moe_lists.h)
     int short_grid = 0, long_grid = 0;            // its launches' grids: the host's job counts, or the device sort's bound
+    // Valid for `op`'s top-k buffer over a step of step_rows rows, sorted on the device or the host, by
+    // launch_moe_sort or not; a device routing's host counts and lists are cleared.
+    void mark(const MoeGemmOp& op, int64_t step_rows, bool on_device, bool by_sort);
   };
   void read_routing(const MoeGemmOp& op, const float* arena, int64_t rows);
   void route_on_device(const MoeGemmOp& op, const float* arena, int64_t rows);
