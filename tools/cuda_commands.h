@@ -19,11 +19,14 @@
 
 namespace plow::tools {
 
-// Prompt tokens of one request in one step on the GPU: `serve`'s default (--max-prefill-chunk) and
-// `bench prefill`'s (--chunk). The prefill GEMMs need rows: at the 48B shape an 8K prompt's TTFT on
-// the H200 is 0.58 s in chunks of 1,024, 0.45 s of 2,048 and 0.39 s of 4,096; a larger chunk also holds
-// the decode rows of a mixed step longer.
-inline constexpr int64_t kGpuPrefillChunk = 2048;
+// Tokens of one step and prompt tokens of one request in one step on the GPU: `serve`'s default
+// (--max-num-batched-tokens, --max-prefill-chunk) and `bench prefill`'s (--chunk), vLLM's default for
+// its OpenAI server on GPUs of ≥ 70 GiB. Each chunk streams every routed expert's weights once, and the
+// prefill GEMMs need rows: at the 48B shape an 8K prompt's TTFT on the H200 (rev e1723e6) is 0.37 s in
+// chunks of 2,048, 0.33 s of 4,096 and 0.30 s of 8,192. A larger chunk also holds the decode rows of a
+// mixed step longer (a whole 8,192-token chunk: ~0.3 s); `--max-num-batched-tokens 2048` trades TTFT
+// for steadier decode beside long prompts.
+inline constexpr int64_t kGpuPrefillChunk = 8192;
 
 // A cuda backend for one generation: a decode plan for batch 1 and a prefill plan for `prefill_chunk`
 // tokens (none when ≤ 1), compiled for `workers` (0: one per SM).

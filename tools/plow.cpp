@@ -463,8 +463,8 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--tp", serve_tp, "tensor-parallel ranks: cuda: one GPU and one process each, NCCL; cpu, cpu-plan: simulated ranks");
   serve_cmd->add_option("--prefix-cache-mb", serve.prefix_cache_mb, "prefix cache memory budget in MiB (0: no prefix cache; default 512)");
   int64_t serve_step_tokens = 0, serve_prefill_chunk = 0;
-  serve_cmd->add_option("--max-num-batched-tokens", serve_step_tokens, "tokens of one step, decode rows and prefill chunks together (default: cuda 2048, cpu 256)");
-  serve_cmd->add_option("--max-prefill-chunk", serve_prefill_chunk, "prompt tokens of one request in one step (default: cuda 2048, cpu 128)");
+  serve_cmd->add_option("--max-num-batched-tokens", serve_step_tokens, "tokens of one step, decode rows and prefill chunks together (default: cuda 8192, cpu 256)");
+  serve_cmd->add_option("--max-prefill-chunk", serve_prefill_chunk, "prompt tokens of one request in one step (default: cuda 8192, cpu 128)");
   serve_cmd->add_flag("--debug-endpoints", serve.debug_endpoints, "serve GET /debug/integrity (slot and page manager check)");
 
   // Rank r ≥ 1 of `serve --tp N --backend cuda`, started by the server (hidden: not for users).

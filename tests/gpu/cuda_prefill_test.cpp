@@ -95,6 +95,12 @@ TEST_P(CudaPrefillFixtureTest, PromptLogitsAndGreedyTokensMatchTheReference) {
 
   if (act == DType::F32) {
     EXPECT_EQ(have.generated, want.generated);
+    // Without keep_logits a prefill step returns its last row only, which the host computes alone
+    // (GemmPath::output_on_host): the same greedy tokens.
+    GenerateOptions last_rows = options;
+    last_rows.keep_logits = false;
+    gpu.reset_slot(0);
+    EXPECT_EQ(generate(gpu, 0, last_rows).generated, want.generated) << "the last-row logits of the prefill chunks";
   }
   ASSERT_EQ(have.logits.size(), want.logits.size());
   // fp32: every row within the bound. bf16: as cuda_model_test.cpp, a row may exceed it where a MoE
@@ -182,11 +188,13 @@ struct PathCounts {
 
 // `graph` on the GPU (one prefill plan of `plan_rows` rows, default 100, a poisoned arena: an unwritten
 // element reads back as NaN) against cpu/reference, 7 and 132 workers, megakernel and eager, steps of 33
-// and plan_rows rows (the GEMM path) and 5 (the GEMV bodies of the same plan); `expert_cublas`: the
-// expert GEMMs on cuBLAS's grouped call instead of the wgmma kernel. check(gpu, rows, counts, where)
-// after each step; every output within `fp32_rel` (fp32) or `bf16_ulps` output ulps (bf16) of the largest output, and
-// bf16 outputs bf16 values (the tasks rounded). An fp32 output (`fp32_out`: router logits, never
-// rounded) is held to `fp32_rel` whatever the activation dtype.
+// and plan_rows rows (the GEMM path) and 5 (the GEMV bodies of the same plan), each once with every
+// row's output and once as three sequences returning their last rows only (an output linear then runs
+// on those rows alone: GemmPath::output_on_host); `expert_cublas`: the expert GEMMs on cuBLAS's grouped
+// call instead of the wgmma kernel. check(gpu, rows, counts, where) after each step of every row;
+// every output within `fp32_rel` (fp32) or `bf16_ulps` output ulps (bf16) of the largest output, and
+// bf16 outputs bf16 values (rounded). An fp32 output (`fp32_out`: router logits, never rounded) is held
+// to `fp32_rel` whatever the activation dtype.
 template <typename Check>
 void expect_gpu_matches_cpu(const Graph& graph, const Checkpoint& checkpoint, DType dtype, const std::string& what, float fp32_rel, float bf16_ulps,
                             Check check, bool fp32_out = false, bool expert_cublas = false, int64_t plan_rows = 100) {
@@ -199,33 +207,41 @@ void expect_gpu_matches_cpu(const Graph& graph, const Checkpoint& checkpoint, DT
       cuda::CudaOptions options;
       options.act_dtype = dtype;
       options.max_context_tokens = std::max<int64_t>(128, plan_rows);
+      options.num_slots = 3;
       options.eager = eager;
       options.poison_arena = true;
       cuda::CudaBackend gpu(graph, weights, std::move(plans), options);
       gpu.set_expert_gemm_cublas(expert_cublas);
-      ReferenceBackend cpu(graph, bound_weights, dtype, 1);
+      ReferenceBackend cpu(graph, bound_weights, dtype, 3);
       for (int64_t rows : {int64_t{33}, plan_rows, int64_t{5}}) {
-        const PathCounts before{gpu.prefill_gemms(), gpu.prefill_expert_ops()};
-        StepInputs in;
-        in.all_logits = true;
-        for (int64_t i = 0; i < rows; ++i) in.token_ids.push_back(static_cast<int32_t>((i * 13 + rows) % 50));
-        in.sequences = {{0, rows}};
-        const StepOutput want = cpu.step(in);
-        const StepOutput have = gpu.step(in);
-        check(gpu, rows, PathCounts{gpu.prefill_gemms() - before.gemms, gpu.prefill_expert_ops() - before.expert_ops}, where + " rows " + std::to_string(rows));
-        ASSERT_EQ(have.logits.size(), want.logits.size());
-        float scale = 0;
-        for (float v : want.logits) scale = std::max(scale, std::fabs(v));
-        const float limit = (dtype == DType::F32 || fp32_out ? fp32_rel : bf16_ulps * 0.0079f) * std::max(1.0f, scale);
-        for (size_t i = 0; i < want.logits.size(); ++i) {
-          ASSERT_FALSE(std::isnan(have.logits[i])) << where << " rows " << rows << " element " << i;
-          ASSERT_LE(std::fabs(have.logits[i] - want.logits[i]), limit) << where << " rows " << rows << " element " << i;
-          if (dtype == DType::BF16 && !fp32_out) {
-            ASSERT_TRUE(exact_bf16(have.logits[i])) << where << " rows " << rows << " element " << i << " was not rounded";
+        for (bool every_row : {true, false}) {
+          const std::string at = where + " rows " + std::to_string(rows) + (every_row ? "" : ", last rows of three sequences");
+          const PathCounts before{gpu.prefill_gemms(), gpu.prefill_expert_ops()};
+          StepInputs in;
+          in.all_logits = every_row;
+          for (int64_t i = 0; i < rows; ++i) in.token_ids.push_back(static_cast<int32_t>((i * 13 + rows) % 50));
+          in.sequences = {{0, rows}};
+          if (!every_row) in.sequences = {{0, rows / 3}, {1, rows / 3 + 1}, {2, rows - 2 * (rows / 3) - 1}};
+          const StepOutput want = cpu.step(in);
+          const StepOutput have = gpu.step(in);
+          if (every_row) check(gpu, rows, PathCounts{gpu.prefill_gemms() - before.gemms, gpu.prefill_expert_ops() - before.expert_ops}, at);
+          ASSERT_EQ(have.rows, want.rows) << at;
+          ASSERT_EQ(have.logits.size(), want.logits.size()) << at;
+          float scale = 0;
+          for (float v : want.logits) scale = std::max(scale, std::fabs(v));
+          const float limit = (dtype == DType::F32 || fp32_out ? fp32_rel : bf16_ulps * 0.0079f) * std::max(1.0f, scale);
+          for (size_t i = 0; i < want.logits.size(); ++i) {
+            ASSERT_FALSE(std::isnan(have.logits[i])) << at << " element " << i;
+            ASSERT_LE(std::fabs(have.logits[i] - want.logits[i]), limit) << at << " element " << i;
+            if (dtype == DType::BF16 && !fp32_out) {
+              ASSERT_TRUE(exact_bf16(have.logits[i])) << at << " element " << i << " was not rounded";
+            }
+          }
+          for (int slot = 0; slot < 3; ++slot) {
+            cpu.reset_slot(slot);
+            gpu.reset_slot(slot);
           }
         }
-        cpu.reset_slot(0);
-        gpu.reset_slot(0);
       }
     }
   }

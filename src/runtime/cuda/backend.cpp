@@ -468,7 +468,14 @@ StepOutput CudaBackend::step(const StepInputs& inputs) {
   // Op timing runs the step eagerly: its parameters must be eager ones too (task-order instructions,
   // and no epoch advance, which a megakernel step after it would wait on forever).
   const bool eager = m.options.eager || m.op_timing;
-  m.launch(prepared, m.params(prepared, view, eager), eager);
+  {
+    struct Reset {
+      bool& flag;
+      ~Reset() { flag = false; }
+    } reset{m.last_logits_only};  // the tools' steps (timed decode, profiles) keep every row
+    m.last_logits_only = !inputs.all_logits;
+    m.launch(prepared, m.params(prepared, view, eager), eager);
+  }
   if (m.options.comm) m.fold_argmax(prepared, view, static_cast<int>(inputs.sequences.size()), nullptr);
 
   const PlanOp& head = prepared.plan.op(prepared.plan.output_op);
@@ -482,12 +489,16 @@ StepOutput CudaBackend::step(const StepInputs& inputs) {
   } else {
     result.rows = static_cast<int64_t>(inputs.sequences.size());
     result.logits.resize(static_cast<size_t>(result.rows * head.width));
-    int64_t row = 0;
-    for (size_t s = 0; s < inputs.sequences.size(); ++s) {
-      row += inputs.sequences[s].query_tokens;
-      check(cudaMemcpyAsync(result.logits.data() + s * static_cast<size_t>(head.width), logits + (row - 1) * head.width,
-                            static_cast<size_t>(head.width) * sizeof(float), cudaMemcpyDeviceToHost, m.stream),
-            "logits download");
+    if (m.compact_logits) {  // row s holds sequence s's last row (Impl::compact_logits)
+      check(cudaMemcpyAsync(result.logits.data(), logits, result.logits.size() * sizeof(float), cudaMemcpyDeviceToHost, m.stream), "logits download");
+    } else {
+      int64_t row = 0;
+      for (size_t s = 0; s < inputs.sequences.size(); ++s) {
+        row += inputs.sequences[s].query_tokens;
+        check(cudaMemcpyAsync(result.logits.data() + s * static_cast<size_t>(head.width), logits + (row - 1) * head.width,
+                              static_cast<size_t>(head.width) * sizeof(float), cudaMemcpyDeviceToHost, m.stream),
+              "logits download");
+      }
     }
   }
   if (m.options.comm) {

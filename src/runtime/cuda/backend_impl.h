@@ -50,6 +50,10 @@ struct CudaBackend::Impl {
   std::unique_ptr<MoeGemmRunner> moe_runner;  // when a plan's GEMM path has routed-expert ops (moe_gemm.h)
   std::unique_ptr<MlaGemmRunner> mla_runner;  // when a plan's GEMM path has MLA ops (mla_gemm.h)
   std::vector<MlaSequence> step_seqs;         // the current step's sequences, as uploaded (the MLA host ops)
+  // A GEMM step whose output op the host runs (GemmPath::output_on_host) computes only the logits the
+  // step returns when last_logits_only is set (step(), for a step without all_logits); compact_logits
+  // then says that row s of the output holds sequence s's last row.
+  bool last_logits_only = false, compact_logits = false;
   DeviceBuffer arena, scratch, state_table, step_ints, error_flag, argmax_ids, profile, op_profile, fold_cands;
   DeviceBuffer workspace;  // shared by the ops whose tasks cooperate (OpDesc::workspace: MLA)
   std::vector<int32_t> last_folded;  // tensor parallelism: the last step's folded argmax per sequence
@@ -216,7 +220,12 @@ struct CudaBackend::Impl {
     if (prepared.plan.op(op_index).op() == Op::kAllReduce && p.step.peers == nullptr) all_reduce(prepared, op_index, p);
     if (!gemm) return;
     const auto i = static_cast<size_t>(op_index);
-    if (prepared.gemm.ops[i]) gemm_runner->run(*prepared.gemm.ops[i], arena.as<float>(), p.step.tokens);
+    if (op_index == prepared.gemm.output_on_host) {
+      const LastRows last{p.step.seq_first_row, p.step.seq_tokens, p.step.num_seqs};
+      compact_logits = gemm_runner->run_output(*prepared.gemm.ops[i], arena.as<float>(), p.step.tokens, last_logits_only ? &last : nullptr);
+    } else if (prepared.gemm.ops[i]) {
+      gemm_runner->run(*prepared.gemm.ops[i], arena.as<float>(), p.step.tokens);
+    }
     if (prepared.gemm.moe_ops[i]) moe_runner->run(*prepared.gemm.moe_ops[i], arena.as<float>(), p.step.tokens);
     if (mla && prepared.gemm.mla_ops[i]) {
       const MlaGemmOp& op = *prepared.gemm.mla_ops[i];
@@ -244,13 +253,16 @@ struct CudaBackend::Impl {
     nvtxRangePushA(op_name(prepared.plan.ops[op_index].op()).data());
     run_host_op(prepared, static_cast<int32_t>(op_index), p, gemm, mla);
     const auto [first, end] = prepared.op_tasks[op_index];
-    if (end > first) launch_eager(p, first, end - first, stream);
+    const bool host_only = gemm && static_cast<int32_t>(op_index) == prepared.gemm.output_on_host;
+    if (end > first && !host_only) launch_eager(p, first, end - first, stream);
     nvtxRangePop();
   }
 
   void launch(PreparedPlan& prepared, const KernelParams& p, bool eager) {
     const bool gemm = prepared.gemm.active(p.step.tokens, options.gemm_min_rows);
     const bool mla = gemm && mla_gemm_step();
+    compact_logits = false;
+    if (gemm) gemm_runner->new_step();  // the last step's input copies are stale
     if (gemm && moe_runner) moe_runner->new_step();  // the last step's routing is stale
     if (mla) mla_runner->new_step();
     const GemmSchedule& schedule = prepared.gemm.schedule(mla);
@@ -276,7 +288,7 @@ struct CudaBackend::Impl {
       KernelParams part = p;
       part.instrs = segment.instrs.as<Instr>();
       part.queue_begin = segment.queue_begin.as<int32_t>();
-      launch_megakernel(part, prepared.plan.workers, stream);
+      if (segment.tasks > 0) launch_megakernel(part, prepared.plan.workers, stream);
     }
   }
 

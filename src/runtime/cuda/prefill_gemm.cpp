@@ -28,10 +28,10 @@ std::optional<GemmOp> gemm_form(const Plan& plan, const PlanOp& op, const Device
   const bool exact_input = input.dtype == OutDType::kAct && ((weight.type == kWBF16 && act == kABF16) || (weight.type == kWF16 && act == kAF16));
   if (weight.type != kWF32 && !exact_input) return std::nullopt;
   const ActivationView x = activation_view(plan, op.inputs.front());  // a slice is a view of its source's rows
-  return GemmOp{weight, x.offset, op.offset, input.width, op.width, x.row_stride};
+  return GemmOp{weight, x.offset, op.offset, input.width, op.width, x.row_stride, op.dtype == OutDType::kAct ? act : kAF32, op.inputs.front()};
 }
 
-std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host_op) {
+std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host_op, int32_t skip_op) {
   std::vector<Segment> segments(1);
   const auto ops = static_cast<int32_t>(plan.ops.size());
   for (int32_t i = 0; i < ops; ++i) {
@@ -55,11 +55,12 @@ std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& 
     for (const std::vector<int32_t>& queue : plan.queues) {
       for (int32_t t : queue) {
         const int32_t op = plan.tasks[static_cast<size_t>(t)].op;
-        if (op >= first && op < end) instrs.push_back(by_task[static_cast<size_t>(t)]);
+        if (op >= first && op < end && op != skip_op) instrs.push_back(by_task[static_cast<size_t>(t)]);
       }
       begins.push_back(static_cast<int32_t>(instrs.size()));
     }
     link_queues(instrs, begins);
+    segments[k].tasks = static_cast<int64_t>(instrs.size());
     segments[k].instrs = upload(instrs, "instructions");
     segments[k].queue_begin = upload(begins, "queues");
   }
@@ -68,8 +69,9 @@ std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& 
 
 namespace {
 
-// The tasks of the ops marked in `host` only round; segments cut at those ops.
-GemmSchedule gemm_schedule(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host, const std::vector<bool>& reduce) {
+// The tasks of the ops marked in `host` only round, those of `skip_op` not at all; segments cut at the
+// host ops.
+GemmSchedule gemm_schedule(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host, const std::vector<bool>& reduce, int32_t skip_op) {
   std::vector<Instr> tasks = by_task;
   for (Instr& ins : tasks) {
     const auto op = static_cast<size_t>(ins.op);
@@ -78,8 +80,20 @@ GemmSchedule gemm_schedule(const Plan& plan, const std::vector<Instr>& by_task, 
   }
   GemmSchedule schedule;
   schedule.task_instrs = upload(tasks, "instructions");
-  schedule.segments = build_segments(plan, tasks, host);
+  schedule.segments = build_segments(plan, tasks, host, skip_op);
   return schedule;
+}
+
+// Whether the host can do all of the output op's work: it has a GEMM form, the plan has no all_reduce
+// (a tensor-parallel rank's argmax fold reads the logits at the sequences' rows) and nothing waits on
+// the op's tasks (no reader, no signals).
+bool output_on_host(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& reduce, const GemmPath& path) {
+  const int32_t out = plan.output_op;
+  if (out < 0 || !path.ops[static_cast<size_t>(out)] || std::find(reduce.begin(), reduce.end(), true) != reduce.end()) return false;
+  for (const PlanOp& op : plan.ops) {
+    if (std::find(op.inputs.begin(), op.inputs.end(), out) != op.inputs.end()) return false;
+  }
+  return std::none_of(by_task.begin(), by_task.end(), [&](const Instr& ins) { return ins.op == out && ins.num_signals > 0; });
 }
 
 }  // namespace
@@ -118,15 +132,19 @@ GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weigh
     path.max_input_elems = std::max(path.max_input_elems, plan.max_tokens * path.ops[i]->in);
   }
   if (path.max_input_elems == 0 && path.moe_capacity.pairs == 0 && !any_mla) return {};
+  if (output_on_host(plan, by_task, reduce, path)) path.output_on_host = plan.output_op;
   std::vector<bool> with_mla = host;
   for (size_t i = 0; i < plan.ops.size(); ++i) with_mla[i] = with_mla[i] || path.mla_ops[i].has_value();
-  path.all_host = gemm_schedule(plan, by_task, with_mla, reduce);
-  if (any_mla) path.mla_body = gemm_schedule(plan, by_task, host, reduce);
+  path.all_host = gemm_schedule(plan, by_task, with_mla, reduce, path.output_on_host);
+  if (any_mla) path.mla_body = gemm_schedule(plan, by_task, host, reduce, path.output_on_host);
   return path;
 }
 
 GemmRunner::GemmRunner(int64_t max_input_elems, cudaStream_t stream)
-    : stream_(stream), staging_(static_cast<size_t>(std::max<int64_t>(max_input_elems, 1)) * 2, "GEMM inputs"), workspace_(kWorkspaceBytes, "cuBLAS workspace") {
+    : stream_(stream),
+      staging_(static_cast<size_t>(std::max<int64_t>(max_input_elems, 1)) * 2 * kStagingSlots, "GEMM inputs"),
+      workspace_(kWorkspaceBytes, "cuBLAS workspace"),
+      slot_elems_(std::max<int64_t>(max_input_elems, 1)) {
   check_cublas(cublasCreate(&handle_), "handle");
   check_cublas(cublasSetStream(handle_, stream_), "stream");
   check_cublas(cublasSetWorkspace(handle_, workspace_.ptr, workspace_.bytes), "workspace");  // after SetStream, which resets it
@@ -136,26 +154,62 @@ GemmRunner::~GemmRunner() {
   if (handle_ != nullptr) cublasDestroy(handle_);
 }
 
+const void* GemmRunner::staged_input(const GemmOp& op, const float* x, int64_t rows) {
+  if (rows * op.in > slot_elems_) fail("cuda: a GEMM input of {}x{} outgrows its staging buffer", rows, op.in);
+  Staged* pick = &slots_[0];
+  for (Staged& s : slots_) {
+    if (s.step == step_ && op.x_op >= 0 && s.op == op.x_op && s.x == x && s.rows == rows && s.cols == op.in && s.stride == op.x_stride && s.type == op.weight.type) {
+      s.used = ++uses_;
+      return staging_.as<uint8_t>() + (&s - slots_) * slot_elems_ * 2;
+    }
+    if (s.used < pick->used) pick = &s;
+  }
+  void* out = staging_.as<uint8_t>() + (pick - slots_) * slot_elems_ * 2;
+  launch_to_half(x, rows, op.in, op.x_stride, out, op.weight.type, stream_);
+  conversions_ += 1;
+  *pick = Staged{op.x_op, x, rows, op.in, op.x_stride, op.weight.type, step_, ++uses_};
+  return out;
+}
+
 // Row-major y[T, out] = x[T, in]·W[out, in]ᵀ is column-major yᵀ[out, T] = W·xᵀ: op(A) = Aᵀ over W's
-// rows (lda = in), B = xᵀ (ldb = in), C = yᵀ (ldc = out).
-void GemmRunner::run(const GemmOp& op, float* arena, int64_t rows) {
+// rows (lda = in), B = xᵀ (ldb = ldx), C = yᵀ (ldc = out). fp32 weights: pedantic, never TF32, whatever
+// NVIDIA_TF32_OVERRIDE says.
+void GemmRunner::gemm(const GemmOp& op, const void* x, int64_t ldx, float* y, int64_t rows) {
   const float alpha = 1.0f, beta = 0.0f;
-  const float* x = arena + op.x_offset;
-  float* y = arena + op.y_offset;
   const auto m = static_cast<int>(op.out), n = static_cast<int>(rows), k = static_cast<int>(op.in);
   calls_ += 1;
-  if (op.weight.type == kWF32) {  // pedantic: never TF32, whatever NVIDIA_TF32_OVERRIDE says
-    check_cublas(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, op.weight.data, CUDA_R_32F, k, x, CUDA_R_32F, static_cast<int>(op.x_stride), &beta, y, CUDA_R_32F, m,
-                              CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
-                 "fp32 GEMM");
+  const bool fp32 = op.weight.type == kWF32;
+  const cudaDataType type = fp32 ? CUDA_R_32F : half_type(op.weight.type);
+  check_cublas(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, op.weight.data, type, k, x, type, static_cast<int>(ldx), &beta, y, CUDA_R_32F, m,
+                            fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               fp32 ? "fp32 GEMM" : "half GEMM");
+}
+
+void GemmRunner::run(const GemmOp& op, float* arena, int64_t rows) {
+  const float* x = arena + op.x_offset;
+  if (op.weight.type == kWF32) {
+    gemm(op, x, op.x_stride, arena + op.y_offset, rows);
     return;
   }
-  if (rows * op.in > static_cast<int64_t>(staging_.bytes / 2)) fail("cuda: a GEMM input of {}x{} outgrows its staging buffer", rows, op.in);
-  launch_to_half(x, rows, op.in, op.x_stride, staging_.ptr, op.weight.type, stream_);
-  const cudaDataType type = half_type(op.weight.type);
-  check_cublas(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, op.weight.data, type, k, staging_.ptr, type, k, &beta, y, CUDA_R_32F, m,
-                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-               "half GEMM");
+  gemm(op, staged_input(op, x, rows), op.in, arena + op.y_offset, rows);
+}
+
+bool GemmRunner::run_output(const GemmOp& op, float* arena, int64_t rows, const LastRows* last) {
+  float* y = arena + op.y_offset;
+  const bool compact = last != nullptr && op.weight.type != kWF32;
+  if (compact) {
+    if (last->num_seqs * op.in > slot_elems_) fail("cuda: the last rows of {} sequences outgrow the GEMM staging buffer", last->num_seqs);
+    Staged& slot = slots_[0];  // not reusable: a gather
+    launch_to_half(arena + op.x_offset, last->num_seqs, op.in, op.x_stride, staging_.ptr, op.weight.type, stream_, last);
+    conversions_ += 1;
+    slot = Staged{};
+    rows = last->num_seqs;
+    gemm(op, staging_.ptr, op.in, y, rows);
+  } else {
+    run(op, arena, rows);
+  }
+  launch_round_in_place(y, rows, op.out, op.round_to, stream_);
+  return compact;
 }
 
 namespace {
@@ -197,7 +251,10 @@ GemmTimes time_prefill_gemm(int64_t rows, int64_t out, int64_t in, int reps, int
     launch_fill(arena.as<uint8_t>(), rows * (in + out), kWF32, FillKind::kEmbedding, 1, 3, static_cast<float>(in), 0, stream);
     GemmRunner ours(rows * in, stream);
     GemmOp op{DeviceWeight{w.as<uint8_t>(), nullptr, out, in, out * in * 2, 0, kWBF16, 1}, 0, rows * in, in, out, in};
-    times.ours_ms = median_ms(stream, reps, [&] { ours.run(op, arena.as<float>(), rows); });
+    times.ours_ms = median_ms(stream, reps, [&] {
+      ours.new_step();  // each call converts its input, as the first GEMM of a step over it does
+      ours.run(op, arena.as<float>(), rows);
+    });
     // The library alone: bf16 in, bf16 out, no conversion (its best case at this shape).
     DeviceBuffer y(static_cast<size_t>(rows * out) * 2, "GEMM peer");
     const float alpha = 1.0f, beta = 0.0f;

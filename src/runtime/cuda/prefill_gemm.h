@@ -13,6 +13,7 @@
 
 #include "plan/plan.h"
 #include "runtime/cuda/device_memory.h"
+#include "runtime/cuda/last_rows.h"
 #include "runtime/cuda/mla_gemm.h"
 #include "runtime/cuda/moe_gemm.h"
 
@@ -24,6 +25,8 @@ struct GemmOp {
   DeviceWeight weight;
   int64_t x_offset = 0, y_offset = 0, in = 0, out = 0;
   int64_t x_stride = 0;  // floats between input rows: the input's width, or its source's for a slice view
+  int32_t round_to = 0;  // the op's output dtype (ActType: kAF32 when it is not rounded), for run_output
+  int32_t x_op = -1;     // the plan op whose output (or view of one) the GEMM reads
 };
 
 // The GEMM form of `op`, when it has one: a plain kLinear or kRouterLogits over one dense matrix whose
@@ -35,12 +38,14 @@ std::optional<GemmOp> gemm_form(const Plan& plan, const PlanOp& op, const Device
 // The plan's queues cut into megakernel launches: each segment first runs its host ops (all_reduce,
 // GEMMs) on the stream, then the tasks of ops [first_op, next segment's first_op) in queue order. A
 // host op opens a segment; host ops right after it that read none of the group's outputs join it.
+// `skip_op` (≥ 0): an op whose tasks are left out, the host doing all of its work.
 struct Segment {
   int32_t first_op = 0;
   std::vector<int32_t> host_ops;
   DeviceBuffer instrs, queue_begin;
+  int64_t tasks = 0;  // none: only the host ops run
 };
-std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host_op);
+std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host_op, int32_t skip_op = -1);
 
 // One way to run a GEMM step: the segments cut at its host ops and the all_reduces, and the task-order
 // instructions (eager) where the host ops' tasks only round (a no-op on the MoE and MLA ops' outputs,
@@ -58,6 +63,11 @@ struct GemmPath {
   std::vector<std::optional<MoeGemmOp>> moe_ops;
   std::vector<std::optional<MlaGemmOp>> mla_ops;
   GemmSchedule all_host, mla_body;
+  // The plan's output op (the LM head) when the host does all of it (GemmRunner::run_output): a GEMM
+  // over the rows whose logits the step returns, rounded by the host; its tasks are left out of both
+  // schedules. −1 when it keeps its rounding tasks (no GEMM form, a tensor-parallel plan, a reader or a
+  // counter after it).
+  int32_t output_on_host = -1;
   int64_t max_input_elems = 0;  // the largest GEMM input (rows × in) the plan can bring
   MoeGemmCapacity moe_capacity;  // what its MoE ops need at max_tokens rows
   MlaGemmCapacity mla_capacity;  // what its MLA ops need at max_tokens rows
@@ -72,28 +82,59 @@ struct GemmPath {
 GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weights, const std::vector<Instr>& by_task, const std::vector<bool>& reduce,
                         int32_t act, bool mla, int64_t min_rows);
 
-// cuBLAS on one stream: a handle, its workspace, and the bf16/f16 copy of a GEMM's input.
+// cuBLAS on one stream: a handle, its workspace, and the bf16/f16 copies of GEMM inputs. A step's
+// GEMMs often read one input (a KDA layer's six projections of the normed hidden state, an MoE
+// layer's router and shared expert): a copy of op X's output stays valid for the step (X's rows are
+// not rewritten while an op still reads them), so each input is converted once a step, into one of
+// kStagingSlots buffers (the least recently used is overwritten). Copies are keyed by the producing
+// op, never by address alone: the arena gives a dead op's rows to later ops.
 class GemmRunner {
  public:
+  static constexpr int kStagingSlots = 2;
+
   GemmRunner(int64_t max_input_elems, cudaStream_t stream);
   ~GemmRunner();
   GemmRunner(const GemmRunner&) = delete;
   GemmRunner& operator=(const GemmRunner&) = delete;
 
+  // A new step: the staged copies are stale.
+  void new_step() { step_ += 1; }
   // y = x·Wᵀ over `rows` rows, fp32 accumulate, fp32 out (unrounded: the op's tasks round).
   void run(const GemmOp& op, float* arena, int64_t rows);
+  // The output op, rounded here to op.round_to (its tasks do not run). With `last` and 16-bit weights
+  // only the sequences' last rows: their logits land in rows 0..num_seqs−1 of the output, and the
+  // function returns true; otherwise every row, in place, and false.
+  bool run_output(const GemmOp& op, float* arena, int64_t rows, const LastRows* last);
   cublasHandle_t handle() const { return handle_; }
   int64_t calls() const { return calls_; }
+  int64_t conversions() const { return conversions_; }  // input copies made (calls() − conversions(): reused ones, fp32 GEMMs)
 
  private:
+  struct Staged {
+    int32_t op = -1;
+    const float* x = nullptr;
+    int64_t rows = 0, cols = 0, stride = 0;
+    int32_t type = -1;
+    uint64_t step = 0, used = 0;
+  };
+  // op's input rows as a packed 16-bit array (its weight's type), converted unless a slot holds them.
+  const void* staged_input(const GemmOp& op, const float* x, int64_t rows);
+  void gemm(const GemmOp& op, const void* x, int64_t ldx, float* y, int64_t rows);
+
   cublasHandle_t handle_ = nullptr;
   cudaStream_t stream_ = nullptr;
   DeviceBuffer staging_, workspace_;
-  int64_t calls_ = 0;
+  int64_t slot_elems_ = 0;
+  Staged slots_[kStagingSlots];
+  uint64_t step_ = 1, uses_ = 0;
+  int64_t calls_ = 0, conversions_ = 0;
 };
 
-// fp32 rows [rows, cols] (row stride `stride` floats) to a packed bf16 (type kWBF16) or f16 array.
-void launch_to_half(const float* x, int64_t rows, int64_t cols, int64_t stride, void* out, int32_t type, cudaStream_t stream);
+// fp32 rows [rows, cols] (row stride `stride` floats) to a packed bf16 (type kWBF16) or f16 array; with
+// `last`, its num_seqs rows are the sequences' last rows (`rows` is ignored).
+void launch_to_half(const float* x, int64_t rows, int64_t cols, int64_t stride, void* out, int32_t type, cudaStream_t stream, const LastRows* last = nullptr);
+// Rows [rows, cols] (packed) rounded in place to `act` (ActType; kAF32: nothing to do).
+void launch_round_in_place(float* y, int64_t rows, int64_t cols, int32_t act, cudaStream_t stream);
 
 // The benchmark's kernel-level comparison at one projection shape [rows × in]·[in × out], bf16 weights,
 // random operands, median of `reps` timed calls each: `ours` is GemmRunner::run (fp32 arena → bf16
