@@ -65,6 +65,7 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t at) {
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_prior() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 
 // d += A·B for a 64×N×16 step: A (64 weight rows) and B (N job rows) by their descriptors, both
 // K-major; d the warpgroup's accumulator fragment (thread t: rows 16·(t/32) + (t%32)/4 (+8), columns
@@ -171,8 +172,12 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_wgmma_kernel(WgArgs a) {
   float d[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) d[i] = 0.0f;
-  // Every stage of the ring is in flight while a block waits for its oldest: a slot is refilled as soon
-  // as both warpgroups are done with it (the second barrier), not after the next stage has landed.
+  // The ring: stages 0..kStages−1 are copy groups 0..kStages−1; iteration kt commits one more group,
+  // holding stage kt − 1 + kStages (empty at kt = 0 and past the last stage), so stage s ≥ kStages is
+  // group s + 1 and, at iteration kt, all but the kStages − 2 newest groups hold every stage ≤ kt.
+  // The multiplies of stage kt stay in flight while the threads refill the slot of stage kt − 1 (one
+  // wgmma group pending: its multiplies are done once wait_group 1 returns), so the tensor cores do not
+  // wait for the copies' issue and the barriers.
 #pragma unroll
   for (int s = 0; s < L::kStages; ++s) {
     if (s < k_tiles) wg_load<BN>(ring, s, s, w, rows_w, b, rows, ld_b_bytes, a.gemm_in, elem_bytes);
@@ -180,7 +185,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_wgmma_kernel(WgArgs a) {
   }
   const int group = static_cast<int>(threadIdx.x) / 128;
   for (int kt = 0; kt < k_tiles; ++kt) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(L::kStages - 1) : "memory");  // stage kt has landed (this thread's copies)
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(L::kStages - 2) : "memory");  // stage kt has landed (this thread's copies)
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");                // visible to wgmma's (async proxy) reads
     __syncthreads();  // every thread's copies of stage kt
     const int slot = kt % L::kStages;
@@ -189,11 +194,13 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_wgmma_kernel(WgArgs a) {
 #pragma unroll
     for (int k = 0; k < kWgK / 16; ++k) wg_mma<T, BN>(d, wg_desc(a_at + 32 * k), wg_desc(b_at + 32 * k));
     wg_commit();
-    wg_wait();
-    __syncthreads();  // both warpgroups are done with the slot
-    if (kt + L::kStages < k_tiles) wg_load<BN>(ring, slot, kt + L::kStages, w, rows_w, b, rows, ld_b_bytes, a.gemm_in, elem_bytes);
+    wg_wait_prior();  // this warpgroup's multiplies of stage kt − 1 are done
+    __syncthreads();  // and the other warpgroup's: the slot of stage kt − 1 is free
+    const int refill = kt - 1 + L::kStages;
+    if (kt > 0 && refill < k_tiles) wg_load<BN>(ring, (kt - 1) % L::kStages, refill, w, rows_w, b, rows, ld_b_bytes, a.gemm_in, elem_bytes);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   }
+  wg_wait();
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // the trailing (empty) groups
 
   // Output (row first + n, column out0 + m) for weight row m of this warpgroup and job row n.
