@@ -331,6 +331,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                     {{"routing_sort", sort_sum / args.reps},
                      {"gemms", expert_gemm_sum / args.reps},
                      {"gathers_and_epilogues", (expert_sum - sort_sum - expert_gemm_sum) / args.reps}}},
+                   {"expert_gemm_tflops", expert_gemm_sum > 0 ? json(flops.experts / (expert_gemm_sum / args.reps * 1e9)) : json(nullptr)},  // their multiply-adds ×2 over the GEMMs' time
                    {"expert_weight_bytes", expert_gbps > 0 ? json(expert_weight_bytes) : json(nullptr)},  // null: no dense expert GEMMs ran
                    {"expert_read_gbps", expert_gbps > 0 ? json(expert_gbps) : json(nullptr)},
                    {"roofline_read_gbps", roofline_gbps},
@@ -351,7 +352,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                                expert_weight_bytes / 1e9, expert_gbps, 100.0 * expert_gbps / roofline_gbps);
       const double gemm_ms = expert_gemm_sum / args.reps;  // 0 when every step took the expert GEMV
       std::cerr << fmt::format("  of their {:.1f} ms: routing sort {:.1f}, GEMMs {:.1f}{}, gathers and epilogues {:.1f}\n", expert_ms, sort_sum / args.reps,
-                               gemm_ms, gemm_ms > 0 ? fmt::format(" ({:.0f} GB/s)", expert_weight_bytes / (gemm_ms * 1e-3) / 1e9) : "",
+                               gemm_ms, gemm_ms > 0 ? fmt::format(" ({:.0f} GB/s, {:.0f} TFLOP/s)", expert_weight_bytes / (gemm_ms * 1e-3) / 1e9, flops.experts / (gemm_ms * 1e9)) : "",
                                (expert_sum - sort_sum - expert_gemm_sum) / args.reps);
     }
     if (args.expert_peer && expert_gbps > 0) {
