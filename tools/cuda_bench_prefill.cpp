@@ -191,6 +191,8 @@ void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
   cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
   cmd->add_flag("--gemv-peer", args.gemv_peer, "also time today's path (fused prefill plans, GEMV bodies) on the same weights");
   cmd->add_flag("--mla-body-peer", args.mla_body_peer, "also time the GEMM path with mla_attention on its op body (split-KV, absorbed) instead of GEMMs");
+  cmd->add_flag("--mla-flash-peer", args.mla_flash_peer,
+                "also time each prompt with MLA's fused attention on the mma.sync kernel instead of the wgmma one (same weights and plans)");
   cmd->add_flag("--expert-peer", args.expert_peer,
                 "also time each prompt with the routed experts on cuBLAS's grouped GEMM instead of the wgmma kernel (same weights, plans and routing)");
   cmd->add_flag("--profile", args.profile, "also run each prompt once more one launch per op with events: per-opcode time (GEMMs and host ops included)");
@@ -373,6 +375,19 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                                                  "one-chunk warm-up"}};
       std::cerr << fmt::format("  routed experts on {}: {:.1f} ms ({:.0f} GB/s), ours {:.2f}x; TTFT {:.1f} ms\n", peer_path, peer_sum, peer_gbps,
                                peer_sum / expert_ms, ms);
+    }
+    if (args.mla_flash_peer && mla_gemm) {
+      // The same prompt once more with the attention on the mma.sync flash kernel: the wgmma kernel's peer.
+      backend->set_mla_flash_mma_sync(true);
+      double peer_sum = 0;
+      const double ms = median(time_prompt(*backend, prefix, ids, chunk, 1, [&](bool start) { peer_sum += start ? -backend->mla_ms() : backend->mla_ms(); }));
+      backend->set_mla_flash_mma_sync(false);
+      record["peers"]["mla_flash_mma_sync"] = {{"mla_ops_ms", peer_sum},
+                                               {"ttft_ms", ms},
+                                               {"speedup_vs_peer", mla_ms > 0 ? peer_sum / mla_ms : 0.0},
+                                               {"what", "the MLA ops (append, K/V expansion, attention) with the attention on the mma.sync flash kernel "
+                                                        "(values expanded row by row), one run after a one-chunk warm-up"}};
+      std::cerr << fmt::format("  MLA with the mma.sync flash kernel: {:.1f} ms, ours {:.2f}x; TTFT {:.1f} ms\n", peer_sum, mla_ms > 0 ? peer_sum / mla_ms : 0.0, ms);
     }
     if (gemv) {
       const double ms = median(time_prompt(*gemv, prefix, ids, chunk, 1));

@@ -115,6 +115,7 @@ struct BenchPrefillArgs {
   bool gemv_peer = false;  // also time today's path: fused prefill plans on the GEMV bodies
   bool mla_body_peer = false;  // also time the GEMM path with mla_attention on its op body (split-KV)
   bool expert_peer = false;    // also time the prompt with the expert GEMMs on cuBLAS's grouped call
+  bool mla_flash_peer = false;  // also time the prompt with MLA's attention on the mma.sync kernel instead of wgmma
   bool profile = false;        // one more run per prompt, one launch per op between events: per-opcode time
   std::string kda_peer;        // command printing fla chunk_kda's records for --tokens/--heads/--dim (run before the engine takes the GPU)
   std::string mla_peer;        // command printing PyTorch SDPA's causal attention records for --tokens/--heads/--qk-dim/--v-dim (likewise)

@@ -8,8 +8,9 @@
 // token and some get every token; MLA as GEMMs (mla_gemm.h) over first chunks, chunks with a cached
 // prefix and several sequences of different contexts in one step, against the op body and under a
 // scores budget small enough to split every sequence; fp32 and bf16, megakernel and eager, against the
-// CPU ops; bf16 through the fused attention kernel (mla_flash.cuh), also over long prefixes at the real
-// head shape.
+// CPU ops; bf16 through the fused attention kernels (mla_flash.cuh on mma.sync for small heads,
+// mla_wgmma.cu on wgmma for the real head shape, which also runs on the mma.sync kernel once), also over
+// long prefixes at the real head shape.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -569,8 +570,10 @@ TEST(CudaPrefillMla, FusedKernelOverLongPrefixesAtTheRealHeadShape) {
   const Checkpoint checkpoint = scaled(random_checkpoint(graph, 23, DType::BF16, "prefill-mla"), "self_attn.q_proj.weight", 8.0f);
   const BoundWeights bound_weights(graph, checkpoint);
   auto weights = cuda::upload_weights(graph, bound_weights);
+  // Megakernel and eager on the wgmma kernel (mla_wgmma.cu), and the megakernel on the mma.sync one
+  // (mla_flash.cuh), which these heads take only when asked (set_mla_flash_mma_sync).
   std::vector<std::unique_ptr<cuda::CudaBackend>> gpus;
-  for (bool eager : {false, true}) {
+  for (bool eager : {false, true, false}) {
     std::vector<Plan> plans = {lower_to_plan(graph, {PlanPhase::kDecode, 4, 132, 0, 0}), lower_to_plan(graph, {PlanPhase::kPrefill, 704, 132, 0, 0})};
     cuda::CudaOptions options;
     options.act_dtype = DType::BF16;
@@ -580,6 +583,7 @@ TEST(CudaPrefillMla, FusedKernelOverLongPrefixesAtTheRealHeadShape) {
     options.poison_arena = true;
     gpus.push_back(std::make_unique<cuda::CudaBackend>(graph, weights, std::move(plans), options));
   }
+  gpus[2]->set_mla_flash_mma_sync(true);
   ReferenceBackend cpu(graph, bound_weights, DType::BF16, 2);
   for (size_t k = 0; k < steps.size(); ++k) {
     StepInputs in;
@@ -594,11 +598,12 @@ TEST(CudaPrefillMla, FusedKernelOverLongPrefixesAtTheRealHeadShape) {
     ASSERT_GT(scale, 0.0f) << "step " << k << ": the reference output is all zero, the step cannot fail";
     const float limit = 3.0f * 0.0079f * scale;
     for (size_t b = 0; b < gpus.size(); ++b) {
-      const std::string at = std::string(b == 0 ? "megakernel" : "eager") + " step " + std::to_string(k);
+      const std::string at = std::string(b == 0 ? "megakernel" : b == 1 ? "eager" : "megakernel, mma.sync kernel") + " step " + std::to_string(k);
       cuda::CudaBackend& gpu = *gpus[b];
-      const int64_t flash_before = gpu.prefill_mla_flash(), blocks_before = gpu.prefill_mla_blocks();
+      const int64_t flash_before = gpu.prefill_mla_flash(), blocks_before = gpu.prefill_mla_blocks(), wgmma_before = gpu.prefill_mla_wgmma();
       const StepOutput have = gpu.step(in);
       EXPECT_EQ(gpu.prefill_mla_flash() - flash_before, static_cast<int64_t>(in.sequences.size())) << at;
+      EXPECT_EQ(gpu.prefill_mla_wgmma() - wgmma_before, b < 2 ? static_cast<int64_t>(in.sequences.size()) : 0) << at;
       EXPECT_EQ(gpu.prefill_mla_blocks() - blocks_before, 0) << at;
       ASSERT_EQ(have.logits.size(), want.logits.size()) << at;
       float worst = 0;

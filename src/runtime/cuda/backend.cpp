@@ -527,6 +527,10 @@ void CudaBackend::set_expert_gemm_cublas(bool on) {
   if (impl_->moe_runner) impl_->moe_runner->set_prefer_cublas(on);
 }
 
+void CudaBackend::set_mla_flash_mma_sync(bool on) {
+  if (impl_->mla_runner) impl_->mla_runner->set_prefer_mma_sync(on);
+}
+
 bool CudaBackend::last_expert_gemv() const { return impl_->moe_runner && impl_->moe_runner->last_gemv(); }
 
 CudaBackend::ExpertRouting CudaBackend::expert_routing() const {
@@ -565,6 +569,7 @@ int64_t CudaBackend::prefill_mla_ops() const { return impl_->mla_runner ? impl_-
 int64_t CudaBackend::prefill_mla_blocks() const { return impl_->mla_runner ? impl_->mla_runner->blocks() : 0; }
 
 int64_t CudaBackend::prefill_mla_flash() const { return impl_->mla_runner ? impl_->mla_runner->flash() : 0; }
+int64_t CudaBackend::prefill_mla_wgmma() const { return impl_->mla_runner ? impl_->mla_runner->wgmma_flash() : 0; }
 
 void CudaBackend::set_mla_timing(bool on) {
   if (impl_->mla_runner) impl_->mla_runner->set_timing(on);

@@ -144,6 +144,9 @@ class CudaBackend : public Backend {
   std::string last_expert_gemm() const;
   // Benchmarks and tests: cuBLAS's grouped call for the expert GEMMs instead of the wgmma kernel.
   void set_expert_gemm_cublas(bool on);
+  // Benchmarks and tests: MLA prefill attention on the mma.sync kernel (mla_flash.cuh) where the wgmma
+  // one (mla_wgmma.cu) would run.
+  void set_mla_flash_mma_sync(bool on);
   bool last_expert_gemv() const;  // the last one ran as the expert GEMV (moe_gemm.h: few pairs an expert)
   // Benchmarks: the expert ops' routing reads since the last reset, and the distinct experts they
   // routed to, summed over the reads.
@@ -170,6 +173,7 @@ class CudaBackend : public Backend {
   int64_t prefill_mla_ops() const;
   int64_t prefill_mla_blocks() const;
   int64_t prefill_mla_flash() const;
+  int64_t prefill_mla_wgmma() const;  // of those, the sequences on the wgmma kernel (mla_wgmma.cu)
   // Benchmarks: stream time of the MLA GEMM ops (append, expansion, scores, softmax, P·V) summed while
   // on; mla_ms() waits for the stream.
   void set_mla_timing(bool on);

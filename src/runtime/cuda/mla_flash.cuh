@@ -189,6 +189,79 @@ __device__ __forceinline__ void flash_mma_pair(float (&d0)[4], float (&d1)[4], c
   flash_mma<kF16>(d1, a, b[2], b[3]);
 }
 
+// This thread's two rows of a block's online softmax (the m16n8 accumulator layout: rows g and g + 8 of
+// its warp's 16), shared by this kernel and the wgmma one (mla_wgmma.cu).
+struct FlashRows {
+  int lo, hi;                                 // query rows
+  float m_lo = -INFINITY, m_hi = -INFINITY;  // running max, in the base-2 exponent's unit
+  float l_lo = 0.0f, l_hi = 0.0f;            // this thread's share of Σ
+};
+
+// One tile of scores s (kTiles 8-position column tiles from position j0; c = lane % 4) into the
+// unnormalized weights exp2(s·scale − max), the running max and sum updated and O (kOut column tiles)
+// rescaled. Masks only where a position can pass a row's bound (context + row): `diagonal` tiles. The
+// first tile holds position 0, which every row sees, so the maxima are finite from there on (the guard
+// keeps a row that saw nothing at p = 0, not NaN).
+template <int kTiles, int kOut>
+__device__ __forceinline__ void flash_softmax_tile(float (&s)[kTiles][4], float (&o)[kOut][4], FlashRows& r, int j0, bool diagonal, int context, float scale_log2,
+                                                   int c) {
+  float top_lo = -INFINITY, top_hi = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < kTiles; ++nt) {
+    const int key = j0 + nt * 8 + 2 * c;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool hidden = diagonal && key + (e & 1) > context + (e < 2 ? r.lo : r.hi);
+      s[nt][e] = hidden ? -INFINITY : s[nt][e] * scale_log2;
+    }
+    top_lo = fmaxf(top_lo, fmaxf(s[nt][0], s[nt][1]));
+    top_hi = fmaxf(top_hi, fmaxf(s[nt][2], s[nt][3]));
+  }
+#pragma unroll
+  for (int o_lane = 1; o_lane < 4; o_lane *= 2) {  // the 4 lanes of a row
+    top_lo = fmaxf(top_lo, __shfl_xor_sync(0xffffffffu, top_lo, o_lane));
+    top_hi = fmaxf(top_hi, __shfl_xor_sync(0xffffffffu, top_hi, o_lane));
+  }
+  const float new_lo = fmaxf(r.m_lo, top_lo), new_hi = fmaxf(r.m_hi, top_hi);
+  const float base_lo = new_lo == -INFINITY ? 0.0f : new_lo, base_hi = new_hi == -INFINITY ? 0.0f : new_hi;
+  const float alpha_lo = exp2f(r.m_lo - base_lo), alpha_hi = exp2f(r.m_hi - base_hi);  // 0 while the max was −∞
+  r.m_lo = new_lo, r.m_hi = new_hi;
+  float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+  for (int nt = 0; nt < kTiles; ++nt) {
+    s[nt][0] = exp2f(s[nt][0] - base_lo), s[nt][1] = exp2f(s[nt][1] - base_lo);
+    s[nt][2] = exp2f(s[nt][2] - base_hi), s[nt][3] = exp2f(s[nt][3] - base_hi);
+    sum_lo += s[nt][0] + s[nt][1], sum_hi += s[nt][2] + s[nt][3];
+  }
+  r.l_lo = r.l_lo * alpha_lo + sum_lo, r.l_hi = r.l_hi * alpha_hi + sum_hi;
+#pragma unroll
+  for (int nt = 0; nt < kOut; ++nt) o[nt][0] *= alpha_lo, o[nt][1] *= alpha_lo, o[nt][2] *= alpha_hi, o[nt][3] *= alpha_hi;
+}
+
+// Σ over the row's 4 lanes, then O / Σ into head h's columns of the op's rows (rows past tokens and
+// columns past dv stay untouched), rounded as the cuBLAS path's scatter rounds them.
+template <int kOut>
+__device__ __forceinline__ void flash_store_rows(const MlaFlashArgs& a, const float (&o)[kOut][4], FlashRows r, int h, int c) {
+#pragma unroll
+  for (int o_lane = 1; o_lane < 4; o_lane *= 2) {
+    r.l_lo += __shfl_xor_sync(0xffffffffu, r.l_lo, o_lane);
+    r.l_hi += __shfl_xor_sync(0xffffffffu, r.l_hi, o_lane);
+  }
+  const float inv_lo = 1.0f / r.l_lo, inv_hi = 1.0f / r.l_hi;
+  float* out = a.out + static_cast<int64_t>(h) * a.dv;
+  const auto store = [&](int row, int col, float v) {
+    if (row < a.tokens && col < a.dv) out[static_cast<int64_t>(row) * a.width + col] = a.round_out ? round_act(a.act, v) : v;
+  };
+#pragma unroll
+  for (int nt = 0; nt < kOut; ++nt) {
+    const int col = nt * 8 + 2 * c;
+    store(r.lo, col, o[nt][0] * inv_lo);
+    store(r.lo, col + 1, o[nt][1] * inv_lo);
+    store(r.hi, col, o[nt][2] * inv_hi);
+    store(r.hi, col + 1, o[nt][3] * inv_hi);
+  }
+}
+
 // K/V tile j (positions [64j, 64j + 64)) into stage j % 2 in whole 16-byte copies; positions from
 // `keys` on and columns past ld_k / ld_v are cp.async's zero fill (source size 0), so nothing past the
 // block's causal bound or a head's rows is read. Columns [qk, ld_k) are zero in the buffer (mla_flash.h);
@@ -243,11 +316,10 @@ __device__ __forceinline__ void mla_flash_block(const MlaFlashArgs& a, int q_til
       *reinterpret_cast<uint32_t*>(qs + r * L::kLdK + col) = flash_pack<kF16>(x0, x1);
     }
   }
-  const int row_lo = t0 + warp * 16 + g, row_hi = row_lo + 8;  // this thread's rows of the warp's 16
+  FlashRows rows{t0 + warp * 16 + g, t0 + warp * 16 + g + 8};  // this thread's rows of the warp's 16
   float o[DV / 8][4];
 #pragma unroll
   for (int nt = 0; nt < DV / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
-  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;  // running max (base-2 units), this thread's share of Σ
   // ldmatrix row addresses of this lane: q as the A fragment (rows +0/+8, columns +0/+8), K (keys
   // +0/+8, columns +0/+8), V transposed (positions +0/+8, columns +0/+8).
   const int q_lane = (warp * 16 + (lane / 8 % 2) * 8 + lane % 8) * L::kLdK + (lane / 16) * 8;
@@ -275,42 +347,7 @@ __device__ __forceinline__ void mla_flash_block(const MlaFlashArgs& a, int q_til
 #pragma unroll
       for (int np = 0; np < kKeyTiles / 2; ++np) flash_mma_pair<kF16, false>(s[2 * np], s[2 * np + 1], qf, ks + k_lane + np * 16 * L::kLdK + kk * 16);
     }
-    // Online softmax. Masks only where a position can pass a row's bound (context + row); the first tile
-    // holds position 0, which every row sees, so the maxima are finite from there on (the guard keeps
-    // a row that saw nothing at p = 0, not NaN).
-    const int j0 = j * kMlaFlashKeys;
-    const bool diagonal = j0 + kMlaFlashKeys - 1 > a.context + t0;
-    float top_lo = -INFINITY, top_hi = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < kKeyTiles; ++nt) {
-      const int key = j0 + nt * 8 + 2 * c;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool hidden = diagonal && key + (e & 1) > a.context + (e < 2 ? row_lo : row_hi);
-        s[nt][e] = hidden ? -INFINITY : s[nt][e] * a.scale_log2;
-      }
-      top_lo = fmaxf(top_lo, fmaxf(s[nt][0], s[nt][1]));
-      top_hi = fmaxf(top_hi, fmaxf(s[nt][2], s[nt][3]));
-    }
-#pragma unroll
-    for (int o_lane = 1; o_lane < 4; o_lane *= 2) {  // the 4 lanes of a row
-      top_lo = fmaxf(top_lo, __shfl_xor_sync(0xffffffffu, top_lo, o_lane));
-      top_hi = fmaxf(top_hi, __shfl_xor_sync(0xffffffffu, top_hi, o_lane));
-    }
-    const float new_lo = fmaxf(m_lo, top_lo), new_hi = fmaxf(m_hi, top_hi);
-    const float base_lo = new_lo == -INFINITY ? 0.0f : new_lo, base_hi = new_hi == -INFINITY ? 0.0f : new_hi;
-    const float alpha_lo = exp2f(m_lo - base_lo), alpha_hi = exp2f(m_hi - base_hi);  // 0 while the max was −∞
-    m_lo = new_lo, m_hi = new_hi;
-    float sum_lo = 0.0f, sum_hi = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < kKeyTiles; ++nt) {
-      s[nt][0] = exp2f(s[nt][0] - base_lo), s[nt][1] = exp2f(s[nt][1] - base_lo);
-      s[nt][2] = exp2f(s[nt][2] - base_hi), s[nt][3] = exp2f(s[nt][3] - base_hi);
-      sum_lo += s[nt][0] + s[nt][1], sum_hi += s[nt][2] + s[nt][3];
-    }
-    l_lo = l_lo * alpha_lo + sum_lo, l_hi = l_hi * alpha_hi + sum_hi;
-#pragma unroll
-    for (int nt = 0; nt < DV / 8; ++nt) o[nt][0] *= alpha_lo, o[nt][1] *= alpha_lo, o[nt][2] *= alpha_hi, o[nt][3] *= alpha_hi;
+    flash_softmax_tile(s, o, rows, j * kMlaFlashKeys, j * kMlaFlashKeys + kMlaFlashKeys - 1 > a.context + t0, a.context, a.scale_log2, c);
     // O += P·V: the score tiles 2kk, 2kk + 1 are the A fragment of positions [16kk, 16kk + 16).
 #pragma unroll
     for (int kk = 0; kk < kKeyTiles / 2; ++kk) {
@@ -322,25 +359,7 @@ __device__ __forceinline__ void mla_flash_block(const MlaFlashArgs& a, int q_til
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
   }
 
-  // Σ over the row's 4 lanes, then O / Σ into the op's rows (rows past tokens and columns past dv stay untouched).
-#pragma unroll
-  for (int o_lane = 1; o_lane < 4; o_lane *= 2) {
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o_lane);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o_lane);
-  }
-  const float inv_lo = 1.0f / l_lo, inv_hi = 1.0f / l_hi;
-  float* out = a.out + static_cast<int64_t>(h) * a.dv;
-  const auto store = [&](int row, int col, float v) {
-    if (row < a.tokens && col < a.dv) out[row * a.width + col] = a.round_out ? round_act(a.act, v) : v;
-  };
-#pragma unroll
-  for (int nt = 0; nt < DV / 8; ++nt) {
-    const int col = nt * 8 + 2 * c;
-    store(row_lo, col, o[nt][0] * inv_lo);
-    store(row_lo, col + 1, o[nt][1] * inv_lo);
-    store(row_hi, col, o[nt][2] * inv_hi);
-    store(row_hi, col + 1, o[nt][3] * inv_hi);
-  }
+  flash_store_rows(a, o, rows, h, c);
 }
 
 }  // namespace plow::cuda

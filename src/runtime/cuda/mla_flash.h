@@ -26,6 +26,12 @@ inline bool mla_flash_fits(int64_t qk, int64_t dv, int32_t type) {
   return (type == kWBF16 || type == kWF16) && qk >= 1 && dv >= 1 && qk <= kMlaFlashQk && dv <= kMlaFlashDv;
 }
 
+// Whether such an attention runs on the wgmma kernel (mla_wgmma.cu, heads past the small
+// instantiation), which reads the values transposed (MlaFlashArgs::ld_vt).
+inline bool mla_wgmma_fits(int64_t qk, int64_t dv, int32_t type) {
+  return mla_flash_fits(qk, dv, type) && (qk > kMlaFlashSmallDim || dv > kMlaFlashSmallDim);
+}
+
 // One sequence: queries rows [0, tokens) over positions [0, context + tokens), row t seeing positions
 // ≤ context + t. Keys and values are the expansion's per-head blocks of 16-bit elements (bf16 or f16):
 // head h's position τ at keys + (h·(context + tokens) + τ)·ld_k (qk columns, then zeros up to ld_k),
@@ -40,6 +46,9 @@ struct MlaFlashArgs {
   float* out = nullptr;
   int64_t q_stride = 0, width = 0;
   int32_t ld_k = 0, ld_v = 0;
+  // > 0: the values transposed (the wgmma kernel): head h's value column d at values + (h·dv + d)·ld_vt,
+  // positions [0, context + tokens) then zeros up to ld_vt (a multiple of 8); ld_v unused.
+  int32_t ld_vt = 0;
   int32_t tokens = 0, context = 0, heads = 0, qk = 0, dv = 0;
   float scale_log2 = 0;  // (nope + rope)^(−1/2) · log2(e): scores in the base-2 exponent's unit
   int32_t act = kABF16;

@@ -122,7 +122,7 @@ MlaGemmRunner::MlaGemmRunner(const MlaGemmCapacity& c, int64_t max_context, int6
   workspace_ = DeviceBuffer(kWorkspaceBytes, "cuBLAS workspace");
   latents_ = DeviceBuffer(bytes(max_context * c.rank * c.elem_bytes), "MLA GEMM latents");
   keys_ = DeviceBuffer(bytes(c.heads * max_context * c.qk * c.elem_bytes), "MLA GEMM keys");
-  values_ = DeviceBuffer(bytes(c.heads * max_context * c.dv * c.elem_bytes), "MLA GEMM values");
+  values_ = DeviceBuffer(bytes(c.heads * padded(max_context) * c.dv * c.elem_bytes), "MLA GEMM values");  // rows [visible, dv] or Vᵀ [dv, padded(visible)]
   if (c.blocks) {
     // The scores of one block: within the budget, never more than the largest step can use, never less
     // than one query row of one head at max_context. (The fused kernel needs none of these.)
@@ -171,8 +171,22 @@ void MlaGemmRunner::expand(const MlaGemmOp& op, const float* slot, int64_t visib
     gemm(handle_, CUBLAS_OP_T, op.nope, visible, op.rank, 1.0f, Operand{op.kv_b.data, t, op.rank, head_rows}, latents, keys_.ptr, t, ld_k, visible * ld_k,
          op.heads, op.type, "key expansion");
   }
-  gemm(handle_, CUBLAS_OP_T, op.dv, visible, op.rank, 1.0f, Operand{op.kv_b.data + op.nope * op.rank * e, t, op.rank, head_rows}, latents, values_.ptr, t,
-       ld_v, visible * ld_v, op.heads, op.type, "value expansion");
+  const Operand kv_b_v{op.kv_b.data + op.nope * op.rank * e, t, op.rank, head_rows};
+  if (!wgmma(op)) {
+    gemm(handle_, CUBLAS_OP_T, op.dv, visible, op.rank, 1.0f, kv_b_v, latents, values_.ptr, t, ld_v, visible * ld_v, op.heads, op.type, "value expansion");
+    return;
+  }
+  // The wgmma kernel's Vᵀ_h [dv, ld_vt] (its P·V operand is K-major): column-major [visible, dv] =
+  // latentsᵀ·A_h, the same dots as above. Columns [visible, ld_vt) are zeroed: a kernel copy that
+  // starts before its bound reads them, and P = 0 there must not meet a NaN.
+  const int64_t ld_vt = padded(visible);
+  gemm(handle_, CUBLAS_OP_T, visible, op.dv, op.rank, 1.0f, Operand{latents_.ptr, t, ld_c, 0}, kv_b_v, values_.ptr, t, ld_vt, op.dv * ld_vt, op.heads, op.type,
+       "value expansion (transposed)");
+  if (ld_vt > visible) {
+    check(cudaMemset2DAsync(values_.as<uint8_t>() + visible * e, static_cast<size_t>(ld_vt * e), 0, static_cast<size_t>((ld_vt - visible) * e),
+                            static_cast<size_t>(op.heads * op.dv), stream_),
+          "MLA value padding");
+  }
 }
 
 // bf16 and f16 (op.flash()): one launch of the fused kernel (mla_flash.cuh) over every head and row,
@@ -204,7 +218,13 @@ void MlaGemmRunner::attend(const MlaGemmOp& op, float* arena, const MlaSequence&
     args.scale_log2 = op.scale * 1.44269504088896341f;  // log2(e)
     args.act = op.act;
     args.round_out = op.round_out;
-    launch_mla_flash(args, op.type, stream_);
+    if (wgmma(op)) {
+      args.ld_vt = static_cast<int32_t>(padded(visible));
+      launch_mla_wgmma(args, op.type, stream_);
+      wgmma_flash_ += 1;
+    } else {
+      launch_mla_flash(args, op.type, stream_);
+    }
     flash_ += 1;
     return;
   }

@@ -47,6 +47,7 @@ struct MlaGemmOp {
   int64_t qk() const { return nope + rope; }
   int64_t per_head() const { return nope + dv; }
   bool flash() const { return mla_flash_fits(qk(), dv, type); }  // attention in the fused kernel, not in score blocks
+  bool wgmma() const { return mla_wgmma_fits(qk(), dv, type); }  // that kernel on wgmma, over values expanded transposed
 };
 
 // The GEMM form of `op` (a kMlaAttention) with its weights on the device, when it has one: kv_b dense
@@ -96,6 +97,10 @@ class MlaGemmRunner {
   int64_t calls() const { return calls_; }    // ops run
   int64_t blocks() const { return blocks_; }  // score blocks run (tests: that the budget split a sequence)
   int64_t flash() const { return flash_; }    // sequences attended by the fused kernel
+  int64_t wgmma_flash() const { return wgmma_flash_; }  // of those, on the wgmma kernel
+  // Benchmarks: the heads that take the wgmma kernel on the mma.sync one (mla_flash.cuh) instead, over
+  // values expanded row by row.
+  void set_prefer_mma_sync(bool on) { mma_sync_ = on; }
   // Timing (benchmarks): with it on, each op's stream time is added up; timed_ms() synchronizes.
   void set_timing(bool on) { timing_ = on; }
   double timed_ms() { return timer_.total_ms(); }
@@ -110,7 +115,9 @@ class MlaGemmRunner {
   MlaGemmCapacity capacity_;
   int64_t max_context_ = 0, scores_floats_ = 0;
   DeviceBuffer workspace_, latents_, keys_, values_, queries_, scores_, probs_, outputs_;
-  int64_t calls_ = 0, blocks_ = 0, flash_ = 0;
+  int64_t calls_ = 0, blocks_ = 0, flash_ = 0, wgmma_flash_ = 0;
+  bool mma_sync_ = false;
+  bool wgmma(const MlaGemmOp& op) const { return op.wgmma() && !mma_sync_; }
   bool timing_ = false;
   StreamTimer timer_;
 };
@@ -136,6 +143,8 @@ void launch_mla_softmax(const float* scores, int64_t ld, int64_t rows, int64_t q
                         int32_t act, cudaStream_t stream);
 // The fused attention of one sequence (mla_flash.cuh), `type` bf16 or f16; every head, every query row.
 void launch_mla_flash(const MlaFlashArgs& args, int32_t type, cudaStream_t stream);
+// The same on wgmma (mla_wgmma.cu) for heads that mla_wgmma_fits, values transposed (args.ld_vt > 0).
+void launch_mla_wgmma(const MlaFlashArgs& args, int32_t type, cudaStream_t stream);
 // The block's outputs o[g][t][ld_o] (fp32) into out rows [t]: out[t·width + g·dv + i], rounded to the
 // activation dtype when round_out.
 void launch_mla_scatter(const float* o, int64_t ld_o, int64_t group, int64_t rows, int64_t dv, float* out, int64_t width, int32_t act, bool round_out,

@@ -19,6 +19,7 @@
 
 #include "runtime/cuda/kernels.h"
 #include "runtime/cuda/moe_lists.h"
+#include "runtime/cuda/wgmma.cuh"
 
 namespace plow::cuda {
 
@@ -48,81 +49,6 @@ struct WgArgs {
   int64_t ld_out;
   int32_t gemm_in, gemm_out, out_tiles;
 };
-
-__device__ __forceinline__ uint32_t wg_smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void wg_cp16(uint32_t dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-
-// The descriptor of a K-major tile of 8-row, 128-byte-swizzled atoms at shared address `at` (1024-byte
-// aligned, or advanced by a multiple of 32 bytes inside the first row for the k16 steps): leading offset
-// 16 bytes (unused by this layout), stride 1024 bytes (one atom), swizzle mode 1 (128 bytes).
-__device__ __forceinline__ uint64_t wg_desc(uint32_t at) {
-  return static_cast<uint64_t>((at & 0x3FFFF) >> 4) | (uint64_t{16 >> 4} << 16) | (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait_prior() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
-
-// d += A·B for a 64×N×16 step: A (64 weight rows) and B (N job rows) by their descriptors, both
-// K-major; d the warpgroup's accumulator fragment (thread t: rows 16·(t/32) + (t%32)/4 (+8), columns
-// 8j + 2·(t%4) (+1) at d[4j..4j+3]). The macros: the accumulator operands of a 64×64 (32 registers)
-// and a 64×128 (64 registers) tile, and the instruction with both operands from shared memory (scale-d
-// 1: accumulate; A and B unscaled, K-major).
-#define PLOW_WG_REGS32 \
-  "{" \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
-  "}"
-#define PLOW_WG_REGS64 \
-  "{" \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
-  "}"
-#define PLOW_WG_OUT32 \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define PLOW_WG_OUT64 \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-#define PLOW_WG_MMA(shape, type, regs, a, b) "wgmma.mma_async.sync.aligned." shape ".f32." type "." type " " regs ", %" a ", %" b ", 1, 1, 1, 0, 0;\n"
-
-__device__ __forceinline__ void wgmma_m64n64k16_bf16(float (&d)[32], uint64_t a, uint64_t b) {
-  asm volatile(PLOW_WG_MMA("m64n64k16", "bf16", PLOW_WG_REGS32, "32", "33") : PLOW_WG_OUT32 : "l"(a), "l"(b));
-}
-__device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], uint64_t a, uint64_t b) {
-  asm volatile(PLOW_WG_MMA("m64n64k16", "f16", PLOW_WG_REGS32, "32", "33") : PLOW_WG_OUT32 : "l"(a), "l"(b));
-}
-__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t a, uint64_t b) {
-  asm volatile(PLOW_WG_MMA("m64n128k16", "bf16", PLOW_WG_REGS64, "64", "65") : PLOW_WG_OUT64 : "l"(a), "l"(b));
-}
-__device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], uint64_t a, uint64_t b) {
-  asm volatile(PLOW_WG_MMA("m64n128k16", "f16", PLOW_WG_REGS64, "64", "65") : PLOW_WG_OUT64 : "l"(a), "l"(b));
-}
-
-template <typename T, int N>
-__device__ __forceinline__ void wg_mma(float (&d)[N / 2], uint64_t a, uint64_t b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if constexpr (N == 64) wgmma_m64n64k16_bf16(d, a, b);
-    else wgmma_m64n128k16_bf16(d, a, b);
-  } else {
-    if constexpr (N == 64) wgmma_m64n64k16_f16(d, a, b);
-    else wgmma_m64n128k16_f16(d, a, b);
-  }
-}
 
 __device__ __forceinline__ void store_out(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_out(__half* p, float v) { *p = __float2half_rn(v); }
@@ -192,7 +118,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_wgmma_kernel(WgArgs a) {
     const uint32_t a_at = ring + slot * L::kStageBytes + group * 64 * 128, b_at = ring + slot * L::kStageBytes + L::kABytes;
     wg_fence();
 #pragma unroll
-    for (int k = 0; k < kWgK / 16; ++k) wg_mma<T, BN>(d, wg_desc(a_at + 32 * k), wg_desc(b_at + 32 * k));
+    for (int k = 0; k < kWgK / 16; ++k) wg_mma_ss<T>(d, wg_desc(a_at + 32 * k), wg_desc(b_at + 32 * k));
     wg_commit();
     wg_wait_prior();  // this warpgroup's multiplies of stage kt − 1 are done
     __syncthreads();  // and the other warpgroup's: the slot of stage kt − 1 is free

@@ -1,0 +1,161 @@
+// The fused causal attention of one MLA prefill sequence on Hopper's warpgroup MMA, for the heads of
+// the Kimi-Linear/K3 shape (q·k ≤ 192, v ≤ 128, beyond mla_flash.cuh's small instantiation): the same
+// flash-attention-2 form, numerics and rounding points as mla_flash.cuh (see its comment for the error
+// against the CPU reference), with the products on wgmma instead of mma.sync:
+//  - a block is one warpgroup (128 threads) and 64 query rows of one head; q is staged once into
+//    shared memory in the 128-byte-swizzled K-major layout (wgmma.cuh), three 64-column tiles;
+//  - K tiles of 64 positions (three 64-column tiles) and Vᵀ tiles (the values transposed by the
+//    expansion, `ld_vt`: 128 rows of 64 positions, so they are K-major for P·V too) come through a ring
+//    of two stages by cp.async, the next tile loading while this one is used;
+//  - S = q·Kᵀ is twelve m64n64k16 with both operands in shared memory; the online softmax and the
+//    output (mla_flash.cuh's flash_softmax_tile and flash_store_rows) work on the accumulators in
+//    registers, whose layout is mma.sync's m16n8 tiles side by side; P, rounded to the element type,
+//    is the register A operand of four m64n128k16 for O += P·V.
+// 105 KB of shared memory: two blocks an SM, whose softmax and products interleave.
+#include "runtime/cuda/kernels.h"  // declared in mla_gemm.h (host headers nvcc need not see)
+#include "runtime/cuda/mla_flash.cuh"
+#include "runtime/cuda/wgmma.cuh"
+
+namespace plow::cuda {
+
+namespace {
+
+constexpr int kRows = 64;  // query rows of a block: one warpgroup's wgmma M
+constexpr int kKeys = 64;  // positions of a K/V tile
+constexpr int kThreads = 128;
+constexpr int kQk = kMlaFlashQk, kDv = kMlaFlashDv;
+constexpr int kQkTiles = kQk / 64;  // 64-column tiles of q and K
+constexpr int kQBytes = kQkTiles * kRows * 128;
+constexpr int kKBytes = kQkTiles * kKeys * 128;
+constexpr int kStageBytes = kKBytes + kDv * 128;  // K, then Vᵀ [dv][64 positions]
+constexpr int kBytes = kQBytes + 2 * kStageBytes + 1024;  // + the slack to align to 1,024 bytes
+static_assert(kQk % 64 == 0 && kDv == 128, "whole 64-column tiles of q·k; P·V is one m64n128 product");
+static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0 && kStageBytes % 1024 == 0, "tiles start on swizzle atoms");
+
+// K/V tile j (positions [64j, 64j + 64)) into the stage at `at`, whole 16-byte copies: K rows from
+// `keys` on and columns past ld_k, Vᵀ rows past dv and positions from `keys` on (by 8: a copy that
+// starts before `keys` reads the values up to its end, finite: the expansion zeroes [visible, ld_vt))
+// are the copies' zero fill.
+__device__ __forceinline__ void stage_tile(const MlaFlashArgs& a, const uint16_t* kg, const uint16_t* vtg, int keys, int j, uint32_t at, int tid) {
+  const int j0 = j * kKeys;
+  constexpr int kKChunks = kQk / 8;
+#pragma unroll
+  for (int i = 0; i < kKeys * kKChunks / kThreads; ++i) {
+    const int idx = tid + i * kThreads, r = idx / kKChunks, c = idx % kKChunks;
+    const bool real = j0 + r < keys && 8 * c < a.ld_k;
+    wg_cp16(at + (c / 8) * (kKeys * 128) + wg_swizzle(r, c % 8), real ? kg + static_cast<int64_t>(j0 + r) * a.ld_k + 8 * c : kg, real ? 16 : 0);
+  }
+#pragma unroll
+  for (int i = 0; i < kDv * 8 / kThreads; ++i) {
+    const int idx = tid + i * kThreads, d = idx / 8, c = idx % 8, p = j0 + 8 * c;
+    const bool real = d < a.dv && p < keys;
+    wg_cp16(at + kKBytes + wg_swizzle(d, c), real ? vtg + static_cast<int64_t>(d) * a.ld_vt + p : vtg, real ? 16 : 0);
+  }
+}
+
+// Block (head blockIdx.x, query tile gridDim.y − 1 − blockIdx.y: the longest blocks start first).
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) mla_wgmma_kernel(MlaFlashArgs a) {
+  constexpr bool kF16 = std::is_same_v<T, __half>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t base = (wg_smem(smem_raw) + 1023u) & ~1023u;
+  const uint32_t q_at = base, stage_at[2] = {base + kQBytes, base + kQBytes + kStageBytes};
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4;
+  const int h = static_cast<int>(blockIdx.x), t0 = static_cast<int>(gridDim.y - 1 - blockIdx.y) * kRows;
+  const int keys = a.context + min(t0 + kRows, a.tokens);  // the block's last row sees positions [0, keys)
+  const int tiles = (keys + kKeys - 1) / kKeys;
+  const uint16_t* kg = a.keys + static_cast<int64_t>(h) * (a.context + a.tokens) * a.ld_k;
+  const uint16_t* vtg = a.values + static_cast<int64_t>(h) * a.dv * a.ld_vt;
+  stage_tile(a, kg, vtg, keys, 0, stage_at[0], tid);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+
+  // q rows [t0, t0 + 64) of head h in the element type (exact: q is an activation), zero past tokens
+  // and qk; the first tile's fence and barrier order these stores before wgmma reads them.
+  {
+    const float* q = a.q + static_cast<int64_t>(h) * a.qk;
+    constexpr int kChunks = kQk / 8;
+#pragma unroll 2
+    for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
+      const int r = idx / kChunks, ch = idx % kChunks, row = t0 + r;
+      const float* src = q + static_cast<int64_t>(row) * a.q_stride + 8 * ch;
+      float x[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) x[e] = row < a.tokens && 8 * ch + e < a.qk ? src[e] : 0.0f;
+      const uint4 v = make_uint4(flash_pack<kF16>(x[0], x[1]), flash_pack<kF16>(x[2], x[3]), flash_pack<kF16>(x[4], x[5]), flash_pack<kF16>(x[6], x[7]));
+      const uint32_t at = q_at + (ch / 8) * (kRows * 128) + wg_swizzle(r, ch % 8);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+    }
+  }
+  FlashRows rows{t0 + warp * 16 + g, t0 + warp * 16 + g + 8};  // this thread's rows of the warp's 16
+  // The accumulators as mla_flash.cuh's m16n8 tiles side by side; wgmma takes them flat (same order).
+  float o[kDv / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < kDv / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  float(&o_flat)[kDv / 2] = reinterpret_cast<float(&)[kDv / 2]>(o);
+
+  for (int j = 0; j < tiles; ++j) {
+    if (j + 1 < tiles) {
+      stage_tile(a, kg, vtg, keys, j + 1, stage_at[(j + 1) & 1], tid);
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    }
+    wg_fence_proxy();
+    __syncthreads();  // tile j (and q) in shared memory for every thread
+    const uint32_t k_at = stage_at[j & 1], vt_at = k_at + kKBytes;
+    float s[kKeys / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kKeys / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    float(&s_flat)[kKeys / 2] = reinterpret_cast<float(&)[kKeys / 2]>(s);
+    wg_fence();
+#pragma unroll
+    for (int k = 0; k < kQk / 16; ++k) {
+      const uint32_t step = (k / 4) * (kRows * 128) + 32 * (k % 4), k_step = (k / 4) * (kKeys * 128) + 32 * (k % 4);
+      wg_mma_ss<T>(s_flat, wg_desc(q_at + step), wg_desc(k_at + k_step));
+    }
+    wg_commit();
+    wg_wait();
+    flash_softmax_tile(s, o, rows, j * kKeys, j * kKeys + kKeys - 1 > a.context + t0, a.context, a.scale_log2, c);
+    // O += P·V: score tiles 2kk, 2kk + 1 are the A fragment of positions [16kk, 16kk + 16), all four
+    // packed before the first product reads them (wgmma reads its registers asynchronously).
+    uint32_t p[kKeys / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      p[kk][0] = flash_pack<kF16>(s[2 * kk][0], s[2 * kk][1]), p[kk][1] = flash_pack<kF16>(s[2 * kk][2], s[2 * kk][3]);
+      p[kk][2] = flash_pack<kF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]), p[kk][3] = flash_pack<kF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) wg_mma_rs<T>(o_flat, p[kk], wg_desc(vt_at + 32 * kk));
+    wg_commit();
+    wg_wait();
+    __syncthreads();  // both stages' readers are done before iteration j + 1 refills this one
+  }
+
+  flash_store_rows(a, o, rows, h, c);
+}
+
+template <typename T>
+void launch(const MlaFlashArgs& args, cudaStream_t stream) {
+  // Per device (tensor-parallel ranks may be threads of one process): set at every launch.
+  const cudaError_t error = cudaFuncSetAttribute(mla_wgmma_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+  if (error != cudaSuccess) cuda_failure("MLA wgmma attention shared memory", error);
+  const dim3 grid(static_cast<unsigned>(args.heads), static_cast<unsigned>((args.tokens + kRows - 1) / kRows));
+  mla_wgmma_kernel<T><<<grid, kThreads, kBytes, stream>>>(args);
+  const cudaError_t launched = cudaGetLastError();
+  if (launched != cudaSuccess) cuda_failure("MLA wgmma attention", launched);
+}
+
+}  // namespace
+
+void launch_mla_wgmma(const MlaFlashArgs& args, int32_t type, cudaStream_t stream) {
+  if (args.tokens == 0) return;
+  if (type == kWF16) {
+    launch<__half>(args, stream);
+  } else {
+    launch<__nv_bfloat16>(args, stream);
+  }
+}
+
+}  // namespace plow::cuda
