@@ -2,7 +2,7 @@
 // the Kimi-Linear/K3 shape (q·k ≤ 192, v ≤ 128, beyond mla_flash.cuh's small instantiation): the same
 // flash-attention-2 form, numerics and rounding points as mla_flash.cuh (see its comment for the error
 // against the CPU reference), with the products on wgmma instead of mma.sync:
-//  - a block is one warpgroup (128 threads) and 64 query rows of one head; q is staged once into
+//  - a block is two warpgroups (256 threads), 64 query rows each, of one head; q is staged once into
 //    shared memory in the 128-byte-swizzled K-major layout (wgmma.cuh), three 64-column tiles;
 //  - K tiles of 64 positions (three 64-column tiles) and Vᵀ tiles (the values transposed by the
 //    expansion, `ld_vt`: 128 rows of 64 positions, so they are K-major for P·V too) come through a ring
@@ -11,7 +11,10 @@
 //    output (mla_flash.cuh's flash_softmax_tile and flash_store_rows) work on the accumulators in
 //    registers, whose layout is mma.sync's m16n8 tiles side by side; P, rounded to the element type,
 //    is the register A operand of four m64n128k16 for O += P·V.
-// 105 KB of shared memory: two blocks an SM, whose softmax and products interleave.
+// The warpgroups share each K/V tile: at one warpgroup a block (64 rows, two blocks an SM) the tiles'
+// copies from L2 came to ~10 MB a block at 32K positions (168 GB a 48B layer, of the order of the
+// kernel's time at L2's bandwidth); two halve them (H200, 48B, MLA ops over 32K: 288 → 265 ms). 129 KB
+// of shared memory: one block an SM.
 #include "runtime/cuda/kernels.h"  // declared in mla_gemm.h (host headers nvcc need not see)
 #include "runtime/cuda/mla_flash.cuh"
 #include "runtime/cuda/wgmma.cuh"
@@ -20,9 +23,10 @@ namespace plow::cuda {
 
 namespace {
 
-constexpr int kRows = 64;  // query rows of a block: one warpgroup's wgmma M
-constexpr int kKeys = 64;  // positions of a K/V tile
-constexpr int kThreads = 128;
+constexpr int kGroups = 2;            // warpgroups of a block, sharing its K/V tiles
+constexpr int kRows = 64 * kGroups;   // query rows of a block: 64 a warpgroup (its wgmma M)
+constexpr int kKeys = 64;             // positions of a K/V tile
+constexpr int kThreads = 128 * kGroups;
 constexpr int kQk = kMlaFlashQk, kDv = kMlaFlashDv;
 constexpr int kQkTiles = kQk / 64;  // 64-column tiles of q and K
 constexpr int kQBytes = kQkTiles * kRows * 128;
@@ -55,12 +59,12 @@ __device__ __forceinline__ void stage_tile(const MlaFlashArgs& a, const uint16_t
 
 // Block (head blockIdx.x, query tile gridDim.y − 1 − blockIdx.y: the longest blocks start first).
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 2) mla_wgmma_kernel(MlaFlashArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(MlaFlashArgs a) {
   constexpr bool kF16 = std::is_same_v<T, __half>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t base = (wg_smem(smem_raw) + 1023u) & ~1023u;
   const uint32_t q_at = base, stage_at[2] = {base + kQBytes, base + kQBytes + kStageBytes};
-  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4, group = tid / 128;
   const int h = static_cast<int>(blockIdx.x), t0 = static_cast<int>(gridDim.y - 1 - blockIdx.y) * kRows;
   const int keys = a.context + min(t0 + kRows, a.tokens);  // the block's last row sees positions [0, keys)
   const int tiles = (keys + kKeys - 1) / kKeys;
@@ -86,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_wgmma_kernel(MlaFlashArgs a) 
       asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
     }
   }
-  FlashRows rows{t0 + warp * 16 + g, t0 + warp * 16 + g + 8};  // this thread's rows of the warp's 16
+  FlashRows rows{t0 + warp * 16 + g, t0 + warp * 16 + g + 8};  // this thread's rows of the warp's 16 (warps of group w: rows 64w…)
   // The accumulators as mla_flash.cuh's m16n8 tiles side by side; wgmma takes them flat (same order).
   float o[kDv / 8][4];
 #pragma unroll
@@ -111,7 +115,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_wgmma_kernel(MlaFlashArgs a) 
     wg_fence();
 #pragma unroll
     for (int k = 0; k < kQk / 16; ++k) {
-      const uint32_t step = (k / 4) * (kRows * 128) + 32 * (k % 4), k_step = (k / 4) * (kKeys * 128) + 32 * (k % 4);
+      const uint32_t step = (k / 4) * (kRows * 128) + group * (64 * 128) + 32 * (k % 4), k_step = (k / 4) * (kKeys * 128) + 32 * (k % 4);
       wg_mma_ss<T>(s_flat, wg_desc(q_at + step), wg_desc(k_at + k_step));
     }
     wg_commit();
