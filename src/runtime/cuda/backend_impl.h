@@ -262,7 +262,7 @@ struct CudaBackend::Impl {
     const bool gemm = prepared.gemm.active(p.step.tokens, options.gemm_min_rows);
     const bool mla = gemm && mla_gemm_step();
     compact_logits = false;
-    if (gemm) gemm_runner->new_step();  // the last step's input copies are stale
+    if (gemm && gemm_runner) gemm_runner->new_step();  // the last step's input copies are stale (no runner: a path of MoE or MLA ops only)
     if (gemm && moe_runner) moe_runner->new_step();  // the last step's routing is stale
     if (mla) mla_runner->new_step();
     const GemmSchedule& schedule = prepared.gemm.schedule(mla);
