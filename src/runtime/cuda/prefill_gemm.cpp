@@ -69,8 +69,8 @@ std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& 
 
 namespace {
 
-// The tasks of the ops marked in `host` only round, those of `skip_op` not at all; segments cut at the
-// host ops.
+// The tasks of the ops marked in `host` only round; segments cut at the host ops and leave out the
+// tasks of `skip_op` (eager steps skip them in launch_op).
 GemmSchedule gemm_schedule(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host, const std::vector<bool>& reduce, int32_t skip_op) {
   std::vector<Instr> tasks = by_task;
   for (Instr& ins : tasks) {
@@ -166,7 +166,6 @@ const void* GemmRunner::staged_input(const GemmOp& op, const float* x, int64_t r
   }
   void* out = staging_.as<uint8_t>() + (pick - slots_) * slot_elems_ * 2;
   launch_to_half(x, rows, op.in, op.x_stride, out, op.weight.type, stream_);
-  conversions_ += 1;
   *pick = Staged{op.x_op, x, rows, op.in, op.x_stride, op.weight.type, step_, ++uses_};
   return out;
 }
@@ -201,7 +200,6 @@ bool GemmRunner::run_output(const GemmOp& op, float* arena, int64_t rows, const 
     if (last->num_seqs * op.in > slot_elems_) fail("cuda: the last rows of {} sequences outgrow the GEMM staging buffer", last->num_seqs);
     Staged& slot = slots_[0];  // not reusable: a gather
     launch_to_half(arena + op.x_offset, last->num_seqs, op.in, op.x_stride, staging_.ptr, op.weight.type, stream_, last);
-    conversions_ += 1;
     slot = Staged{};
     rows = last->num_seqs;
     gemm(op, staging_.ptr, op.in, y, rows);

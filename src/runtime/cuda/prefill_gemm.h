@@ -107,7 +107,6 @@ class GemmRunner {
   bool run_output(const GemmOp& op, float* arena, int64_t rows, const LastRows* last);
   cublasHandle_t handle() const { return handle_; }
   int64_t calls() const { return calls_; }
-  int64_t conversions() const { return conversions_; }  // input copies made (calls() − conversions(): reused ones, fp32 GEMMs)
 
  private:
   struct Staged {
@@ -127,7 +126,7 @@ class GemmRunner {
   int64_t slot_elems_ = 0;
   Staged slots_[kStagingSlots];
   uint64_t step_ = 1, uses_ = 0;
-  int64_t calls_ = 0, conversions_ = 0;
+  int64_t calls_ = 0;
 };
 
 // fp32 rows [rows, cols] (row stride `stride` floats) to a packed bf16 (type kWBF16) or f16 array; with
