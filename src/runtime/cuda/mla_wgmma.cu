@@ -35,6 +35,7 @@ constexpr int kStageBytes = kKBytes + kDv * 128;  // K, then Vᵀ [dv][64 positi
 constexpr int kBytes = kQBytes + 2 * kStageBytes + 1024;  // + the slack to align to 1,024 bytes
 static_assert(kQk % 64 == 0 && kDv == 128, "whole 64-column tiles of q·k; P·V is one m64n128 product");
 static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0 && kStageBytes % 1024 == 0, "tiles start on swizzle atoms");
+static_assert(kKeys * (kQk / 8) % kThreads == 0 && kDv * 8 % kThreads == 0, "tile copies in whole rounds");
 
 // K/V tile j (positions [64j, 64j + 64)) into the stage at `at`, whole 16-byte copies: K rows from
 // `keys` on and columns past ld_k, Vᵀ rows past dv and positions from `keys` on (by 8: a copy that
