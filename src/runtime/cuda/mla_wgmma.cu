@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(MlaFlashArgs a) 
   const uint16_t* kg = a.keys + static_cast<int64_t>(h) * (a.context + a.tokens) * a.ld_k;
   const uint16_t* vtg = a.values + static_cast<int64_t>(h) * a.dv * a.ld_vt;
   stage_tile(a, kg, vtg, keys, 0, stage_at[0], tid);
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  flash_cp_commit();
 
   // q rows [t0, t0 + 64) of head h in the element type (exact: q is an activation), zero past tokens
   // and qk; the first tile's fence and barrier order these stores before wgmma reads them.
@@ -101,10 +101,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(MlaFlashArgs a) 
   for (int j = 0; j < tiles; ++j) {
     if (j + 1 < tiles) {
       stage_tile(a, kg, vtg, keys, j + 1, stage_at[(j + 1) & 1], tid);
-      asm volatile("cp.async.commit_group;\n" ::: "memory");
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+      flash_cp_commit();
+      flash_cp_wait<1>();
     } else {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      flash_cp_wait<0>();
     }
     wg_fence_proxy();
     __syncthreads();  // tile j (and q) in shared memory for every thread

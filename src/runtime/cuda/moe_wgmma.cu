@@ -68,13 +68,13 @@ __device__ __forceinline__ void wg_load(uint32_t ring, int slot, int kt, const u
   for (int i = 0; i < kWgRows * 8 / kWgThreads; ++i) {
     const int idx = tid + i * kWgThreads, r = idx / 8, c = idx % 8, k = kt * kWgK + 8 * c;
     const bool real = r < rows_w && k < gemm_in;
-    wg_cp16(a_at + r * 128 + ((c ^ (r & 7)) << 4), real ? w + r * w_row_bytes + static_cast<int64_t>(k) * elem_bytes : w, real ? 16 : 0);
+    wg_cp16(a_at + wg_swizzle(r, c), real ? w + r * w_row_bytes + static_cast<int64_t>(k) * elem_bytes : w, real ? 16 : 0);
   }
 #pragma unroll
   for (int i = 0; i < BN * 8 / kWgThreads; ++i) {
     const int idx = tid + i * kWgThreads, r = idx / 8, c = idx % 8, k = kt * kWgK + 8 * c;
     const bool real = r < rows_b && k < gemm_in;
-    wg_cp16(b_at + r * 128 + ((c ^ (r & 7)) << 4), real ? b + r * ld_b_bytes + static_cast<int64_t>(k) * elem_bytes : b, real ? 16 : 0);
+    wg_cp16(b_at + wg_swizzle(r, c), real ? b + r * ld_b_bytes + static_cast<int64_t>(k) * elem_bytes : b, real ? 16 : 0);
   }
 }
 
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_wgmma_kernel(WgArgs a) {
   const int group = static_cast<int>(threadIdx.x) / 128;
   for (int kt = 0; kt < k_tiles; ++kt) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(L::kStages - 2) : "memory");  // stage kt has landed (this thread's copies)
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");                // visible to wgmma's (async proxy) reads
+    wg_fence_proxy();  // visible to wgmma's (async proxy) reads
     __syncthreads();  // every thread's copies of stage kt
     const int slot = kt % L::kStages;
     const uint32_t a_at = ring + slot * L::kStageBytes + group * 64 * 128, b_at = ring + slot * L::kStageBytes + L::kABytes;

@@ -35,29 +35,26 @@ __global__ void to_half_kernel(const float* x, int64_t rows, int64_t cols, int64
 
 // Round-to-nearest-even to bf16 or f16 and back, as device.cuh round_act.
 template <typename Half>
+__device__ __forceinline__ float round_half(float v) {
+  if constexpr (std::is_same_v<Half, __nv_bfloat16>) {
+    return __bfloat162float(__float2bfloat16_rn(v));
+  } else {
+    return __half2float(__float2half_rn(v));
+  }
+}
+
+template <typename Half>
 __global__ void round_kernel(float4* y, int64_t quads) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < quads; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float4 v = y[i];
-    if constexpr (std::is_same_v<Half, __nv_bfloat16>) {
-      v = make_float4(__bfloat162float(__float2bfloat16_rn(v.x)), __bfloat162float(__float2bfloat16_rn(v.y)), __bfloat162float(__float2bfloat16_rn(v.z)),
-                      __bfloat162float(__float2bfloat16_rn(v.w)));
-    } else {
-      v = make_float4(__half2float(__float2half_rn(v.x)), __half2float(__float2half_rn(v.y)), __half2float(__float2half_rn(v.z)), __half2float(__float2half_rn(v.w)));
-    }
-    y[i] = v;
+    const float4 v = y[i];
+    y[i] = make_float4(round_half<Half>(v.x), round_half<Half>(v.y), round_half<Half>(v.z), round_half<Half>(v.w));
   }
 }
 
 // Unaligned outputs, element by element.
 template <typename Half>
 __global__ void round_scalar_kernel(float* y, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if constexpr (std::is_same_v<Half, __nv_bfloat16>) {
-      y[i] = __bfloat162float(__float2bfloat16_rn(y[i]));
-    } else {
-      y[i] = __half2float(__float2half_rn(y[i]));
-    }
-  }
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) y[i] = round_half<Half>(y[i]);
 }
 
 template <typename Half>
