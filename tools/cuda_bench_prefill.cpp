@@ -131,9 +131,10 @@ double median(std::vector<double> v) {
 }
 
 // A backend over `weights` with a decode plan (a one-token tail) and one prefill plan per chunk size;
-// `gemm`: the GEMM path (else fused plans on the GEMV bodies); `mla_gemm`: MLA on it as GEMMs too.
+// `gemm`: the GEMM path (else fused plans on the GEMV bodies); `mla_gemm`: MLA on it as GEMMs too;
+// `kda_planned`: KDA on it as planned launches.
 std::unique_ptr<cuda::CudaBackend> make_backend(const LoadedModel& model, std::shared_ptr<cuda::DeviceWeightSet> weights, const std::set<int64_t>& chunks,
-                                                int workers, int64_t max_context, DType dtype, bool gemm, bool mla_gemm = true) {
+                                                int workers, int64_t max_context, DType dtype, bool gemm, bool mla_gemm = true, bool kda_planned = true) {
   std::vector<Plan> plans;
   plans.push_back(compile_plan(model, PlanPhase::kDecode, 1, workers, max_context));
   // The GEMM path runs plain linears: prefill plans are compiled without fusion. The GEMV path keeps
@@ -145,6 +146,7 @@ std::unique_ptr<cuda::CudaBackend> make_backend(const LoadedModel& model, std::s
   options.max_context_tokens = max_context;
   options.prefill_gemm = gemm;
   options.prefill_mla_gemm = mla_gemm;
+  options.prefill_kda_planned = kda_planned;
   return std::make_unique<cuda::CudaBackend>(model.graph, std::move(weights), std::move(plans), options);
 }
 
@@ -191,6 +193,7 @@ void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
   cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
   cmd->add_flag("--gemv-peer", args.gemv_peer, "also time today's path (fused prefill plans, GEMV bodies) on the same weights");
   cmd->add_flag("--mla-body-peer", args.mla_body_peer, "also time the GEMM path with mla_attention on its op body (split-KV, absorbed) instead of GEMMs");
+  cmd->add_flag("--kda-body-peer", args.kda_body_peer, "also time the GEMM path with kda_delta_rule on its op body instead of planned launches");
   cmd->add_flag("--mla-flash-peer", args.mla_flash_peer,
                 "also time each prompt with MLA's fused attention on the mma.sync kernel instead of the wgmma one (same weights and plans)");
   cmd->add_flag("--expert-peer", args.expert_peer,
@@ -265,17 +268,20 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
   auto backend = make_backend(*model, weights, chunks, workers, max_context, dtype, true);
   backend->set_expert_timing(true);  // two event records per MoE op: the routed experts' share of TTFT
   backend->set_mla_timing(true);     // and per MLA op: attention's share
+  backend->set_kda_timing(true);     // and per planned KDA op: the delta rule's
   // Today's path on the same weights (its own plans and arena), timed after ours at each prompt.
   auto gemv = args.gemv_peer ? make_backend(*model, weights, chunks, workers, max_context, dtype, false) : nullptr;
   // The GEMM path with MLA on its op body, to see what the MLA GEMMs changed.
   auto mla_body = args.mla_body_peer ? make_backend(*model, weights, chunks, workers, max_context, dtype, true, false) : nullptr;
+  // And with KDA on its op body (prep and scan inside the megakernel), to see what the planned launches changed.
+  auto kda_body = args.kda_body_peer ? make_backend(*model, weights, chunks, workers, max_context, dtype, true, true, false) : nullptr;
   for (int64_t p : args.prompts) {
     const int64_t chunk = chunk_of(p);
-    const int64_t mla_ops_before = backend->prefill_mla_ops();
+    const int64_t mla_ops_before = backend->prefill_mla_ops(), kda_ops_before = backend->prefill_kda_ops();
     // The prefix: other ids than the prompt's (a different seed of the same generator).
     const std::vector<int32_t> prefix = prompt_ids(args.cached_prefix, model->config.vocab_size, 2);
     const std::vector<int32_t> ids = prompt_ids(p, model->config.vocab_size);
-    double expert_sum = 0, mla_sum = 0;  // the timed parts' shares (the prefix's ops excluded)
+    double expert_sum = 0, mla_sum = 0, kda_sum = 0, kda_prep_sum = 0;  // the timed parts' shares (the prefix's ops excluded)
     double sort_sum = 0, expert_gemm_sum = 0;
     int64_t experts_streamed = 0;        // distinct experts over the timed runs' MoE ops
     const std::vector<double> runs = time_prompt(*backend, prefix, ids, chunk, args.reps, [&](bool start) {
@@ -284,6 +290,8 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
       sort_sum += start ? -parts.sort_ms : parts.sort_ms;
       expert_gemm_sum += start ? -parts.gemm_ms : parts.gemm_ms;
       mla_sum += start ? -backend->mla_ms() : backend->mla_ms();
+      kda_sum += start ? -backend->kda_ms() : backend->kda_ms();
+      kda_prep_sum += start ? -backend->kda_prep_ms() : backend->kda_prep_ms();
       if (start) backend->reset_expert_routing_stats();
       if (!start) experts_streamed += backend->expert_routing().experts;
     });
@@ -294,6 +302,8 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
     const double expert_gbps = expert_ms > 0 ? expert_weight_bytes / (expert_ms * 1e-3) / 1e9 : 0.0;
     const double mla_ms = mla_sum / args.reps;
     const bool mla_gemm = backend->prefill_mla_ops() > mla_ops_before;
+    const double kda_ms = kda_sum / args.reps;
+    const bool kda_planned = backend->prefill_kda_ops() > kda_ops_before;
     const double ttft = median(runs);
     const PrefillFlops flops = prefill_flops(*model, p, args.cached_prefix);
     const Plan* plan = &backend->plan(1);  // plans: decode, then the prefill chunks in ascending order
@@ -341,14 +351,18 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"expert_load_max_over_mean", load},
                    {"mla_ops_ms", mla_ms},
                    {"mla_gemm", mla_gemm},
+                   {"kda_ops_ms", kda_planned ? json(kda_ms) : json(nullptr)},  // null: the op body ran (timed under --profile only)
+                   {"kda_parts_ms", kda_planned ? json{{"prep", kda_prep_sum / args.reps}, {"scan", (kda_sum - kda_prep_sum) / args.reps}} : json(nullptr)},
                    {"workers", workers},
                    {"plan", {{"max_tokens", plan->max_tokens}, {"ops", plan->ops.size()}, {"tasks", plan->tasks.size()}, {"fusion", false}}},
                    {"device", device},
                    {"git_rev", rev},
                    {"command", args.command_line},
                    {"peers", {{"gemm_shapes", shapes}}}};
-    std::cerr << fmt::format("prompt {:6d}{} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s; routed experts {:8.1f} ms (busiest expert {:.1f}x the mean); MLA {:8.1f} ms{}\n", p,
-                             args.cached_prefix > 0 ? fmt::format(" after {} cached", args.cached_prefix) : "", chunk, ttft, static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9), expert_ms, load, mla_ms, mla_gemm ? "" : " (op body: not timed)");
+    std::cerr << fmt::format("prompt {:6d}{} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s; routed experts {:8.1f} ms (busiest expert {:.1f}x the mean); MLA {:8.1f} ms{}; KDA {}\n", p,
+                             args.cached_prefix > 0 ? fmt::format(" after {} cached", args.cached_prefix) : "", chunk, ttft, static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9), expert_ms, load, mla_ms, mla_gemm ? "" : " (op body: not timed)",
+                             kda_planned ? fmt::format("{:.1f} ms (prep {:.1f}, scan {:.1f})", kda_ms, kda_prep_sum / args.reps, (kda_sum - kda_prep_sum) / args.reps)
+                                         : std::string("on its op body (not timed)"));
     if (expert_gbps > 0) {
       std::cerr << fmt::format("  routed experts ({}): {:.2f} GB of expert weights streamed, {:.0f} GB/s ({:.0f}% of the read roofline)\n", expert_gemm,
                                expert_weight_bytes / 1e9, expert_gbps, 100.0 * expert_gbps / roofline_gbps);
@@ -400,6 +414,13 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                                      {"plans", "the same GEMM path with mla_attention on its op body (one run after a one-chunk warm-up)"}};
       std::cerr << fmt::format("  MLA on its op body: TTFT {:9.1f} ms\n", ms);
     }
+    if (kda_body) {
+      const double ms = median(time_prompt(*kda_body, prefix, ids, chunk, 1));
+      record["peers"]["kda_body"] = {{"ttft_ms", ms}, {"tflops", flops.total() / (ms * 1e9)},
+                                     {"plans", "the same GEMM path with kda_delta_rule on its op body (one run after a one-chunk warm-up)"}};
+      std::cerr << fmt::format("  KDA on its op body: TTFT {:9.1f} ms (planned: {:.1f} ms of KDA ops, {:.2f} ms a layer)\n", ms, kda_ms,
+                               kda_ms / static_cast<double>(std::max<int64_t>(kda_layers, 1)));
+    }
     if (args.profile) {
       // One more run, every op its own launch between events: where the time goes (slower than the
       // timed runs: no megakernel, a host wait per step).
@@ -420,10 +441,11 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
       record["profile"] = {{"ttft_ms_one_launch_per_op", ms}, {"rows", rows}};
     }
     if (!args.kda_peer.empty()) {
-      // Equal work: the prompt through one KDA layer's delta rule (ours: the profile's kda_delta_rule
-      // time over the prompt's chunks, per layer; fla: one chunk_kda call over the whole prompt).
-      double ours = -1;
-      if (args.profile) {
+      // Equal work: the prompt through one KDA layer's delta rule (ours: the planned KDA ops' stream
+      // time, or else the profile's kda_delta_rule time, over the prompt's chunks, per layer; fla: one
+      // chunk_kda call over the whole prompt).
+      double ours = kda_planned ? kda_ms / static_cast<double>(kda_layers) : -1;
+      if (!kda_planned && args.profile) {
         for (const cuda::OpcodeProfile& o : backend->op_times()) {
           if (o.op == "kda_delta_rule") ours = o.ms / static_cast<double>(kda_layers);
         }
@@ -431,7 +453,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
       record["peers"]["fla_chunk_kda"] =
           peer_entry(kda_peer, p, ours,
                      fmt::format("fla chunk_kda, one layer: {} tokens x {} heads x {} (bf16 q/k/v, fp32 g and state, l2norm in kernel); "
-                                 "ours: kda_delta_rule under --profile, per layer",
+                                 "ours: kda_ops_ms (planned launches) or kda_delta_rule under --profile, per layer",
                                  p, cfg.kda.num_heads, cfg.kda.head_dim),
                      "KDA");
     }

@@ -185,6 +185,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
   int64_t max_gemm_input = 0;
   MoeGemmCapacity moe_capacity;
   MlaGemmCapacity mla_capacity;
+  KdaPrefillCapacity kda_capacity;
   int peer_ops = 0;
   int64_t peer_slot = 0;
   for (auto& prepared_ptr : m.plans) {
@@ -318,10 +319,12 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
         if (op.op() == Op::kAllReduce) peer_slot = std::max(peer_slot, plan.max_tokens * op.width);
       }
     }
-    if (options.prefill_gemm) prepared.gemm = plan_gemm_path(plan, plan_weights, by_task, reduce, act, options.prefill_mla_gemm, options.gemm_min_rows);
+    if (options.prefill_gemm) prepared.gemm = plan_gemm_path(plan, plan_weights, by_task, reduce, act, options.prefill_mla_gemm, options.prefill_kda_planned,
+                                                                options.gemm_min_rows);
     max_gemm_input = std::max(max_gemm_input, prepared.gemm.max_input_elems);
     moe_capacity.merge(prepared.gemm.moe_capacity);
     mla_capacity.merge(prepared.gemm.mla_capacity);
+    kda_capacity.merge(prepared.gemm.kda_capacity);
     prepared.signals = upload(signals, "signals");
     prepared.counters = DeviceBuffer(static_cast<size_t>(std::max(plan.counters, 1)) * sizeof(unsigned), "counters");
     check(cudaMemset(prepared.counters.ptr, 0, prepared.counters.bytes), "counters");
@@ -332,6 +335,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
     if (options.mla_scores_bytes < 1) fail("cuda: an MLA scores budget of {} bytes, expected at least 1", options.mla_scores_bytes);
     m.mla_runner = std::make_unique<MlaGemmRunner>(mla_capacity, options.max_context_tokens, options.mla_scores_bytes, m.stream);
   }
+  if (kda_capacity.rows > 0) m.kda_runner = std::make_unique<KdaPrefillRunner>(kda_capacity, m.stream);
   if (peer_ops > 0 && options.comm->size() <= kMaxPeerRanks) m.peer_area = std::make_unique<PeerReduceArea>(options.device, options.comm->size(), peer_ops, peer_slot);
 }
 
@@ -342,6 +346,7 @@ CudaBackend::~CudaBackend() {
     impl_->gemm_runner.reset();  // its cuBLAS handle works on the stream
     impl_->moe_runner.reset();
     impl_->mla_runner.reset();
+    impl_->kda_runner.reset();
     for (cudaEvent_t e : impl_->timing_events) cudaEventDestroy(e);
     cudaStreamDestroy(impl_->stream);
   }
@@ -562,6 +567,22 @@ CudaBackend::ExpertParts CudaBackend::expert_parts_ms() {
 void CudaBackend::reset_expert_ms() {
   impl_->use_device();
   if (impl_->moe_runner) impl_->moe_runner->reset_timed_ms();
+}
+
+int64_t CudaBackend::prefill_kda_ops() const { return impl_->kda_runner ? impl_->kda_runner->calls() : 0; }
+
+int64_t CudaBackend::prefill_kda_batches() const { return impl_->kda_runner ? impl_->kda_runner->batches() : 0; }
+
+void CudaBackend::set_kda_timing(bool on) {
+  if (impl_->kda_runner) impl_->kda_runner->set_timing(on);
+}
+
+double CudaBackend::kda_ms() { return impl_->kda_runner ? impl_->kda_runner->timed_ms() : 0.0; }
+
+double CudaBackend::kda_prep_ms() { return impl_->kda_runner ? impl_->kda_runner->prep_ms() : 0.0; }
+
+void CudaBackend::reset_kda_ms() {
+  if (impl_->kda_runner) impl_->kda_runner->reset_timed_ms();
 }
 
 int64_t CudaBackend::prefill_mla_ops() const { return impl_->mla_runner ? impl_->mla_runner->calls() : 0; }

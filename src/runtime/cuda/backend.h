@@ -69,6 +69,9 @@ struct CudaOptions {
   // On that path, mla_attention ops run as cuBLAS GEMMs in the expanded form too (mla_gemm.h), in steps
   // where a sequence brings ≥ 32 tokens; false: their op body (split-KV, absorbed), for comparison.
   bool prefill_mla_gemm = true;
+  // And kda_delta_rule ops run chunked as planned launches (kda_prefill.h), in steps where every sequence
+  // brings ≥ 16 tokens; false: their op body (prep and scan inside the megakernel), for comparison.
+  bool prefill_kda_planned = true;
   // The fp32 scores of one MLA GEMM block stay within this many bytes (tests make it small to force
   // blocks of few query rows and heads).
   int64_t mla_scores_bytes = int64_t{512} << 20;
@@ -179,6 +182,15 @@ class CudaBackend : public Backend {
   void set_mla_timing(bool on);
   double mla_ms();
   void reset_mla_ms();
+  // kda_delta_rule ops run as planned launches since construction (kda_prefill.h), and the launch pairs
+  // they took (more than ops when a step's records were split into batches); their stream time while
+  // timing is on (kda_ms() waits for the stream).
+  int64_t prefill_kda_ops() const;
+  int64_t prefill_kda_batches() const;
+  void set_kda_timing(bool on);
+  double kda_ms();
+  double kda_prep_ms();  // of that, the prep launches (the rest: the scans)
+  void reset_kda_ms();
   // Profiling: while on, every step runs one launch per op (eager order) with an event pair around each
   // op and its host part (GEMMs, expert GEMMs, MLA GEMMs, NCCL), waited for at the step's end; per
   // opcode the summed stream time and tasks, largest first. Steps are slower while on (a host wait per

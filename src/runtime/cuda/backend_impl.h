@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "runtime/cuda/backend.h"
 #include "runtime/cuda/device_memory.h"
+#include "runtime/cuda/kda_prefill.h"
 #include "runtime/cuda/kernels.h"
 #include "runtime/cuda/mla_gemm.h"
 #include "runtime/cuda/moe_gemm.h"
@@ -49,6 +50,7 @@ struct CudaBackend::Impl {
   std::unique_ptr<GemmRunner> gemm_runner;  // when a plan has a GEMM path
   std::unique_ptr<MoeGemmRunner> moe_runner;  // when a plan's GEMM path has routed-expert ops (moe_gemm.h)
   std::unique_ptr<MlaGemmRunner> mla_runner;  // when a plan's GEMM path has MLA ops (mla_gemm.h)
+  std::unique_ptr<KdaPrefillRunner> kda_runner;  // when a plan's GEMM path has KDA ops (kda_prefill.h)
   std::vector<MlaSequence> step_seqs;         // the current step's sequences, as uploaded (the MLA host ops)
   // A GEMM step whose output op the host runs (GemmPath::output_on_host) computes only the logits the
   // step returns when last_logits_only is set (step(), for a step without all_logits); compact_logits
@@ -213,10 +215,10 @@ struct CudaBackend::Impl {
     options.comm->all_reduce_sum(arena.as<float>() + input.offset, arena.as<float>() + op.offset, static_cast<int64_t>(p.step.tokens) * op.width, stream);
   }
 
-  // The host's part of an op: its NCCL all-reduce, or its GEMM, routed-expert GEMMs or MLA GEMMs
-  // (`gemm`: this step takes the GEMM path; `mla`: and its MLA ops theirs). All on the stream, after
-  // the segments before the op.
-  void run_host_op(const PreparedPlan& prepared, int32_t op_index, const KernelParams& p, bool gemm, bool mla = false) {
+  // The host's part of an op: its NCCL all-reduce, or its GEMM, routed-expert GEMMs, MLA GEMMs or KDA
+  // launches (`gemm`: this step takes the GEMM path; `mla`, `kda`: and its MLA, KDA ops theirs). All on
+  // the stream, after the segments before the op.
+  void run_host_op(const PreparedPlan& prepared, int32_t op_index, const KernelParams& p, bool gemm, bool mla = false, bool kda = false) {
     if (prepared.plan.op(op_index).op() == Op::kAllReduce && p.step.peers == nullptr) all_reduce(prepared, op_index, p);
     if (!gemm) return;
     const auto i = static_cast<size_t>(op_index);
@@ -231,6 +233,10 @@ struct CudaBackend::Impl {
       const MlaGemmOp& op = *prepared.gemm.mla_ops[i];
       mla_runner->run(op, arena.as<float>(), states[static_cast<size_t>(op.state)], step_seqs);
     }
+    if (kda && prepared.gemm.kda_ops[i]) {
+      const KdaPrefillOp& op = *prepared.gemm.kda_ops[i];
+      kda_runner->run(op, arena.as<float>(), states[static_cast<size_t>(op.state)]);
+    }
   }
 
   // Whether this GEMM step runs its MLA ops as GEMMs: one of its sequences brings enough tokens to pay
@@ -244,14 +250,14 @@ struct CudaBackend::Impl {
   bool op_timing = false;
   std::map<std::string, OpcodeProfile> op_times;
   std::vector<cudaEvent_t> timing_events;  // destroyed with the stream (~CudaBackend)
-  void launch_timed(const PreparedPlan& prepared, const KernelParams& p, bool gemm, bool mla);
+  void launch_timed(const PreparedPlan& prepared, const KernelParams& p, bool gemm, bool mla, bool kda);
 
   // One op's tasks in one launch, after its host part (p.instrs: the task order of the chosen path).
   // Each op is an NVTX range named by its opcode (`ncu --nvtx --nvtx-include "moe_topk/"` picks its
   // launches); without a tool attached a push costs a null check.
-  void launch_op(const PreparedPlan& prepared, size_t op_index, const KernelParams& p, bool gemm = false, bool mla = false) {
+  void launch_op(const PreparedPlan& prepared, size_t op_index, const KernelParams& p, bool gemm = false, bool mla = false, bool kda = false) {
     nvtxRangePushA(op_name(prepared.plan.ops[op_index].op()).data());
-    run_host_op(prepared, static_cast<int32_t>(op_index), p, gemm, mla);
+    run_host_op(prepared, static_cast<int32_t>(op_index), p, gemm, mla, kda);
     const auto [first, end] = prepared.op_tasks[op_index];
     const bool host_only = gemm && static_cast<int32_t>(op_index) == prepared.gemm.output_on_host;
     if (end > first && !host_only) launch_eager(p, first, end - first, stream);
@@ -261,19 +267,21 @@ struct CudaBackend::Impl {
   void launch(PreparedPlan& prepared, const KernelParams& p, bool eager) {
     const bool gemm = prepared.gemm.active(p.step.tokens, options.gemm_min_rows);
     const bool mla = gemm && mla_gemm_step();
+    const bool kda = gemm && kda_runner && KdaPrefillRunner::takes(step_seqs);
     compact_logits = false;
     if (gemm && gemm_runner) gemm_runner->new_step();  // the last step's input copies are stale (no runner: a path of MoE or MLA ops only)
     if (gemm && moe_runner) moe_runner->new_step();  // the last step's routing is stale
     if (mla) mla_runner->new_step();
-    const GemmSchedule& schedule = prepared.gemm.schedule(mla);
+    if (kda) kda_runner->new_step(step_seqs);
+    const GemmSchedule& schedule = prepared.gemm.schedule(mla, kda);
     if (eager) {  // step() passes eager while op_timing is on
       KernelParams tasks = p;
       if (gemm) tasks.instrs = schedule.task_instrs.as<Instr>();
       if (op_timing) {
-        launch_timed(prepared, tasks, gemm, mla);
+        launch_timed(prepared, tasks, gemm, mla, kda);
         return;
       }
-      for (size_t i = 0; i < prepared.plan.ops.size(); ++i) launch_op(prepared, i, tasks, gemm, mla);
+      for (size_t i = 0; i < prepared.plan.ops.size(); ++i) launch_op(prepared, i, tasks, gemm, mla, kda);
       return;
     }
     // In-kernel all_reduces need no cuts (a GEMM step keeps its GEMM cuts).
@@ -284,7 +292,7 @@ struct CudaBackend::Impl {
       return;
     }
     for (const Segment& segment : segments) {
-      for (int32_t op : segment.host_ops) run_host_op(prepared, op, p, gemm, mla);
+      for (int32_t op : segment.host_ops) run_host_op(prepared, op, p, gemm, mla, kda);
       KernelParams part = p;
       part.instrs = segment.instrs.as<Instr>();
       part.queue_begin = segment.queue_begin.as<int32_t>();

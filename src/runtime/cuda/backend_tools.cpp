@@ -184,7 +184,7 @@ std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
 
 // Events before every op and after the last, one host wait at the end; each op's time (its host part
 // and its launch) added to its opcode's entry. Ops that run nothing take no events.
-void CudaBackend::Impl::launch_timed(const PreparedPlan& prepared, const KernelParams& p, bool gemm, bool mla) {
+void CudaBackend::Impl::launch_timed(const PreparedPlan& prepared, const KernelParams& p, bool gemm, bool mla, bool kda) {
   const size_t n = prepared.plan.ops.size();
   while (timing_events.size() < n + 1) {
     cudaEvent_t e = nullptr;
@@ -194,12 +194,12 @@ void CudaBackend::Impl::launch_timed(const PreparedPlan& prepared, const KernelP
   std::vector<size_t> timed;
   for (size_t i = 0; i < n; ++i) {
     const bool host_part = prepared.plan.ops[i].op() == Op::kAllReduce || (gemm && (prepared.gemm.ops[i] || prepared.gemm.moe_ops[i])) ||
-                           (mla && prepared.plan.ops[i].op() == Op::kMlaAttention);
+                           (mla && prepared.plan.ops[i].op() == Op::kMlaAttention) || (kda && prepared.plan.ops[i].op() == Op::kKdaDeltaRule);
     if (prepared.op_tasks[i].second > prepared.op_tasks[i].first || host_part) {
       check(cudaEventRecord(timing_events[timed.size()], stream), "event");
       timed.push_back(i);
     }
-    launch_op(prepared, i, p, gemm, mla);
+    launch_op(prepared, i, p, gemm, mla, kda);
   }
   check(cudaEventRecord(timing_events[timed.size()], stream), "event");
   check(cudaEventSynchronize(timing_events[timed.size()]), "op timing");

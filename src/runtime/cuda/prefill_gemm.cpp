@@ -99,14 +99,15 @@ bool output_on_host(const Plan& plan, const std::vector<Instr>& by_task, const s
 }  // namespace
 
 GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weights, const std::vector<Instr>& by_task, const std::vector<bool>& reduce,
-                        int32_t act, bool mla, int64_t min_rows) {
+                        int32_t act, bool mla, bool kda, int64_t min_rows) {
   GemmPath path;
   if (plan.phase != PlanPhase::kPrefill || plan.max_tokens < min_rows) return path;
   path.ops.resize(plan.ops.size());
   path.moe_ops.resize(plan.ops.size());
   path.mla_ops.resize(plan.ops.size());
+  path.kda_ops.resize(plan.ops.size());
   std::vector<bool> host = reduce;
-  bool any_mla = false;
+  bool any_mla = false, any_kda = false;
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
     std::vector<DeviceWeight> op_weights;
@@ -125,18 +126,32 @@ GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weigh
       path.mla_capacity.add(*path.mla_ops[i], plan.max_tokens);
       continue;  // a host op in the all_host schedule only (below)
     }
+    if (op.op() == Op::kKdaDeltaRule) {
+      if (kda) path.kda_ops[i] = kda_prefill_form(plan, op, act);
+      if (!path.kda_ops[i]) continue;
+      any_kda = true;
+      path.kda_capacity.add(*path.kda_ops[i], plan.max_tokens);
+      continue;  // a host op where the schedule says so (below)
+    }
     if (op.weights.size() != 1) continue;
     path.ops[i] = gemm_form(plan, op, op_weights.front(), act);
     if (!path.ops[i]) continue;
     host[i] = true;
     path.max_input_elems = std::max(path.max_input_elems, plan.max_tokens * path.ops[i]->in);
   }
-  if (path.max_input_elems == 0 && path.moe_capacity.pairs == 0 && !any_mla) return {};
+  if (path.max_input_elems == 0 && path.moe_capacity.pairs == 0 && !any_mla && !any_kda) return {};
   if (output_on_host(plan, by_task, reduce, path)) path.output_on_host = plan.output_op;
-  std::vector<bool> with_mla = host;
-  for (size_t i = 0; i < plan.ops.size(); ++i) with_mla[i] = with_mla[i] || path.mla_ops[i].has_value();
-  path.all_host = gemm_schedule(plan, by_task, with_mla, reduce, path.output_on_host);
-  if (any_mla) path.mla_body = gemm_schedule(plan, by_task, host, reduce, path.output_on_host);
+  const auto with = [&](bool mla_host, bool kda_host) {
+    std::vector<bool> marked = host;
+    for (size_t i = 0; i < plan.ops.size(); ++i) {
+      marked[i] = marked[i] || (mla_host && path.mla_ops[i].has_value()) || (kda_host && path.kda_ops[i].has_value());
+    }
+    return gemm_schedule(plan, by_task, marked, reduce, path.output_on_host);
+  };
+  path.all_host = with(true, true);
+  if (any_mla) path.mla_body = with(false, true);
+  if (any_kda) path.kda_body = with(true, false);
+  if (any_mla && any_kda) path.both_body = with(false, false);
   return path;
 }
 

@@ -13,6 +13,7 @@
 
 #include "plan/plan.h"
 #include "runtime/cuda/device_memory.h"
+#include "runtime/cuda/kda_prefill.h"
 #include "runtime/cuda/last_rows.h"
 #include "runtime/cuda/mla_gemm.h"
 #include "runtime/cuda/moe_gemm.h"
@@ -55,14 +56,17 @@ struct GemmSchedule {
   DeviceBuffer task_instrs;
 };
 
-// The GEMM path of one plan: per plan op its GEMM form, its routed-expert GEMM form (moe_gemm.h) or its
-// MLA GEMM form (mla_gemm.h), or none; two schedules: every form a host op, and the MLA ops on their
-// op body (steps where no sequence brings kMlaGemmMinTokens tokens; empty without MLA forms).
+// The GEMM path of one plan: per plan op its GEMM form, its routed-expert GEMM form (moe_gemm.h), its
+// MLA GEMM form (mla_gemm.h) or its planned KDA form (kda_prefill.h), or none; up to four schedules:
+// every form a host op, and the MLA ops (steps where no sequence brings kMlaGemmMinTokens tokens), the
+// KDA ops (steps with a sequence under kKdaChunkedMinTokens) or both on their op bodies (empty where
+// the plan has no such forms).
 struct GemmPath {
   std::vector<std::optional<GemmOp>> ops;
   std::vector<std::optional<MoeGemmOp>> moe_ops;
   std::vector<std::optional<MlaGemmOp>> mla_ops;
-  GemmSchedule all_host, mla_body;
+  std::vector<std::optional<KdaPrefillOp>> kda_ops;
+  GemmSchedule all_host, mla_body, kda_body, both_body;
   // The plan's output op (the LM head) when the host does all of it (GemmRunner::run_output): a GEMM
   // over the rows whose logits the step returns, rounded by the host; its tasks are left out of both
   // schedules. −1 when it keeps its rounding tasks (no GEMM form, a tensor-parallel plan, a reader or a
@@ -71,16 +75,22 @@ struct GemmPath {
   int64_t max_input_elems = 0;  // the largest GEMM input (rows × in) the plan can bring
   MoeGemmCapacity moe_capacity;  // what its MoE ops need at max_tokens rows
   MlaGemmCapacity mla_capacity;  // what its MLA ops need at max_tokens rows
+  KdaPrefillCapacity kda_capacity;  // what its KDA ops need at max_tokens rows
   bool available() const { return !all_host.segments.empty(); }
   bool active(int64_t rows, int64_t min_rows) const { return available() && rows >= min_rows; }
-  // The schedule of a GEMM step; `mla`: its MLA ops run as GEMMs.
-  const GemmSchedule& schedule(bool mla) const { return mla || mla_body.segments.empty() ? all_host : mla_body; }
+  // The schedule of a GEMM step; `mla`: its MLA ops run as GEMMs; `kda`: its KDA ops as planned launches.
+  const GemmSchedule& schedule(bool mla, bool kda) const {
+    const bool mla_host = mla || mla_body.segments.empty(), kda_host = kda || kda_body.segments.empty();
+    if (mla_host && kda_host) return all_host;
+    if (kda_host) return mla_body;
+    return mla_host ? kda_body : both_body;
+  }
 };
 // Empty for decode plans, plans of fewer than `min_rows` rows and plans without any GEMM form.
 // `weights`: the plan's weights on the device; `reduce`: its all_reduce ops (host ops on every path);
-// `mla`: whether mla_attention ops may take their GEMM form.
+// `mla`: whether mla_attention ops may take their GEMM form; `kda`: kda_delta_rule ops their planned one.
 GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weights, const std::vector<Instr>& by_task, const std::vector<bool>& reduce,
-                        int32_t act, bool mla, int64_t min_rows);
+                        int32_t act, bool mla, bool kda, int64_t min_rows);
 
 // cuBLAS on one stream: a handle, its workspace, and the bf16/f16 copies of GEMM inputs. A step's
 // GEMMs often read one input (a KDA layer's six projections of the normed hidden state, an MoE

@@ -1,0 +1,46 @@
+// The chunked KDA delta rule of a prefill step as planned launches (kda_prefill.h): what the host
+// passes to the two kernels of kda_prefill.cu. Plain types only, so the .cu needs no plan headers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "runtime/cuda/ops/limits.h"
+
+namespace plow::cuda {
+
+// The workspace record of one (chunk, head), floats: Q⊙e^γ, K⊙e^{γ_n−γ}, W = T'·(K⊙e^γ), U = T'·V
+// ([C][128] each, row-major: position, channel), M [C][C], e^{γ_n} [128]. Rows past the chunk's length,
+// channels past the head dim and M above its diagonal are zero.
+inline constexpr int64_t kKdaRecQg = 0;
+inline constexpr int64_t kKdaRecKe = kKdaRecQg + int64_t{kKdaChunk} * kKdaMaxHeadDim;
+inline constexpr int64_t kKdaRecW = kKdaRecKe + int64_t{kKdaChunk} * kKdaMaxHeadDim;
+inline constexpr int64_t kKdaRecU = kKdaRecW + int64_t{kKdaChunk} * kKdaMaxHeadDim;
+inline constexpr int64_t kKdaRecM = kKdaRecU + int64_t{kKdaChunk} * kKdaMaxHeadDim;
+inline constexpr int64_t kKdaRecDecay = kKdaRecM + int64_t{kKdaChunk} * kKdaChunk;
+inline constexpr int64_t kKdaRecFloats = kKdaRecDecay + kKdaMaxHeadDim;
+
+// One batch of a step's sequences. Rows are the step's (row r of q at q + r·q_stride); the tables are
+// on the device: per chunk of the batch its first row and length (1…C), per sequence its first chunk
+// (within the batch), its chunks and its slot.
+struct KdaPrefillArgs {
+  const float *q = nullptr, *k = nullptr, *v = nullptr, *g = nullptr, *beta = nullptr;
+  int64_t q_stride = 0, k_stride = 0, v_stride = 0, g_stride = 0, beta_stride = 0;
+  float* out = nullptr;
+  int64_t out_stride = 0;
+  float* records = nullptr;  // [chunks][heads][kKdaRecFloats]
+  const int32_t *chunk_row0 = nullptr, *chunk_len = nullptr;
+  const int32_t *seq_chunk0 = nullptr, *seq_chunks = nullptr, *seq_slot = nullptr;
+  float* state = nullptr;  // slot s's [heads, d, d] at state + s·state_slot_floats
+  int64_t state_slot_floats = 0;
+  int32_t chunks = 0, seqs = 0, heads = 0, d = 0;
+  int32_t out_act = 0;  // ActType the output is rounded to (kAF32: not rounded)
+};
+
+// Every (chunk, head) of the batch into its record (prep), then per (value-column group, head,
+// sequence) the scan over its chunks: outputs written, states advanced. d ≤ kKdaMaxHeadDim.
+void launch_kda_prep(const KdaPrefillArgs& args, cudaStream_t stream);
+void launch_kda_scan(const KdaPrefillArgs& args, cudaStream_t stream);
+
+}  // namespace plow::cuda
