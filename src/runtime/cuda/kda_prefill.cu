@@ -35,10 +35,13 @@ void check_cuda(cudaError_t error, const char* what) {
   if (error != cudaSuccess) cuda_failure(what, error);
 }
 
-// 3xTF32: an operand as its TF32 head and the TF32 of the rest.
+// 3xTF32: an operand as its TF32 head (rounded to nearest, ties away: the bits' add and mask) and the
+// rest truncated to TF32 (|rest| ≤ 2⁻¹¹|x|, so the split loses at most 2⁻²¹|x|). Four integer and float
+// instructions; cvt.rna.tf32.f32 is not one on sm_90 (ncu: the scan issued ~1.8× the instructions
+// counted with it as one).
 __device__ __forceinline__ void tf32_split(float x, uint32_t& hi, uint32_t& lo) {
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
 }
 struct FragA {  // m16n8k8 A: (g, t), (g+8, t), (g, t+4), (g+8, t+4); g = lane / 4, t = lane mod 4
   uint32_t hi[4], lo[4];
@@ -90,6 +93,27 @@ __device__ __forceinline__ void mma_n4(float (&acc)[4][4], const FragA& a, const
     f.set(b[(k0 + t4) * ld + n0 + 8 * nt + g], b[(k0 + t4 + 4) * ld + n0 + 8 * nt + g]);
     mma_3x(acc[nt], a, f);
   }
+}
+// The same with B stored already split: its TF32 heads at hi, the rests at lo (SplitRows).
+__device__ __forceinline__ void mma_n4_split(float (&acc)[4][4], const FragA& a, const uint32_t* hi, const uint32_t* lo, int ld, int k0, int n0) {
+  const int lane = lane_id(), g = lane / 4, t4 = lane % 4;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const int at0 = (k0 + t4) * ld + n0 + 8 * nt + g, at1 = at0 + 4 * ld;
+    FragB f;
+    f.hi[0] = hi[at0];
+    f.hi[1] = hi[at1];
+    f.lo[0] = lo[at0];
+    f.lo[1] = lo[at1];
+    mma_3x(acc[nt], a, f);
+  }
+}
+// Stores x split for mma_n4_split.
+__device__ __forceinline__ void store_split(uint32_t* hi, uint32_t* lo, int at, float x) {
+  uint32_t h, l;
+  tf32_split(x, h, l);
+  hi[at] = h;
+  lo[at] = l;
 }
 
 // ---- prep --------------------------------------------------------------------------------------------
@@ -169,36 +193,42 @@ __global__ void __launch_bounds__(kBlockThreads, 2) kda_prep_kernel(KdaPrefillAr
   float *sq = sm + P::kQ, *sk = sm + P::kK, *sg = sm + P::kG, *am = sm + P::kAm, *T = sm + P::kT, *beta = sm + P::kBeta;
   const int64_t col0 = static_cast<int64_t>(h) * d;
 
-  // Row scales (ε = 1e−6 on the sum, inside the root; q also times 1/√d) and β: four adjacent lanes a
-  // row, lane part summing channels ≡ part (mod 4), every load of the thread in flight at once (a loop
-  // over rows waited a DRAM latency per row).
+  // Row scales (ε = 1e−6 on the sum, inside the root; q also times 1/√d) and β: a warp takes 8 rows,
+  // lane l channels l, l + 32, … (whole 128-byte lines), every load of the thread in flight at once (a
+  // loop over rows waited a DRAM latency per row).
   {
-    const int t = tid / 4, part = tid % 4;
-    float qv[kD / 4], kv[kD / 4];
+    constexpr int kRows = kC / kBlockWarps;
+    float qv[kRows][kD / 32], kv[kRows][kD / 32];
 #pragma unroll
-    for (int i = 0; i < kD / 4; ++i) {
-      const int c = part + 4 * i;
-      const bool real = t < n && c < d;
-      qv[i] = real ? a.q[(row0 + t) * a.q_stride + col0 + c] : 0.0f;
-      kv[i] = real ? a.k[(row0 + t) * a.k_stride + col0 + c] : 0.0f;
-    }
-    const float b = part == 0 && t < n ? a.beta[(row0 + t) * a.beta_stride + h] : 0.0f;
-    float sum_q = 0.0f, sum_k = 0.0f;
+    for (int r = 0; r < kRows; ++r) {
+      const int t = warp * kRows + r;
 #pragma unroll
-    for (int i = 0; i < kD / 4; ++i) {
-      sum_q += qv[i] * qv[i];
-      sum_k += kv[i] * kv[i];
+      for (int i = 0; i < kD / 32; ++i) {
+        const int c = lane + 32 * i;
+        const bool real = t < n && c < d;
+        qv[r][i] = real ? a.q[(row0 + t) * a.q_stride + col0 + c] : 0.0f;
+        kv[r][i] = real ? a.k[(row0 + t) * a.k_stride + col0 + c] : 0.0f;
+      }
     }
-    sum_q += __shfl_xor_sync(0xffffffffu, sum_q, 1);
-    sum_k += __shfl_xor_sync(0xffffffffu, sum_k, 1);
-    sum_q += __shfl_xor_sync(0xffffffffu, sum_q, 2);
-    sum_k += __shfl_xor_sync(0xffffffffu, sum_k, 2);
-    if (part == 0) {
-      sm[P::kRq + t] = t < n ? (1.0f / sqrtf(static_cast<float>(d))) / sqrtf(sum_q + 1e-6f) : 0.0f;
-      sm[P::kRk + t] = t < n ? 1.0f / sqrtf(sum_k + 1e-6f) : 0.0f;
-      beta[t] = b;
+    const int tb = warp * kRows + lane;
+    const float b = lane < kRows && tb < n ? a.beta[(row0 + tb) * a.beta_stride + h] : 0.0f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int t = warp * kRows + r;
+      float sum_q = 0.0f, sum_k = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kD / 32; ++i) {
+        sum_q += qv[r][i] * qv[r][i];
+        sum_k += kv[r][i] * kv[r][i];
+      }
+      sum_q = warp_sum(sum_q);
+      sum_k = warp_sum(sum_k);
+      if (lane == 0) {
+        sm[P::kRq + t] = t < n ? (1.0f / sqrtf(static_cast<float>(d))) / sqrtf(sum_q + 1e-6f) : 0.0f;
+        sm[P::kRk + t] = t < n ? 1.0f / sqrtf(sum_k + 1e-6f) : 0.0f;
+      }
     }
-    static_assert(kBlockThreads == 4 * kC, "four lanes a row");
+    if (lane < kRows) beta[tb] = b;
   }
   __syncthreads();
 
@@ -443,9 +473,13 @@ struct ScanSmem {
   static constexpr int kQ = kW + kC * kAld;        // Q⊙e^γ [C][kAld]
   static constexpr int kKe = kQ + kC * kAld;       // K⊙e^{γ_n−γ} [C][kKld]
   static constexpr int kM = kKe + kC * kKld;       // M [C][kMld]
-  static constexpr int kU = kM + kC * kMld;        // U's columns, then V_new [C][kSld]
+  static constexpr int kU = kM + kC * kMld;        // U's columns [C][kSld]
   static constexpr int kDecay = kU + kC * kSld;    // e^{γ_n} [kD]
-  static constexpr int kFloats = kDecay + kD;
+  static constexpr int kSHi = kDecay + kD;         // S₀ split for level 1's B operand (store_split)
+  static constexpr int kSLo = kSHi + kD * kSld;
+  static constexpr int kVHi = kSLo + kD * kSld;    // V_new split for level 2's [C][kSld]
+  static constexpr int kVLo = kVHi + kC * kSld;
+  static constexpr int kFloats = kVLo + kC * kSld;
   static_assert(kW % 4 == 0 && kQ % 4 == 0 && kKe % 4 == 0 && kM % 4 == 0 && kU % 4 == 0 && kDecay % 4 == 0, "cp.async rows of 16 bytes");
 };
 constexpr int kScanBytes = ScanSmem::kFloats * 4;
@@ -466,6 +500,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) kda_scan_kernel(KdaPrefillAr
   float* state = a.state + a.seq_slot[seq] * a.state_slot_floats + static_cast<int64_t>(h) * d * d;
   const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id(), g = lane / 4, t4 = lane % 4;
   float *st = sm + S::kS, *wb = sm + S::kW, *qb = sm + S::kQ, *kb = sm + S::kKe, *mb = sm + S::kM, *ub = sm + S::kU, *decay = sm + S::kDecay;
+  uint32_t *s_hi = reinterpret_cast<uint32_t*>(sm + S::kSHi), *s_lo = reinterpret_cast<uint32_t*>(sm + S::kSLo);
+  uint32_t *v_hi = reinterpret_cast<uint32_t*>(sm + S::kVHi), *v_lo = reinterpret_cast<uint32_t*>(sm + S::kVLo);
   const auto record = [&](int k) { return a.records + (static_cast<int64_t>(chunk0 + k) * a.heads + h) * kKdaRecFloats; };
   const auto load_level1 = [&](int k) {  // W and Q⊙e^γ
     copy_rows<kD>(wb, S::kAld, record(k) + kKdaRecW, kD);
@@ -480,7 +516,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) kda_scan_kernel(KdaPrefillAr
   };
   for (int i = tid; i < kD * kCols; i += kBlockThreads) {
     const int j = i / kCols, c = i % kCols;
-    st[j * S::kSld + c] = j < d && c < cols ? state[static_cast<int64_t>(j) * d + c0 + c] : 0.0f;
+    const float x = j < d && c < cols ? state[static_cast<int64_t>(j) * d + c0 + c] : 0.0f;
+    st[j * S::kSld + c] = x;
+    store_split(s_hi, s_lo, j * S::kSld + c, x);
   }
   load_level1(0);
   cp_async_commit();
@@ -497,15 +535,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1) kda_scan_kernel(KdaPrefillAr
     {
       const float* A = warp < 4 ? wb : qb;
 #pragma unroll 2
-      for (int k0 = 0; k0 < kD; k0 += 8) mma_n4(acc, frag_a_rows(A, S::kAld, m0, k0), st, S::kSld, k0, 0);
+      for (int k0 = 0; k0 < kD; k0 += 8) mma_n4_split(acc, frag_a_rows(A, S::kAld, m0, k0), s_hi, s_lo, S::kSld, k0, 0);
     }
     cp_async_wait<0>();  // level 2's rows
     __syncthreads();     // and every warp done with W and Q⊙e^γ
-    if (warp < 4) {  // V_new = U − W·S₀ in place
+    if (warp < 4) {  // V_new = U − W·S₀, split for level 2
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) ub[(m0 + g + 8 * (q / 2)) * S::kSld + 8 * nt + 2 * t4 + q % 2] -= acc[nt][q];
+        for (int q = 0; q < 4; ++q) {
+          const int at = (m0 + g + 8 * (q / 2)) * S::kSld + 8 * nt + 2 * t4 + q % 2;
+          store_split(v_hi, v_lo, at, ub[at] - acc[nt][q]);
+        }
       }
     }
     __syncthreads();
@@ -513,7 +554,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) kda_scan_kernel(KdaPrefillAr
     cp_async_commit();  // possibly empty: the waits count groups
     // Level 2: warps 4–7 O += M·V_new and the output; every warp 16 key rows of the state update.
     if (warp >= 4) {
-      for (int k0 = 0; k0 < m0 + 16; k0 += 8) mma_n4(acc, frag_a_rows(mb, S::kMld, m0, k0), ub, S::kSld, k0, 0);  // M is lower triangular
+      for (int k0 = 0; k0 < m0 + 16; k0 += 8) mma_n4_split(acc, frag_a_rows(mb, S::kMld, m0, k0), v_hi, v_lo, S::kSld, k0, 0);  // M is lower triangular
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -535,11 +576,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1) kda_scan_kernel(KdaPrefillAr
         }
       }
 #pragma unroll 2
-      for (int k0 = 0; k0 < kC; k0 += 8) mma_n4(upd, frag_a_cols(kb, S::kKld, j0, k0), ub, S::kSld, k0, 0);  // (K⊙e^{γ_n−γ})ᵀ: A(j, p) = Ke[p][j]
+      for (int k0 = 0; k0 < kC; k0 += 8) mma_n4_split(upd, frag_a_cols(kb, S::kKld, j0, k0), v_hi, v_lo, S::kSld, k0, 0);  // (K⊙e^{γ_n−γ})ᵀ: A(j, p) = Ke[p][j]
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) st[(j0 + g + 8 * (q / 2)) * S::kSld + 8 * nt + 2 * t4 + q % 2] = upd[nt][q];
+        for (int q = 0; q < 4; ++q) {
+          const int at = (j0 + g + 8 * (q / 2)) * S::kSld + 8 * nt + 2 * t4 + q % 2;
+          st[at] = upd[nt][q];
+          store_split(s_hi, s_lo, at, upd[nt][q]);
+        }
       }
     }
     __syncthreads();  // S updated; K⊙e^{γ_n−γ}, M, V_new and e^{γ_n} free
