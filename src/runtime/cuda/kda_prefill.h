@@ -11,6 +11,7 @@
 
 #include "plan/plan.h"
 #include "runtime/cuda/device_memory.h"
+#include "runtime/cuda/kda_prefill_kernels.h"
 #include "runtime/cuda/mla_gemm.h"  // MlaSequence: the step's sequences as uploaded
 #include "runtime/cuda/stream_timer.h"
 
@@ -80,5 +81,12 @@ class KdaPrefillRunner {
   bool timing_ = false;
   StreamTimer timer_, prep_timer_;
 };
+
+// ---- device side (kda_prefill.cu) -------------------------------------------------------------------
+
+// Every (chunk, head) of the batch into its record (prep), then per (value-column group, head,
+// sequence) the scan over its chunks: outputs written, states advanced. d ≤ kKdaMaxHeadDim.
+void launch_kda_prep(const KdaPrefillArgs& args, cudaStream_t stream);
+void launch_kda_scan(const KdaPrefillArgs& args, cudaStream_t stream);
 
 }  // namespace plow::cuda

@@ -1,8 +1,7 @@
 // The chunked KDA delta rule of a prefill step as planned launches (kda_prefill.h): what the host
-// passes to the two kernels of kda_prefill.cu. Plain types only, so the .cu needs no plan headers.
+// passes to the two kernels of kda_prefill.cu (kda_prefill.cuh). Plain types only, so the device code
+// (and the emulator test) needs no plan or CUDA runtime headers.
 #pragma once
-
-#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -37,10 +36,5 @@ struct KdaPrefillArgs {
   int32_t chunks = 0, seqs = 0, heads = 0, d = 0;
   int32_t out_act = 0;  // ActType the output is rounded to (kAF32: not rounded)
 };
-
-// Every (chunk, head) of the batch into its record (prep), then per (value-column group, head,
-// sequence) the scan over its chunks: outputs written, states advanced. d ≤ kKdaMaxHeadDim.
-void launch_kda_prep(const KdaPrefillArgs& args, cudaStream_t stream);
-void launch_kda_scan(const KdaPrefillArgs& args, cudaStream_t stream);
 
 }  // namespace plow::cuda
