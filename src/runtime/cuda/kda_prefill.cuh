@@ -35,7 +35,8 @@ static_assert(kC == 64 && kD == 128, "the tilings below assume C = 64, d ≤ 128
 // 3xTF32: an operand as its TF32 head (rounded to nearest, ties away: the bits' add and mask) and the
 // rest truncated to TF32 (|rest| ≤ 2⁻¹¹|x|, so the split loses at most 2⁻²¹|x|). Four integer and float
 // instructions. With cvt.rna.tf32.f32 instead the scan issued ~1.8× the instructions counted as if the
-// cvt were one (ncu), and this form took its time 24.5 → 18.2 ms over an 8K prompt.
+// cvt were one (ncu); this form and the B operands stored split (mma_n4_split) took the scans of an 8K
+// prompt 24.5 → 18.2 ms.
 __device__ __forceinline__ void tf32_split(float x, uint32_t& hi, uint32_t& lo) {
   hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
   lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
