@@ -10,7 +10,9 @@
 // scores budget small enough to split every sequence; fp32 and bf16, megakernel and eager, against the
 // CPU ops; bf16 through the fused attention kernels (mla_flash.cuh on mma.sync for small heads,
 // mla_wgmma.cu on wgmma for the real head shape, which also runs on the mma.sync kernel once), also over
-// long prefixes at the real head shape.
+// long prefixes at the real head shape; KDA's delta rule as planned launches (kda_prefill.h) over
+// partial chunks, cached states, several sequences, steps that fall back to the op body and a step
+// split into batches, against the CPU ops and the op body.
 #include <gtest/gtest.h>
 
 #include <algorithm>
