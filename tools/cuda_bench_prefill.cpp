@@ -302,7 +302,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
     const double expert_gbps = expert_ms > 0 ? expert_weight_bytes / (expert_ms * 1e-3) / 1e9 : 0.0;
     const double mla_ms = mla_sum / args.reps;
     const bool mla_gemm = backend->prefill_mla_ops() > mla_ops_before;
-    const double kda_ms = kda_sum / args.reps;
+    const double kda_ms = kda_sum / args.reps, kda_prep_ms = kda_prep_sum / args.reps;
     const bool kda_planned = backend->prefill_kda_ops() > kda_ops_before;
     const double ttft = median(runs);
     const PrefillFlops flops = prefill_flops(*model, p, args.cached_prefix);
@@ -352,7 +352,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"mla_ops_ms", mla_ms},
                    {"mla_gemm", mla_gemm},
                    {"kda_ops_ms", kda_planned ? json(kda_ms) : json(nullptr)},  // null: the op body ran (timed under --profile only)
-                   {"kda_parts_ms", kda_planned ? json{{"prep", kda_prep_sum / args.reps}, {"scan", (kda_sum - kda_prep_sum) / args.reps}} : json(nullptr)},
+                   {"kda_parts_ms", kda_planned ? json{{"prep", kda_prep_ms}, {"scan", kda_ms - kda_prep_ms}} : json(nullptr)},
                    {"workers", workers},
                    {"plan", {{"max_tokens", plan->max_tokens}, {"ops", plan->ops.size()}, {"tasks", plan->tasks.size()}, {"fusion", false}}},
                    {"device", device},
@@ -361,7 +361,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"peers", {{"gemm_shapes", shapes}}}};
     std::cerr << fmt::format("prompt {:6d}{} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s; routed experts {:8.1f} ms (busiest expert {:.1f}x the mean); MLA {:8.1f} ms{}; KDA {}\n", p,
                              args.cached_prefix > 0 ? fmt::format(" after {} cached", args.cached_prefix) : "", chunk, ttft, static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9), expert_ms, load, mla_ms, mla_gemm ? "" : " (op body: not timed)",
-                             kda_planned ? fmt::format("{:.1f} ms (prep {:.1f}, scan {:.1f})", kda_ms, kda_prep_sum / args.reps, (kda_sum - kda_prep_sum) / args.reps)
+                             kda_planned ? fmt::format("{:.1f} ms (prep {:.1f}, scan {:.1f})", kda_ms, kda_prep_ms, kda_ms - kda_prep_ms)
                                          : std::string("on its op body (not timed)"));
     if (expert_gbps > 0) {
       std::cerr << fmt::format("  routed experts ({}): {:.2f} GB of expert weights streamed, {:.0f} GB/s ({:.0f}% of the read roofline)\n", expert_gemm,
