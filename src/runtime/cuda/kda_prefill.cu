@@ -1,4 +1,4 @@
-// The launches of kda_prefill.cuh's blocks: a prep block per (chunk, head), two an SM; a scan block per
+// The launches of kda_prefill.cuh's blocks: a prep block per (chunk, head), three an SM; a scan block per
 // (32 value columns, head, sequence), one an SM.
 #include "runtime/cuda/kda_prefill.cuh"
 #include "runtime/cuda/kernels.h"  // cuda_failure; the launches are declared in kda_prefill.h
@@ -13,7 +13,7 @@ void check_cuda(cudaError_t error, const char* what) {
   if (error != cudaSuccess) cuda_failure(what, error);
 }
 
-__global__ void __launch_bounds__(kKdaPrefillThreads, 2) kda_prep_kernel(KdaPrefillArgs a) {
+__global__ void __launch_bounds__(kKdaPrefillThreads, 3) kda_prep_kernel(KdaPrefillArgs a) {
   extern __shared__ __align__(16) float sm[];
   kda_prep_block(a, sm, static_cast<int>(blockIdx.x));
 }

@@ -1,20 +1,21 @@
 // KDA's chunked delta rule (spec/MODEL.md §6, C = 64) of a prefill step in two launches (kda_prefill.cu;
 // the emulator test runs the same blocks on the host), as fla's chunk_kda splits it: everything a chunk needs that does not depend on the state is computed for
 // every (chunk, head) at once, so the sequential part per chunk is two levels of products.
-//  1. prep, a block per (chunk, head), two blocks an SM: q̂, k̂ (l2-normalized, q̂ times 1/√d), γ (the
+//  1. prep, a block per (chunk, head), three blocks an SM: q̂, k̂ (l2-normalized, q̂ times 1/√d), γ (the
 //     CPU's sequential sum per channel), A(r, j) = β_r Σ_c k̂_r k̂_j e^{γ_r−γ_j} (j < r) and
 //     M(r, j) = Σ_c q̂_r k̂_j e^{γ_r−γ_j} (j ≤ r), T' = (I + A)⁻¹·diag(β), then W = T'·(K⊙e^γ) and
 //     U = T'·V; the record (kda_prefill_kernels.h) holds Q⊙e^γ, K⊙e^{γ_n−γ}, W, U, M and e^{γ_n}. The
-//     channels go through shared memory in two halves of 64 (A and M accumulate in registers across
+//     channels go through shared memory in two halves of 64 (A and M accumulate in shared memory across
 //     them), which keeps a block at 89 KB.
 //  2. scan, a block per (32 value columns, head, sequence), chunk after chunk with the state slice S₀
 //     in shared memory: level 1, V_new = U − W·S₀ and O = (Q⊙e^γ)·S₀ side by side; level 2, O += M·V_new
 //     and S ← diag(e^{γ_n})·S₀ + (K⊙e^{γ_n−γ})ᵀ·V_new side by side. The next chunk's W and Q⊙e^γ load
 //     (cp.async) during level 2, its other rows during level 1.
-// Pairwise decays are never factored over a whole chunk (the K3 gate takes γ to −320): the diagonal
-// 16×16 blocks take e^{γ_r−γ_j} per (pair, channel), the blocks below them factor through the block
-// row's first position (both factors ≤ 1), as the op body (ops/kda_chunked.cuh), whose numerics this
-// keeps: products in 3xTF32 (each operand split hi + lo, three mma.sync, fp32 accumulation).
+// Pairwise decays are never factored over a whole chunk (the K3 gate takes γ to −320): the products
+// factor through the first position of each 16-row block row, where both factors are ≤ 1 below the
+// diagonal 16×16 blocks and bounded (kDiagMmaSpread) inside them; diagonal blocks steeper than that
+// take e^{γ_r−γ_j} per (pair, channel), as the op body (ops/kda_chunked.cuh) does for all of them.
+// Products in 3xTF32 (each operand split hi + lo, three mma.sync, fp32 accumulation).
 #pragma once
 
 #include "runtime/cuda/kda_prefill_kernels.h"
@@ -141,8 +142,8 @@ __device__ __forceinline__ void store_split(uint32_t* hi, uint32_t* lo, int at, 
 
 // Shared memory of a prep block, floats. Channel-major [c][t] arrays have row stride kLd ≡ 8 (mod 32):
 // a warp reading 32 positions of a channel, and the mma fragments (8 positions × 4 channels), hit 32
-// banks. The staging region later holds the products' B operand [t][kBld] and T' [r][kTpld], and the
-// inverse's scratch before them.
+// banks. The staging region later holds the products' B operand [t][kBld] and T = (I + A)⁻¹, then T'
+// in its place, [r][kTpld], and the inverse's scratch before them. 72.7 KB: three blocks an SM.
 struct PrepSmem {
   static constexpr int kLd = kC + 8;
   static constexpr int kAld = kC + 1;
@@ -152,37 +153,69 @@ struct PrepSmem {
   static constexpr int kK = kQ + kHalf * kLd;
   static constexpr int kG = kK + kHalf * kLd;  // γ
   static constexpr int kB = 0;                 // [C][kBld], after the channels
-  static constexpr int kTp = kB + kC * kBld;   // T' [C][kTpld]
+  static constexpr int kTp = kB + kC * kBld;   // T, then T' [C][kTpld]
   static constexpr int kAm = kG + kHalf * kLd;  // M(r, j) at [r][j] (j ≤ r), A(r, j) at [j][r] (j < r)
-  static constexpr int kT = kAm + kC * kAld;    // (I + A)⁻¹ at [r][c]
-  static constexpr int kBeta = kT + kC * kAld;
+  static constexpr int kBeta = kAm + kC * kAld;
   static constexpr int kRq = kBeta + kC;  // q's and k's row scales
   static constexpr int kRk = kRq + kC;
-  static constexpr int kFloats = kRk + kC;
+  static constexpr int kUnsafe = kRk + kC;  // two ints: the steep diagonal blocks of a half's channel warps
+  static constexpr int kFloats = kUnsafe + 2;
   static_assert(kTp + kC * kTpld <= kAm, "B and T' fit the staging region");
   static_assert(kB % 4 == 0 && kBld % 4 == 0, "16-byte rows of B");
 };
 constexpr int kKdaPrepBytes = PrepSmem::kFloats * 4;
-constexpr int kDiagRounds = (kC / 16 * 136 * 4 + kBlockThreads - 1) / kBlockThreads;  // (pair, channel quarter) units
 
-// Diagonal-block unit u: quarter u mod 4 of pair u / 4, pair q of block b = q / 136 in row order.
-__device__ __forceinline__ void diag_pair(int u, int& r, int& j, int& quarter, bool& in_block) {
-  quarter = u % 4;
-  const int q = u / 4, b = q / 136, w = q % 136;
-  int rr = static_cast<int>((sqrtf(8.0f * static_cast<float>(w) + 1.0f) - 1.0f) * 0.5f);
-  while (rr * (rr + 1) / 2 > w) --rr;  // exact whatever sqrtf's rounding
-  while ((rr + 1) * (rr + 2) / 2 <= w) ++rr;
-  r = 16 * b + rr;
-  j = 16 * b + w - rr * (rr + 1) / 2;
-  in_block = b < kC / 16;
+// e^x through ex2.approx.ftz: results below 2⁻¹²⁶ flush to zero (__expf, not flushing, spends a
+// compare and two multiplies a call on them).
+__device__ __forceinline__ float exp_ftz(float x) {
+#ifndef PLOW_CUDA_EMU
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+#else
+  return __expf(x);
+#endif
 }
 
-// Below-diagonal unit u < 12: block row R (rows 16R…16R+15), 8-column tile nt of columns [0, 16R).
-__device__ __forceinline__ void below_unit(int u, int& R, int& nt) {
-  R = u < 2 ? 1 : u < 6 ? 2 : 3;
-  nt = u < 2 ? u : u < 6 ? u - 2 : u - 6;
+// A 16-byte global store of v[0…3] at p (16-byte aligned): one st.global.v4 (through a float4 pointer the
+// compiler emitted four scalar stores here).
+__device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
+#ifndef PLOW_CUDA_EMU
+  asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]) : "memory");
+#else
+  for (int e = 0; e < 4; ++e) p[e] = v[e];
+#endif
 }
 
+// A diagonal 16×16 block goes through the tensor cores, factored through its first position, when
+// every channel's γ falls by at most this much across the block: the row factors e^{γ_r−γ_16R} stay ≥
+// e^−60 (their TF32 rests normal) and the column factors e^{γ_16R−γ_j} ≤ e^60 (no overflow, products
+// above the diagonal included). Steeper blocks (the K3 gate allows 75) take e^{γ_r−γ_j} per (pair,
+// channel) on SIMT.
+constexpr float kDiagMmaSpread = 60.0f;
+
+// SIMT unit u of the steep diagonal blocks (set bits of steep): 160 a block, quarter u mod 4 of
+// (row, column group) w = u / 4 mod 40, rows 0–3 of the block having one group of 4 columns, rows 4–7
+// two, 8–11 three, 12–15 four. Returns whether the unit's block exists.
+constexpr int kSimtUnits = 40 * 4;
+__device__ __forceinline__ bool simt_unit(int u, int steep, int& r, int& j0) {
+  const int w = u / 4 % 40;
+  int mask = steep;
+  for (int skip = u / kSimtUnits; skip > 0; --skip) mask &= mask - 1;
+  if (mask == 0) return false;
+  const int b = __ffs(mask) - 1, per = w < 4 ? 1 : w < 12 ? 2 : w < 24 ? 3 : 4, first = w < 4 ? 0 : w < 12 ? 4 : w < 24 ? 12 : 24;
+  r = 16 * b + 4 * (per - 1) + (w - first) / per;
+  j0 = 16 * b + 4 * ((w - first) % per);
+  return true;
+}
+
+// Tensor-core unit u < 20 of A and M: block row R (rows 16R…16R+15), 8-column tile nt of columns
+// [0, 16R + 16); tiles nt ≥ 2R are the diagonal block's.
+constexpr int kProductUnits = 20;
+__device__ __forceinline__ void product_unit(int u, int& R, int& nt) {
+  R = u < 2 ? 0 : u < 6 ? 1 : u < 12 ? 2 : 3;
+  nt = u - R * (R + 1);
+}
 // out = T'·B over [C][kD] (T' at kTp, B at kB), to rec + at: warp w takes row tiles w mod 2 and
 // 3 − w mod 2 (balanced: T' is lower triangular) and 32 columns, four n8 tiles sharing each A fragment.
 __device__ __forceinline__ void prep_product(const float* sm, float* rec_out) {
@@ -204,228 +237,272 @@ __device__ __forceinline__ void prep_product(const float* sm, float* rec_out) {
   }
 }
 
+
 // One prep block: item = chunk · heads + head of the batch; sm: kKdaPrepBytes of shared memory.
 __device__ __forceinline__ void kda_prep_block(const KdaPrefillArgs& a, float* sm, int item) {
   using P = PrepSmem;
+  static_assert(kBlockWarps == 8 && kC == 8 * kBlockWarps, "a warp's 8 rows; the staging tiles below");
   const int chunk = item / a.heads, h = item % a.heads, d = a.d;
   const int row0 = a.chunk_row0[chunk], n = a.chunk_len[chunk];
   float* rec = a.records + static_cast<int64_t>(item) * kKdaRecFloats;
   const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id(), g = lane / 4, t4 = lane % 4;
-  float *sq = sm + P::kQ, *sk = sm + P::kK, *sg = sm + P::kG, *am = sm + P::kAm, *T = sm + P::kT, *beta = sm + P::kBeta;
+  float *sq = sm + P::kQ, *sk = sm + P::kK, *sg = sm + P::kG, *am = sm + P::kAm, *T = sm + P::kTp, *beta = sm + P::kBeta;
+  int* unsafe = reinterpret_cast<int*>(sm + P::kUnsafe);  // per channel warp: diagonal blocks too steep for the mma
   const int64_t col0 = static_cast<int64_t>(h) * d;
 
   // Row scales (ε = 1e−6 on the sum, inside the root; q also times 1/√d) and β: a warp takes 8 rows,
-  // lane l channels l, l + 32, … (whole 128-byte lines), every load of the thread in flight at once (a
-  // loop over rows waited a DRAM latency per row).
+  // lane l channels l, l + 32, … (whole 128-byte lines), four rows' loads in flight at once (a loop
+  // over rows waited a DRAM latency per row). Addresses step a row at a time from one base.
   {
-    constexpr int kRows = kC / kBlockWarps;
-    float qv[kRows][kD / 32], kv[kRows][kD / 32];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int t = warp * kRows + r;
-#pragma unroll
-      for (int i = 0; i < kD / 32; ++i) {
-        const int c = lane + 32 * i;
-        const bool real = t < n && c < d;
-        qv[r][i] = real ? a.q[(row0 + t) * a.q_stride + col0 + c] : 0.0f;
-        kv[r][i] = real ? a.k[(row0 + t) * a.k_stride + col0 + c] : 0.0f;
-      }
-    }
-    const int tb = warp * kRows + lane;
+    constexpr int kRows = kC / kBlockWarps, kBatch = 4;
+    const float* qrow = a.q + static_cast<int64_t>(row0 + warp * kRows) * a.q_stride + col0 + lane;
+    const float* krow = a.k + static_cast<int64_t>(row0 + warp * kRows) * a.k_stride + col0 + lane;
+    const int tb = warp * kRows + lane;  // lane r < 8 finishes row r
     const float b = lane < kRows && tb < n ? a.beta[(row0 + tb) * a.beta_stride + h] : 0.0f;
+    float row_q = 0.0f, row_k = 0.0f;
+#pragma unroll 1
+    for (int r0 = 0; r0 < kRows; r0 += kBatch) {
+      float qv[kBatch][kD / 32], kv[kBatch][kD / 32];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int t = warp * kRows + r;
-      float sum_q = 0.0f, sum_k = 0.0f;
+      for (int r = 0; r < kBatch; ++r) {
+        const int t = warp * kRows + r0 + r;
 #pragma unroll
-      for (int i = 0; i < kD / 32; ++i) {
-        sum_q += qv[r][i] * qv[r][i];
-        sum_k += kv[r][i] * kv[r][i];
+        for (int i = 0; i < kD / 32; ++i) {
+          const bool real = t < n && lane + 32 * i < d;
+          qv[r][i] = real ? qrow[32 * i] : 0.0f;
+          kv[r][i] = real ? krow[32 * i] : 0.0f;
+        }
+        qrow += a.q_stride;
+        krow += a.k_stride;
       }
-      sum_q = warp_sum(sum_q);
-      sum_k = warp_sum(sum_k);
-      if (lane == 0) {
-        sm[P::kRq + t] = t < n ? (1.0f / sqrtf(static_cast<float>(d))) / sqrtf(sum_q + 1e-6f) : 0.0f;
-        sm[P::kRk + t] = t < n ? 1.0f / sqrtf(sum_k + 1e-6f) : 0.0f;
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) {
+        float sum_q = 0.0f, sum_k = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kD / 32; ++i) {
+          sum_q += qv[r][i] * qv[r][i];
+          sum_k += kv[r][i] * kv[r][i];
+        }
+        sum_q = warp_sum(sum_q);
+        sum_k = warp_sum(sum_k);
+        if (lane == r0 + r) row_q = sum_q, row_k = sum_k;
       }
     }
-    if (lane < kRows) beta[tb] = b;
+    if (lane < kRows) {
+      sm[P::kRq + tb] = tb < n ? (1.0f / sqrtf(static_cast<float>(d))) / sqrtf(row_q + 1e-6f) : 0.0f;
+      sm[P::kRk + tb] = tb < n ? 1.0f / sqrtf(row_k + 1e-6f) : 0.0f;
+      beta[tb] = b;
+    }
   }
+  for (int i = tid; i < kC * P::kAld; i += kBlockThreads) am[i] = 0.0f;  // A and M accumulate over the halves
   __syncthreads();
 
-  float diag_k[kDiagRounds] = {}, diag_q[kDiagRounds] = {};  // A's and M's diagonal blocks, per unit
-  float below_k[2][4] = {}, below_q[2][4] = {};               // and the blocks below them, per warp unit
 #pragma unroll 1
   for (int half = 0; half < 2; ++half) {
     const int c0 = half * kHalf;
-    // q̂, k̂, g of channels [c0, c0 + 64) into [c][t]: tiles of 8 positions × 4 channels (lane
-    // 8·(c mod 4) + t mod 8), eight tiles' loads in flight a thread.
+    // q̂, k̂, g of channels [c0, c0 + 64) into [c][t]: tiles of 8 positions × 4 channels, warp w's
+    // positions 8w…8w+7 (lane 8·(c mod 4) + t mod 8), eight tiles' loads in flight a thread.
+    {
+      const int t = 8 * warp + lane % 8;
+      const int64_t at = static_cast<int64_t>(row0 + t);
+      const float *qp = a.q + at * a.q_stride + col0 + c0 + lane / 8, *kp = a.k + at * a.k_stride + col0 + c0 + lane / 8;
+      const float* gp = a.g + at * a.g_stride + col0 + c0 + lane / 8;
+      const float rq = sm[P::kRq + t], rk = sm[P::kRk + t];
 #pragma unroll 1
-    for (int round = 0; round < 2; ++round) {
-      float vq[8], vk[8], vg[8];
+      for (int round = 0; round < 2; ++round) {
+        float vq[8], vk[8], vg[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int tile = warp + kBlockWarps * (8 * round + i), t = tile % 8 * 8 + lane % 8, c = tile / 8 * 4 + lane / 8;
-        const bool real = t < n && c0 + c < d;
-        vq[i] = real ? a.q[(row0 + t) * a.q_stride + col0 + c0 + c] : 0.0f;
-        vk[i] = real ? a.k[(row0 + t) * a.k_stride + col0 + c0 + c] : 0.0f;
-        vg[i] = real ? a.g[(row0 + t) * a.g_stride + col0 + c0 + c] : 0.0f;
-      }
+        for (int i = 0; i < 8; ++i) {
+          const int c = 4 * (8 * round + i) + lane / 8;
+          const bool real = t < n && c0 + c < d;
+          vq[i] = real ? qp[c - lane / 8] : 0.0f;
+          vk[i] = real ? kp[c - lane / 8] : 0.0f;
+          vg[i] = real ? gp[c - lane / 8] : 0.0f;
+        }
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int tile = warp + kBlockWarps * (8 * round + i), t = tile % 8 * 8 + lane % 8, c = tile / 8 * 4 + lane / 8;
-        sq[c * P::kLd + t] = vq[i] * sm[P::kRq + t];
-        sk[c * P::kLd + t] = vk[i] * sm[P::kRk + t];
-        sg[c * P::kLd + t] = vg[i];
+        for (int i = 0; i < 8; ++i) {
+          const int c = 4 * (8 * round + i) + lane / 8;
+          sq[c * P::kLd + t] = vq[i] * rq;
+          sk[c * P::kLd + t] = vk[i] * rk;
+          sg[c * P::kLd + t] = vg[i];
+        }
       }
+      static_assert(kC / 8 * (kHalf / 4) == 16 * kBlockWarps, "two rounds of eight tiles a warp");
     }
-    static_assert(kC / 8 * (kHalf / 4) == 16 * kBlockWarps, "two rounds of eight tiles a warp");
     __syncthreads();
-    if (tid < kHalf) {  // γ of channel tid: the CPU's order
+    if (tid < kHalf) {  // γ of channel tid: the CPU's order; which diagonal blocks are too steep
       float sum = 0.0f;
       for (int t = 0; t < kC; ++t) sg[tid * P::kLd + t] = (sum += sg[tid * P::kLd + t]);
+      int steep = 0;
+#pragma unroll
+      for (int R = 0; R < kC / 16; ++R) {
+        if (sg[tid * P::kLd + 16 * R] - sg[tid * P::kLd + 16 * R + 15] > kDiagMmaSpread) steep |= 1 << R;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) steep |= __shfl_xor_sync(0xffffffffu, steep, o);
+      if (lane == 0) unsafe[warp] = steep;
     }
     __syncthreads();
-    // Diagonal blocks on SIMT: channels ≡ quarter (mod 4) of this half.
+    const int steep = unsafe[0] | unsafe[1];
+    static_assert(kHalf == 64, "the channels of a half are warps 0 and 1");
+
+    // A and M on tensor cores, through the block row's first position: below the diagonal both factors
+    // are ≤ 1; in the diagonal block (when not steep) the column factors are ≥ 1, bounded by kDiagMmaSpread.
+    // Each element has one owner: this half's sums are added to shared memory.
+#pragma unroll 1
+    for (int u = warp; u < kProductUnits; u += kBlockWarps) {  // warp-uniform
+      int R, nt;
+      product_unit(u, R, nt);
+      const bool diagonal = nt >= 2 * R;
+      if (16 * R >= n || (diagonal && (steep >> R & 1))) continue;
+      float acc_k[4] = {}, acc_q[4] = {};
+      const int ref = 16 * R, top = ref + g, bottom = top + 8, j = 8 * nt + g;
+#pragma unroll 2
+      for (int k0 = 0; k0 < kHalf; k0 += 8) {
+        const int lo = (k0 + t4) * P::kLd, hi = lo + 4 * P::kLd;  // channels k0 + t4 and k0 + t4 + 4
+        const float e0 = exp_ftz(sg[lo + top] - sg[lo + ref]), e1 = exp_ftz(sg[lo + bottom] - sg[lo + ref]);
+        const float e2 = exp_ftz(sg[hi + top] - sg[hi + ref]), e3 = exp_ftz(sg[hi + bottom] - sg[hi + ref]);
+        FragA fk, fq;
+        fk.set(sk[lo + top] * e0, sk[lo + bottom] * e1, sk[hi + top] * e2, sk[hi + bottom] * e3);
+        fq.set(sq[lo + top] * e0, sq[lo + bottom] * e1, sq[hi + top] * e2, sq[hi + bottom] * e3);
+        FragB fb;
+        fb.set(sk[lo + j] * exp_ftz(sg[lo + ref] - sg[lo + j]), sk[hi + j] * exp_ftz(sg[hi + ref] - sg[hi + j]));
+        mma_3x(acc_k, fk, fb);
+        mma_3x(acc_q, fq, fb);
+      }
 #pragma unroll
-    for (int m = 0; m < kDiagRounds; ++m) {
-      int r, j, quarter;
-      bool in_block;
-      diag_pair(tid + kBlockThreads * m, r, j, quarter, in_block);
-      if (in_block && r < n) {
-#pragma unroll 4
-        for (int c = quarter; c < kHalf; c += 4) {
-          const float* gc = sg + c * P::kLd;
-          const float kj = sk[c * P::kLd + j] * __expf(gc[r] - gc[j]);  // ≤ 1: fast exp's error is absolute ≲ 1e−7
-          diag_k[m] += sk[c * P::kLd + r] * kj;
-          diag_q[m] += sq[c * P::kLd + r] * kj;
+      for (int q = 0; q < 4; ++q) {
+        const int r = 16 * R + g + 8 * (q / 2), col = 8 * nt + 2 * t4 + q % 2;
+        if (r < n && col <= r) {
+          am[r * P::kAld + col] += acc_q[q];
+          if (col < r) am[col * P::kAld + r] += beta[r] * acc_k[q];
         }
       }
     }
-    // Below the diagonal on tensor cores, through the block row's first position (both factors ≤ 1).
+    // Steep diagonal blocks on SIMT: e^{γ_r−γ_j} per (pair, channel). A unit is a row r, four columns
+    // j0…j0+3 (j0 ≤ r) and the channels ≡ quarter (mod 4): the four columns' γ and k̂ are one 16-byte
+    // load each. Columns past r are computed and dropped.
+    if (steep != 0) {  // block-uniform
+      const int units = __popc(steep) * kSimtUnits;
+#pragma unroll 1
+      for (int base = 0; base < units; base += kBlockThreads) {  // every lane takes part in the shuffles
+        const int u = base + (tid + kBlockThreads / 2) % kBlockThreads, quarter = u % 4;  // a last part round to warps 4–7 (two tensor-core units where 0–3 have three)
+        int r = 0, j0 = 0;
+        const bool mine = u < units && simt_unit(u, steep, r, j0) && r < n;
+        float dk[4] = {}, dq[4] = {};
+        if (mine) {
+#pragma unroll 4
+          for (int c = quarter; c < kHalf; c += 4) {
+            const float *gc = sg + c * P::kLd, *kc = sk + c * P::kLd;
+            const float gr = gc[r], kr = kc[r], qr = sq[c * P::kLd + r];
+            const float4 gj = *reinterpret_cast<const float4*>(gc + j0), kj = *reinterpret_cast<const float4*>(kc + j0);
+            const float e[4] = {kj.x * exp_ftz(gr - gj.x), kj.y * exp_ftz(gr - gj.y), kj.z * exp_ftz(gr - gj.z), kj.w * exp_ftz(gr - gj.w)};
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const int u = warp + kBlockWarps * s;
-      int R, nt;
-      below_unit(u, R, nt);
-      if (u < 12 && 16 * R < n) {  // warp-uniform
-        const int ref = 16 * R, top = ref + g, bottom = top + 8, j = 8 * nt + g;
-#pragma unroll 2
-        for (int k0 = 0; k0 < kHalf; k0 += 8) {
-          const int lo = (k0 + t4) * P::kLd, hi = lo + 4 * P::kLd;  // channels k0 + t4 and k0 + t4 + 4
-          const float e0 = __expf(sg[lo + top] - sg[lo + ref]), e1 = __expf(sg[lo + bottom] - sg[lo + ref]);
-          const float e2 = __expf(sg[hi + top] - sg[hi + ref]), e3 = __expf(sg[hi + bottom] - sg[hi + ref]);
-          FragA fk, fq;
-          fk.set(sk[lo + top] * e0, sk[lo + bottom] * e1, sk[hi + top] * e2, sk[hi + bottom] * e3);
-          fq.set(sq[lo + top] * e0, sq[lo + bottom] * e1, sq[hi + top] * e2, sq[hi + bottom] * e3);
-          FragB fb;
-          fb.set(sk[lo + j] * __expf(sg[lo + ref] - sg[lo + j]), sk[hi + j] * __expf(sg[hi + ref] - sg[hi + j]));
-          mma_3x(below_k[s], fk, fb);
-          mma_3x(below_q[s], fq, fb);
+            for (int x = 0; x < 4; ++x) {
+              dk[x] += kr * e[x];
+              dq[x] += qr * e[x];
+            }
+          }
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {  // the quarters are adjacent lanes
+          dk[x] += __shfl_xor_sync(0xffffffffu, dk[x], 1);
+          dq[x] += __shfl_xor_sync(0xffffffffu, dq[x], 1);
+          dk[x] += __shfl_xor_sync(0xffffffffu, dk[x], 2);
+          dq[x] += __shfl_xor_sync(0xffffffffu, dq[x], 2);
+        }
+        if (mine && quarter == 0) {
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            const int jx = j0 + x;
+            if (jx <= r) am[r * P::kAld + jx] += dq[x];
+            if (jx < r) am[jx * P::kAld + r] += beta[r] * dk[x];
+          }
         }
       }
     }
     // This half's record rows: Q⊙e^γ, K⊙e^{γ_n−γ}, and K⊙e^γ into W's place (the product below reads
-    // it back). 16-byte stores of 4 channels of a position; lanes take consecutive positions.
+    // it back). Lanes 2m and 2m + 1 store channels c…c+3 and c+4…c+7 of a position, a whole 32-byte
+    // sector (lanes a position apart each stored half of one, and the compiler split those 16-byte
+    // stores into four: the L2 took 8× the sectors of the data, ncu); reading channels 4 apart costs a
+    // 2-way bank conflict.
     for (int i = tid; i < kC * kHalf / 4; i += kBlockThreads) {
-      const int t = i % kC, c = 4 * (i / kC);
+      const int t = i / 2 % kC, c = 8 * (i / (2 * kC)) + 4 * (i % 2);
       float qv[4], ev[4], kv[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float* gc = sg + (c + e) * P::kLd;
-        const float decayed = __expf(gc[t]), to_end = __expf(gc[n - 1] - gc[t]);  // arguments ≤ 0
+        const float decayed = exp_ftz(gc[t]), to_end = exp_ftz(gc[n - 1] - gc[t]);  // arguments ≤ 0
         const float k = sk[(c + e) * P::kLd + t];
         qv[e] = sq[(c + e) * P::kLd + t] * decayed;
         ev[e] = k * to_end;
         kv[e] = k * decayed;
       }
       const int64_t at = static_cast<int64_t>(t) * kD + c0 + c;
-      *reinterpret_cast<float4*>(rec + kKdaRecQg + at) = make_float4(qv[0], qv[1], qv[2], qv[3]);
-      *reinterpret_cast<float4*>(rec + kKdaRecKe + at) = make_float4(ev[0], ev[1], ev[2], ev[3]);
-      *reinterpret_cast<float4*>(rec + kKdaRecW + at) = make_float4(kv[0], kv[1], kv[2], kv[3]);
+      store4(rec + kKdaRecQg + at, qv);
+      store4(rec + kKdaRecKe + at, ev);
+      store4(rec + kKdaRecW + at, kv);
     }
-    if (tid < kHalf) rec[kKdaRecDecay + c0 + tid] = c0 + tid < d ? __expf(sg[tid * P::kLd + n - 1]) : 0.0f;
+    if (tid < kHalf) rec[kKdaRecDecay + c0 + tid] = c0 + tid < d ? exp_ftz(sg[tid * P::kLd + n - 1]) : 0.0f;
     __syncthreads();  // the next half restages the channels
   }
 
-  // A and M into shared memory: the diagonal units' quarters (adjacent lanes) summed, the rest as is.
-#pragma unroll
-  for (int m = 0; m < kDiagRounds; ++m) {
-    int r, j, quarter;
-    bool in_block;
-    diag_pair(tid + kBlockThreads * m, r, j, quarter, in_block);
-    float dk = diag_k[m], dq = diag_q[m];
-    dk += __shfl_xor_sync(0xffffffffu, dk, 1);
-    dq += __shfl_xor_sync(0xffffffffu, dq, 1);
-    dk += __shfl_xor_sync(0xffffffffu, dk, 2);
-    dq += __shfl_xor_sync(0xffffffffu, dq, 2);
-    if (in_block && r < n && quarter == 0) {
-      am[r * P::kAld + j] = dq;
-      if (j < r) am[j * P::kAld + r] = beta[r] * dk;
-    }
-  }
-#pragma unroll
-  for (int s = 0; s < 2; ++s) {
-    const int u = warp + kBlockWarps * s;
-    int R, nt;
-    below_unit(u, R, nt);
-    if (u < 12 && 16 * R < n) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int r = 16 * R + g + 8 * (q / 2), col = 8 * nt + 2 * t4 + q % 2;
-        if (r < n) {
-          am[r * P::kAld + col] = below_q[s][q];
-          am[col * P::kAld + r] = beta[r] * below_k[s][q];
-        }
-      }
-    }
-  }
-  __syncthreads();
-
   // T = (I + A)⁻¹ by 16-position blocks (rows past n are left undefined; T' zeroes them): the diagonal
-  // blocks by forward substitution, four lanes a column (a warp's 8 columns share a block); then the
-  // blocks below by distance, T_ij = −T_ii·Σ_{j≤k<i} A_ik T_kj, X in the staging region.
+  // blocks by forward substitution, four lanes a column (a warp's 8 columns share a block; zeros above
+  // the diagonal, which the products below read); then the blocks below by distance on tensor cores,
+  // T_ij = −T_ii·X with X = Σ_{j≤k<i} A_ik T_kj, a warp a block's 8-column tile, X through its scratch
+  // in the staging region.
   {
     const int c = tid / 4, part = tid % 4, first = c / 16 * 16;
     const int end = n < first + 16 ? n : first + 16;
-    if (part == 0) T[c * P::kAld + c] = 1.0f;
+    if (part == 0) T[c * P::kTpld + c] = 1.0f;
+    for (int t = first + part; t < c; t += 4) T[t * P::kTpld + c] = 0.0f;
     __syncwarp();
     for (int t = first + 1; t < end; ++t) {
       float sum = 0.0f;
       if (t > c) {
-        for (int j = c + part; j < t; j += 4) sum += am[j * P::kAld + t] * T[j * P::kAld + c];
+        for (int j = c + part; j < t; j += 4) sum += am[j * P::kAld + t] * T[j * P::kTpld + c];
       }
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      if (part == 0 && t > c) T[t * P::kAld + c] = -sum;
+      if (part == 0 && t > c) T[t * P::kTpld + c] = -sum;
       __syncwarp();  // row t is read by the column's lanes from the next row on
     }
     static_assert(kBlockThreads == 4 * kC, "four lanes a column");
   }
   __syncthreads();
-  constexpr int kXld = 17;
-  float* scratch = sm;  // [3][16][kXld]
-  for (int distance = 1; distance < kC / 16; ++distance) {
-    const int outputs = (kC / 16 - distance) * 256;
-    for (int o = tid; o < outputs; o += kBlockThreads) {
-      const int bi = o / 256, i = distance + bi, r = o / 16 % 16, cc = o % 16;
-      const int row = 16 * i + r, col = 16 * (i - distance) + cc;
-      float sum = 0.0f;
-      if (row < n) {
-        for (int k = col; k < 16 * i; ++k) sum += am[k * P::kAld + row] * T[k * P::kAld + col];  // T(k, col) = 0 for k < col
+  {
+    constexpr int kXld = 8;  // X [16][8]: B-operand reads hit 32 banks
+    float* x = sm + 16 * kXld * warp;
+    for (int distance = 1; distance < kC / 16; ++distance) {
+      const int i = distance + warp / 2, tile0 = 16 * (i - distance) + 8 * (warp % 2);  // block row i, its tile
+      if (i < kC / 16 && 16 * i < n) {  // warp-uniform; A's rows past n are zero, T's rows before 16i finite
+        float acc[4] = {};
+        for (int k0 = 16 * (i - distance); k0 < 16 * i; k0 += 8) {  // A(16i + m, k) at am[k][16i + m]
+          FragB fb;
+          fb.set(T[(k0 + t4) * P::kTpld + tile0 + g], T[(k0 + t4 + 4) * P::kTpld + tile0 + g]);
+          mma_3x(acc, frag_a_cols(am, P::kAld, 16 * i, k0), fb);
+        }
+        x[g * kXld + 2 * t4] = acc[0];
+        x[g * kXld + 2 * t4 + 1] = acc[1];
+        x[(g + 8) * kXld + 2 * t4] = acc[2];
+        x[(g + 8) * kXld + 2 * t4 + 1] = acc[3];
+        __syncwarp();
+        float y[4] = {};
+#pragma unroll
+        for (int k0 = 0; k0 < 16; k0 += 8) {  // T_ii (unit lower triangular, zeros above) times X
+          FragB fb;
+          fb.set(x[(k0 + t4) * kXld + g], x[(k0 + t4 + 4) * kXld + g]);
+          mma_3x(y, frag_a_rows(T, P::kTpld, 16 * i, 16 * i + k0), fb);
+        }
+        __syncwarp();  // x is rewritten at the next distance
+        T[(16 * i + g) * P::kTpld + tile0 + 2 * t4] = -y[0];
+        T[(16 * i + g) * P::kTpld + tile0 + 2 * t4 + 1] = -y[1];
+        T[(16 * i + g + 8) * P::kTpld + tile0 + 2 * t4] = -y[2];
+        T[(16 * i + g + 8) * P::kTpld + tile0 + 2 * t4 + 1] = -y[3];
       }
-      scratch[(bi * 16 + r) * kXld + cc] = sum;
+      __syncthreads();
     }
-    __syncthreads();
-    for (int o = tid; o < outputs; o += kBlockThreads) {
-      const int bi = o / 256, i = distance + bi, r = o / 16 % 16, cc = o % 16;
-      const int row = 16 * i + r, col = 16 * (i - distance) + cc;
-      if (row >= n) continue;
-      float sum = scratch[(bi * 16 + r) * kXld + cc];  // T_ii's unit diagonal
-      for (int m = 0; m < r; ++m) sum += T[row * P::kAld + 16 * i + m] * scratch[(bi * 16 + m) * kXld + cc];
-      T[row * P::kAld + col] = -sum;
-    }
-    __syncthreads();
   }
 
   // T' = T·diag(β) (zero above the diagonal and past n) for the products; M to the record.
@@ -436,10 +513,10 @@ __device__ __forceinline__ void kda_prep_block(const KdaPrefillArgs& a, float* s
     for (int e = 0; e < 4; ++e) {
       const int j = j0 + e;
       const bool lower = r < n && j <= r;
-      tv[e] = lower ? T[r * P::kAld + j] * beta[j] : 0.0f;
+      tv[e] = lower ? T[r * P::kTpld + j] * beta[j] : 0.0f;  // in place: this thread's four
       mv[e] = lower ? am[r * P::kAld + j] : 0.0f;
     }
-    *reinterpret_cast<float4*>(sm + P::kTp + r * P::kTpld + j0) = make_float4(tv[0], tv[1], tv[2], tv[3]);
+    *reinterpret_cast<float4*>(T + r * P::kTpld + j0) = make_float4(tv[0], tv[1], tv[2], tv[3]);
     *reinterpret_cast<float4*>(rec + kKdaRecM + r * kC + j0) = make_float4(mv[0], mv[1], mv[2], mv[3]);
   }
   // W = T'·(K⊙e^γ): the rows written above, back from global memory (this block's own stores: visible
@@ -461,20 +538,20 @@ __device__ __forceinline__ void kda_prep_block(const KdaPrefillArgs& a, float* s
   __syncthreads();
   prep_product(sm, rec + kKdaRecW);
   __syncthreads();
-  // U = T'·V (zero past n and d): lanes over a row's channels, 32 loads of the thread in flight.
+  // U = T'·V (zero past n and d): lanes over a row's channels (thread i: channel i mod 128 of rows
+  // i / 128, i / 128 + 2, …), 32 loads of the thread in flight.
   {
-    constexpr int kPer = kC * kD / kBlockThreads;
+    constexpr int kPer = kC * kD / kBlockThreads, kStep = kBlockThreads / kD;
+    const int c = tid % kD, t0 = tid / kD;
+    const float* vp = a.v + static_cast<int64_t>(row0 + t0) * a.v_stride + col0 + c;
     float vals[kPer];
 #pragma unroll
     for (int e = 0; e < kPer; ++e) {
-      const int i = tid + kBlockThreads * e, t = i / kD, c = i % kD;
-      vals[e] = t < n && c < d ? a.v[(row0 + t) * a.v_stride + col0 + c] : 0.0f;
+      vals[e] = t0 + kStep * e < n && c < d ? vp[0] : 0.0f;
+      vp += kStep * a.v_stride;
     }
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) {
-      const int i = tid + kBlockThreads * e, t = i / kD, c = i % kD;
-      sm[P::kB + t * P::kBld + c] = vals[e];
-    }
+    for (int e = 0; e < kPer; ++e) sm[P::kB + (t0 + kStep * e) * P::kBld + c] = vals[e];
   }
   __syncthreads();
   prep_product(sm, rec + kKdaRecU);
@@ -506,10 +583,17 @@ struct ScanSmem {
 constexpr int kKdaScanBytes = ScanSmem::kFloats * 4;
 
 // Starts copying rows [C][width] of a record (row stride src_ld) into shared rows of stride ld.
+// Thread i copies 16 bytes at column 4·(i mod kWidth/4) of rows i / (kWidth/4), then every
+// 256 / (kWidth/4) rows: one address a thread, stepped.
 template <int kWidth>
 __device__ __forceinline__ void copy_rows(float* dst, int ld, const float* src, int src_ld) {
-  constexpr int kVec = kWidth / 4;
-  for (int i = static_cast<int>(threadIdx.x); i < kC * kVec; i += kBlockThreads) cp_async16(dst + i / kVec * ld + 4 * (i % kVec), src + i / kVec * src_ld + 4 * (i % kVec));
+  constexpr int kVec = kWidth / 4, kPer = kC * kVec / kBlockThreads, kRowStep = kBlockThreads / kVec;
+  static_assert(kBlockThreads % kVec == 0 && kC * kVec % kBlockThreads == 0, "whole rows a round");
+  const int tid = static_cast<int>(threadIdx.x), row = tid / kVec, col = 4 * (tid % kVec);
+  dst += row * ld + col;
+  src += row * src_ld + col;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) cp_async16(dst + e * kRowStep * ld, src + e * kRowStep * src_ld);
 }
 
 // One scan block: value columns [kKdaScanCols·group, …) of head h over sequence seq's chunks; sm:
@@ -577,12 +661,13 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
     // Level 2: warps 4–7 O += M·V_new and the output; every warp 16 key rows of the state update.
     if (warp >= 4) {
       for (int k0 = 0; k0 < m0 + 16; k0 += 8) mma_n4_split(acc, frag_a_rows(mb, S::kMld, m0, k0), v_hi, v_lo, S::kSld, k0, 0);  // M is lower triangular
+      float* out = a.out + static_cast<int64_t>(row0 + m0 + g) * a.out_stride + static_cast<int64_t>(h) * d + c0;
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const int t = m0 + g + 8 * (q / 2), c = 8 * nt + 2 * t4 + q % 2;
-          if (t < n && c < cols) a.out[(row0 + t) * a.out_stride + static_cast<int64_t>(h) * d + c0 + c] = round_act(a.out_act, acc[nt][q]);
+          if (t < n && c < cols) out[(q / 2) * 8 * a.out_stride + c] = round_act(a.out_act, acc[nt][q]);
         }
       }
     }

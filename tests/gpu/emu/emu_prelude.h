@@ -142,6 +142,8 @@ inline unsigned __float_as_uint(float v) { return std::bit_cast<unsigned>(v); }
 inline float __uint_as_float(unsigned v) { return std::bit_cast<float>(v); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline float __expf(float x) { return std::exp(x); }  // the device's fast exp: the host's exact one here
+inline int __popc(unsigned x) { return std::popcount(x); }
+inline int __ffs(int x) { return x == 0 ? 0 : std::countr_zero(static_cast<unsigned>(x)) + 1; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline float __ldcg(const float* p) { return *p; }
 // cp.async: each fiber's copies stay pending in their commit group until a wait covers them (as late as

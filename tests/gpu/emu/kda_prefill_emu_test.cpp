@@ -2,17 +2,19 @@
 // block's 256 threads as fibers, mma.sync and cp.async through host stand-ins) against the recurrent
 // delta rule of spec/MODEL.md K5–K6 in double: several sequences in one batch, partial chunks, cached
 // states, head dims on and off the 32-column groups, gates from weak to K3's strong bounded one (γ to
-// −320 in a chunk). Shared memory starts NaN before every block; outputs start NaN. Checks the
+// −320 in a chunk) and steeper (diagonal blocks on both of the prep's paths). Shared memory starts NaN before every block; outputs start NaN. Checks the
 // kernels' logic (fragment layouts, the record, the triangular inverse, the scan's two levels and its
 // copies landing as late or as early as a device may land them) without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/cuda/kda_prefill.cuh"
@@ -165,6 +167,32 @@ std::vector<float> run_blocks(const KdaEmuCase& c, const KdaEmuData& x, std::vec
   return out;
 }
 
+// Diagonal 16×16 blocks of (chunk, head, channel half) whose γ falls by more than kDiagMmaSpread in
+// some channel (the prep block's SIMT path), and those that do not (its tensor-core path).
+std::pair<int, int> steep_and_gentle_blocks(const KdaEmuCase& c, const KdaEmuData& x) {
+  int steep = 0, gentle = 0, row0 = 0;
+  for (int tokens : c.tokens) {
+    for (int start = 0; start < tokens; start += kKdaChunk) {
+      const int n = std::min(kKdaChunk, tokens - start);
+      for (int h = 0; h < x.heads; ++h) {
+        for (int half = 0; half < 2; ++half) {
+          for (int first = 0; first < n; first += 16) {
+            bool is_steep = false;
+            for (int ch = 64 * half; ch < std::min(64 * half + 64, x.d); ++ch) {
+              float fall = 0.0f;  // γ_first − γ_{first+15}, positions past n adding nothing
+              for (int t = first + 1; t < std::min(first + 16, n); ++t) fall -= x.g[static_cast<size_t>((row0 + start + t) * x.width + h * x.d + ch)];
+              is_steep = is_steep || fall > kda_planned::kDiagMmaSpread;
+            }
+            (is_steep ? steep : gentle) += 1;
+          }
+        }
+      }
+    }
+    row0 += tokens;
+  }
+  return {steep, gentle};
+}
+
 // Outputs and final states within 2e-5 of their largest magnitude (the chunked form in fp32 with
 // 3xTF32 products against the recurrence in double), every output written and finite. Copies land
 // as late (at their wait) and as early (at issue) as a device may land them.
@@ -173,8 +201,15 @@ TEST(KdaPrefillEmu, MatchesTheRecurrentDeltaRule) {
       {"2 heads of 128, K3-strength gate", 2, 128, {65, 130, 16}, -5.0f},
       {"2 heads of 72, weak gate", 2, 72, {64, 17}, -0.05f},
       {"1 head of 32, Kimi-like gate", 1, 32, {200}, -1.0f},
+      {"2 heads of 128, steep gate", 2, 128, {130, 40}, -6.0f},
   };
   for (const KdaEmuCase& c : cases) {
+    if (c.gate_low == -6.0f) {  // the steep case takes both paths of the diagonal blocks
+      const auto [steep, gentle] = steep_and_gentle_blocks(c, make_data(c, 7));
+      std::printf("  %s: %d diagonal blocks on SIMT, %d on tensor cores\n", c.name, steep, gentle);
+      EXPECT_GT(steep, 0);
+      EXPECT_GT(gentle, 0);
+    }
     for (bool eager : {false, true}) {
       emu_cp.eager = eager;
       const std::string where = std::string(c.name) + (eager ? ", copies at issue" : ", copies at their wait");
