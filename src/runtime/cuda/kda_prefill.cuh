@@ -130,6 +130,15 @@ __device__ __forceinline__ void mma_n4_split(float (&acc)[4][4], const FragA& a,
     mma_3x(acc[nt], a, f);
   }
 }
+// acc += odd: the scans' products alternate k-steps between two accumulators, two HMMA chains a tile
+// where one waited on the other's latency (ncu: the level-1 loop stalled mostly on fixed latency).
+__device__ __forceinline__ void add_tiles(float (&acc)[4][4], const float (&odd)[4][4]) {
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[nt][q] += odd[nt][q];
+  }
+}
 // Stores x split for mma_n4_split.
 __device__ __forceinline__ void store_split(uint32_t* hi, uint32_t* lo, int at, float x) {
   uint32_t h, l;
@@ -209,13 +218,16 @@ __device__ __forceinline__ bool simt_unit(int u, int steep, int& r, int& j0) {
   return true;
 }
 
-// Tensor-core unit u < 20 of A and M: block row R (rows 16R…16R+15), 8-column tile nt of columns
-// [0, 16R + 16); tiles nt ≥ 2R are the diagonal block's.
-constexpr int kProductUnits = 20;
-__device__ __forceinline__ void product_unit(int u, int& R, int& nt) {
-  R = u < 2 ? 0 : u < 6 ? 1 : u < 12 ? 2 : 3;
-  nt = u - R * (R + 1);
+// Warp w's tensor-core tiles of A and M: block row R (rows 16R…16R+15) and 8-column tiles nt0 …
+// nt0 + count − 1 of columns [0, 16R + 16), which share the rows' fragments; tiles nt ≥ 2R are the
+// diagonal block's. Rows 3: warps 0–2 (3, 3, 2 tiles), 2: warps 3–4 (3, 3), 1: warps 5–6 (2, 2), 0:
+// warp 7 (2).
+__device__ __forceinline__ void product_tiles(int warp, int& R, int& nt0, int& count) {
+  R = warp < 3 ? 3 : warp < 5 ? 2 : warp < 7 ? 1 : 0;
+  nt0 = warp < 3 ? 3 * warp : warp < 5 ? 3 * (warp - 3) : warp < 7 ? 2 * (warp - 5) : 0;
+  count = warp < 2 || warp == 3 || warp == 4 ? 3 : 2;
 }
+
 // out = T'·B over [C][kD] (T' at kTp, B at kB), to rec + at: warp w takes row tiles w mod 2 and
 // 3 − w mod 2 (balanced: T' is lower triangular) and 32 columns, four n8 tiles sharing each A fragment.
 __device__ __forceinline__ void prep_product(const float* sm, float* rec_out) {
@@ -348,34 +360,44 @@ __device__ __forceinline__ void kda_prep_block(const KdaPrefillArgs& a, float* s
 
     // A and M on tensor cores, through the block row's first position: below the diagonal both factors
     // are ≤ 1; in the diagonal block (when not steep) the column factors are ≥ 1, bounded by kDiagMmaSpread.
-    // Each element has one owner: this half's sums are added to shared memory.
+    // Each element has one owner: this half's sums are added to shared memory. A warp's tiles share the
+    // rows' gated, split fragments (a warp a tile rebuilt them for each).
+    {
+      int R, nt0, count;
+      product_tiles(warp, R, nt0, count);
+      const auto takes = [&](int x) { return x < count && (nt0 + x < 2 * R || !(steep >> R & 1)); };  // warp-uniform
+      if (16 * R < n && takes(0)) {
+        float acc_k[3][4] = {}, acc_q[3][4] = {};
+        const int ref = 16 * R, top = ref + g, bottom = top + 8;
 #pragma unroll 1
-    for (int u = warp; u < kProductUnits; u += kBlockWarps) {  // warp-uniform
-      int R, nt;
-      product_unit(u, R, nt);
-      const bool diagonal = nt >= 2 * R;
-      if (16 * R >= n || (diagonal && (steep >> R & 1))) continue;
-      float acc_k[4] = {}, acc_q[4] = {};
-      const int ref = 16 * R, top = ref + g, bottom = top + 8, j = 8 * nt + g;
-#pragma unroll 2
-      for (int k0 = 0; k0 < kHalf; k0 += 8) {
-        const int lo = (k0 + t4) * P::kLd, hi = lo + 4 * P::kLd;  // channels k0 + t4 and k0 + t4 + 4
-        const float e0 = exp_ftz(sg[lo + top] - sg[lo + ref]), e1 = exp_ftz(sg[lo + bottom] - sg[lo + ref]);
-        const float e2 = exp_ftz(sg[hi + top] - sg[hi + ref]), e3 = exp_ftz(sg[hi + bottom] - sg[hi + ref]);
-        FragA fk, fq;
-        fk.set(sk[lo + top] * e0, sk[lo + bottom] * e1, sk[hi + top] * e2, sk[hi + bottom] * e3);
-        fq.set(sq[lo + top] * e0, sq[lo + bottom] * e1, sq[hi + top] * e2, sq[hi + bottom] * e3);
-        FragB fb;
-        fb.set(sk[lo + j] * exp_ftz(sg[lo + ref] - sg[lo + j]), sk[hi + j] * exp_ftz(sg[hi + ref] - sg[hi + j]));
-        mma_3x(acc_k, fk, fb);
-        mma_3x(acc_q, fq, fb);
-      }
+        for (int k0 = 0; k0 < kHalf; k0 += 8) {
+          const int lo = (k0 + t4) * P::kLd, hi = lo + 4 * P::kLd;  // channels k0 + t4 and k0 + t4 + 4
+          const float e0 = exp_ftz(sg[lo + top] - sg[lo + ref]), e1 = exp_ftz(sg[lo + bottom] - sg[lo + ref]);
+          const float e2 = exp_ftz(sg[hi + top] - sg[hi + ref]), e3 = exp_ftz(sg[hi + bottom] - sg[hi + ref]);
+          FragA fk, fq;
+          fk.set(sk[lo + top] * e0, sk[lo + bottom] * e1, sk[hi + top] * e2, sk[hi + bottom] * e3);
+          fq.set(sq[lo + top] * e0, sq[lo + bottom] * e1, sq[hi + top] * e2, sq[hi + bottom] * e3);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int r = 16 * R + g + 8 * (q / 2), col = 8 * nt + 2 * t4 + q % 2;
-        if (r < n && col <= r) {
-          am[r * P::kAld + col] += acc_q[q];
-          if (col < r) am[col * P::kAld + r] += beta[r] * acc_k[q];
+          for (int x = 0; x < 3; ++x) {
+            if (!takes(x)) continue;
+            const int j = 8 * (nt0 + x) + g;
+            FragB fb;
+            fb.set(sk[lo + j] * exp_ftz(sg[lo + ref] - sg[lo + j]), sk[hi + j] * exp_ftz(sg[hi + ref] - sg[hi + j]));
+            mma_3x(acc_k[x], fk, fb);
+            mma_3x(acc_q[x], fq, fb);
+          }
+        }
+#pragma unroll
+        for (int x = 0; x < 3; ++x) {
+          if (!takes(x)) continue;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int r = 16 * R + g + 8 * (q / 2), col = 8 * (nt0 + x) + 2 * t4 + q % 2;
+            if (r < n && col <= r) {
+              am[r * P::kAld + col] += acc_q[x][q];
+              if (col < r) am[col * P::kAld + r] += beta[r] * acc_k[x][q];
+            }
+          }
         }
       }
     }
@@ -386,7 +408,7 @@ __device__ __forceinline__ void kda_prep_block(const KdaPrefillArgs& a, float* s
       const int units = __popc(steep) * kSimtUnits;
 #pragma unroll 1
       for (int base = 0; base < units; base += kBlockThreads) {  // every lane takes part in the shuffles
-        const int u = base + (tid + kBlockThreads / 2) % kBlockThreads, quarter = u % 4;  // a last part round to warps 4–7 (two tensor-core units where 0–3 have three)
+        const int u = base + (tid + kBlockThreads / 2) % kBlockThreads, quarter = u % 4;  // a last part round to warps 4–7
         int r = 0, j0 = 0;
         const bool mine = u < units && simt_unit(u, steep, r, j0) && r < n;
         float dk[4] = {}, dq[4] = {};
@@ -640,8 +662,12 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
     float acc[4][4] = {};
     {
       const float* A = warp < 4 ? wb : qb;
-#pragma unroll 2
-      for (int k0 = 0; k0 < kD; k0 += 8) mma_n4_split(acc, frag_a_rows(A, S::kAld, m0, k0), s_hi, s_lo, S::kSld, k0, 0);
+      float odd[4][4] = {};
+      for (int k0 = 0; k0 < kD; k0 += 16) {
+        mma_n4_split(acc, frag_a_rows(A, S::kAld, m0, k0), s_hi, s_lo, S::kSld, k0, 0);
+        mma_n4_split(odd, frag_a_rows(A, S::kAld, m0, k0 + 8), s_hi, s_lo, S::kSld, k0 + 8, 0);
+      }
+      add_tiles(acc, odd);
     }
     cp_async_wait<0>();  // level 2's rows
     __syncthreads();     // and every warp done with W and Q⊙e^γ
@@ -660,7 +686,12 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
     cp_async_commit();  // possibly empty: the waits count groups
     // Level 2: warps 4–7 O += M·V_new and the output; every warp 16 key rows of the state update.
     if (warp >= 4) {
-      for (int k0 = 0; k0 < m0 + 16; k0 += 8) mma_n4_split(acc, frag_a_rows(mb, S::kMld, m0, k0), v_hi, v_lo, S::kSld, k0, 0);  // M is lower triangular
+      float odd[4][4] = {};
+      for (int k0 = 0; k0 < m0 + 16; k0 += 16) {  // M is lower triangular
+        mma_n4_split(acc, frag_a_rows(mb, S::kMld, m0, k0), v_hi, v_lo, S::kSld, k0, 0);
+        mma_n4_split(odd, frag_a_rows(mb, S::kMld, m0, k0 + 8), v_hi, v_lo, S::kSld, k0 + 8, 0);
+      }
+      add_tiles(acc, odd);
       float* out = a.out + static_cast<int64_t>(row0 + m0 + g) * a.out_stride + static_cast<int64_t>(h) * d + c0;
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
@@ -682,8 +713,12 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
           upd[nt][q] = st[j * S::kSld + 8 * nt + 2 * t4 + q % 2] * decay[j];
         }
       }
-#pragma unroll 2
-      for (int k0 = 0; k0 < kC; k0 += 8) mma_n4_split(upd, frag_a_cols(kb, S::kKld, j0, k0), v_hi, v_lo, S::kSld, k0, 0);  // (K⊙e^{γ_n−γ})ᵀ: A(j, p) = Ke[p][j]
+      float odd[4][4] = {};
+      for (int k0 = 0; k0 < kC; k0 += 16) {  // (K⊙e^{γ_n−γ})ᵀ: A(j, p) = Ke[p][j]
+        mma_n4_split(upd, frag_a_cols(kb, S::kKld, j0, k0), v_hi, v_lo, S::kSld, k0, 0);
+        mma_n4_split(odd, frag_a_cols(kb, S::kKld, j0, k0 + 8), v_hi, v_lo, S::kSld, k0 + 8, 0);
+      }
+      add_tiles(upd, odd);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
