@@ -6,7 +6,7 @@
 //     M(r, j) = Σ_c q̂_r k̂_j e^{γ_r−γ_j} (j ≤ r), T' = (I + A)⁻¹·diag(β), then W = T'·(K⊙e^γ) and
 //     U = T'·V; the record (kda_prefill_kernels.h) holds Q⊙e^γ, K⊙e^{γ_n−γ}, W, U, M and e^{γ_n}. The
 //     channels go through shared memory in two halves of 64 (A and M accumulate in shared memory across
-//     them), which keeps a block at 89 KB.
+//     them), which keeps a block at 72.7 KB.
 //  2. scan, a block per (32 value columns, head, sequence), chunk after chunk with the state slice S₀
 //     in shared memory: level 1, V_new = U − W·S₀ and O = (Q⊙e^γ)·S₀ side by side; level 2, O += M·V_new
 //     and S ← diag(e^{γ_n})·S₀ + (K⊙e^{γ_n−γ})ᵀ·V_new side by side. The next chunk's W and Q⊙e^γ load
@@ -248,7 +248,6 @@ __device__ __forceinline__ void prep_product(const float* sm, float* rec_out) {
     }
   }
 }
-
 
 // One prep block: item = chunk · heads + head of the batch; sm: kKdaPrepBytes of shared memory.
 __device__ __forceinline__ void kda_prep_block(const KdaPrefillArgs& a, float* sm, int item) {
