@@ -130,9 +130,17 @@ __device__ __forceinline__ void mma_n4_split(float (&acc)[4][4], const FragA& a,
     mma_3x(acc[nt], a, f);
   }
 }
-// acc += odd: the scans' products alternate k-steps between two accumulators, two HMMA chains a tile
-// where one waited on the other's latency (ncu: the level-1 loop stalled mostly on fixed latency).
-__device__ __forceinline__ void add_tiles(float (&acc)[4][4], const float (&odd)[4][4]) {
+// acc += A·B over k in [0, k_end) (k_end a multiple of 16) for four n8 tiles, B stored split, A's
+// fragment of k-step k0 from frag(k0): the k-steps alternate between acc and a second accumulator, two
+// HMMA chains a tile where one waited on the other's latency (ncu: the scan's level-1 loop stalled
+// mostly on fixed latency).
+template <class Frag>
+__device__ __forceinline__ void mma_n4_split_2chains(float (&acc)[4][4], int k_end, Frag frag, const uint32_t* hi, const uint32_t* lo, int ld) {
+  float odd[4][4] = {};
+  for (int k0 = 0; k0 < k_end; k0 += 16) {
+    mma_n4_split(acc, frag(k0), hi, lo, ld, k0, 0);
+    mma_n4_split(odd, frag(k0 + 8), hi, lo, ld, k0 + 8, 0);
+  }
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -167,8 +175,8 @@ struct PrepSmem {
   static constexpr int kBeta = kAm + kC * kAld;
   static constexpr int kRq = kBeta + kC;  // q's and k's row scales
   static constexpr int kRk = kRq + kC;
-  static constexpr int kUnsafe = kRk + kC;  // two ints: the steep diagonal blocks of a half's channel warps
-  static constexpr int kFloats = kUnsafe + 2;
+  static constexpr int kSteep = kRk + kC;  // two ints: the steep diagonal blocks of a half's channel warps
+  static constexpr int kFloats = kSteep + 2;
   static_assert(kTp + kC * kTpld <= kAm, "B and T' fit the staging region");
   static_assert(kB % 4 == 0 && kBld % 4 == 0, "16-byte rows of B");
 };
@@ -258,7 +266,7 @@ __device__ __forceinline__ void kda_prep_block(const KdaPrefillArgs& a, float* s
   float* rec = a.records + static_cast<int64_t>(item) * kKdaRecFloats;
   const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id(), g = lane / 4, t4 = lane % 4;
   float *sq = sm + P::kQ, *sk = sm + P::kK, *sg = sm + P::kG, *am = sm + P::kAm, *T = sm + P::kTp, *beta = sm + P::kBeta;
-  int* unsafe = reinterpret_cast<int*>(sm + P::kUnsafe);  // per channel warp: diagonal blocks too steep for the mma
+  int* steep_of = reinterpret_cast<int*>(sm + P::kSteep);  // per channel warp: diagonal blocks too steep for the mma
   const int64_t col0 = static_cast<int64_t>(h) * d;
 
   // Row scales (ε = 1e−6 on the sum, inside the root; q also times 1/√d) and β: a warp takes 8 rows,
@@ -351,10 +359,10 @@ __device__ __forceinline__ void kda_prep_block(const KdaPrefillArgs& a, float* s
       }
 #pragma unroll
       for (int o = 16; o > 0; o /= 2) steep |= __shfl_xor_sync(0xffffffffu, steep, o);
-      if (lane == 0) unsafe[warp] = steep;
+      if (lane == 0) steep_of[warp] = steep;
     }
     __syncthreads();
-    const int steep = unsafe[0] | unsafe[1];
+    const int steep = steep_of[0] | steep_of[1];
     static_assert(kHalf == 64, "the channels of a half are warps 0 and 1");
 
     // A and M on tensor cores, through the block row's first position: below the diagonal both factors
@@ -661,12 +669,7 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
     float acc[4][4] = {};
     {
       const float* A = warp < 4 ? wb : qb;
-      float odd[4][4] = {};
-      for (int k0 = 0; k0 < kD; k0 += 16) {
-        mma_n4_split(acc, frag_a_rows(A, S::kAld, m0, k0), s_hi, s_lo, S::kSld, k0, 0);
-        mma_n4_split(odd, frag_a_rows(A, S::kAld, m0, k0 + 8), s_hi, s_lo, S::kSld, k0 + 8, 0);
-      }
-      add_tiles(acc, odd);
+      mma_n4_split_2chains(acc, kD, [&](int k0) { return frag_a_rows(A, S::kAld, m0, k0); }, s_hi, s_lo, S::kSld);
     }
     cp_async_wait<0>();  // level 2's rows
     __syncthreads();     // and every warp done with W and Q⊙e^γ
@@ -685,12 +688,7 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
     cp_async_commit();  // possibly empty: the waits count groups
     // Level 2: warps 4–7 O += M·V_new and the output; every warp 16 key rows of the state update.
     if (warp >= 4) {
-      float odd[4][4] = {};
-      for (int k0 = 0; k0 < m0 + 16; k0 += 16) {  // M is lower triangular
-        mma_n4_split(acc, frag_a_rows(mb, S::kMld, m0, k0), v_hi, v_lo, S::kSld, k0, 0);
-        mma_n4_split(odd, frag_a_rows(mb, S::kMld, m0, k0 + 8), v_hi, v_lo, S::kSld, k0 + 8, 0);
-      }
-      add_tiles(acc, odd);
+      mma_n4_split_2chains(acc, m0 + 16, [&](int k0) { return frag_a_rows(mb, S::kMld, m0, k0); }, v_hi, v_lo, S::kSld);  // M is lower triangular
       float* out = a.out + static_cast<int64_t>(row0 + m0 + g) * a.out_stride + static_cast<int64_t>(h) * d + c0;
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
@@ -712,12 +710,7 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
           upd[nt][q] = st[j * S::kSld + 8 * nt + 2 * t4 + q % 2] * decay[j];
         }
       }
-      float odd[4][4] = {};
-      for (int k0 = 0; k0 < kC; k0 += 16) {  // (K⊙e^{γ_n−γ})ᵀ: A(j, p) = Ke[p][j]
-        mma_n4_split(upd, frag_a_cols(kb, S::kKld, j0, k0), v_hi, v_lo, S::kSld, k0, 0);
-        mma_n4_split(odd, frag_a_cols(kb, S::kKld, j0, k0 + 8), v_hi, v_lo, S::kSld, k0 + 8, 0);
-      }
-      add_tiles(upd, odd);
+      mma_n4_split_2chains(upd, kC, [&](int k0) { return frag_a_cols(kb, S::kKld, j0, k0); }, v_hi, v_lo, S::kSld);  // (K⊙e^{γ_n−γ})ᵀ: A(j, p) = Ke[p][j]
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
