@@ -7,8 +7,8 @@
 //     U = T'·V; the record (kda_prefill_kernels.h) holds Q⊙e^γ, K⊙e^{γ_n−γ}, W, U, M and e^{γ_n}. The
 //     channels go through shared memory in two halves of 64 (A and M accumulate in shared memory across
 //     them), which keeps a block at 72.7 KB.
-//  2. scan, a block per (32 value columns, head, sequence), chunk after chunk with the state slice S₀
-//     in shared memory: level 1, V_new = U − W·S₀ and O = (Q⊙e^γ)·S₀ side by side; level 2, O += M·V_new
+//  2. scan, a block of sixteen warps per (32 value columns, head, sequence), chunk after chunk with the
+//     state slice S₀ in shared memory: level 1, V_new = U − W·S₀ and O = (Q⊙e^γ)·S₀ side by side; level 2, O += M·V_new
 //     and S ← diag(e^{γ_n})·S₀ + (K⊙e^{γ_n−γ})ᵀ·V_new side by side. The next chunk's W and Q⊙e^γ load
 //     (cp.async) during level 2, its other rows during level 1.
 // Pairwise decays are never factored over a whole chunk (the K3 gate takes γ to −320): the products
@@ -29,14 +29,16 @@ constexpr int kHalf = kD / 2;  // channels a prep pass stages
 constexpr int kBlockThreads = 256;
 constexpr int kBlockWarps = kBlockThreads / 32;
 constexpr int kCols = 32;  // value columns of a scan block
+constexpr int kScanThreads = 512;  // a scan block: sixteen warps
 constexpr int kKdaPrefillThreads = kBlockThreads;
+constexpr int kKdaScanThreads = kScanThreads;
 constexpr int kKdaScanCols = kCols;
 static_assert(kC == 64 && kD == 128, "the tilings below assume C = 64, d ≤ 128");
 
 // 3xTF32: an operand as its TF32 head (rounded to nearest, ties away: the bits' add and mask) and the
 // rest truncated to TF32 (|rest| ≤ 2⁻¹¹|x|, so the split loses at most 2⁻²¹|x|). Four integer and float
 // instructions. With cvt.rna.tf32.f32 instead the scan issued ~1.8× the instructions counted as if the
-// cvt were one (ncu); this form and the B operands stored split (mma_n4_split) took the scans of an 8K
+// cvt were one (ncu); this form and the B operands stored split (mma_split) took the scans of an 8K
 // prompt 24.5 → 18.2 ms.
 __device__ __forceinline__ void tf32_split(float x, uint32_t& hi, uint32_t& lo) {
   hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
@@ -116,11 +118,13 @@ __device__ __forceinline__ void mma_n4(float (&acc)[4][4], const FragA& a, const
     mma_3x(acc[nt], a, f);
   }
 }
-// The same with B stored already split: its TF32 heads at hi, the rests at lo (SplitRows).
-__device__ __forceinline__ void mma_n4_split(float (&acc)[4][4], const FragA& a, const uint32_t* hi, const uint32_t* lo, int ld, int k0, int n0) {
+// acc[nt] += a·B over k in [k0, k0 + 8) for NT n8 tiles at columns n0 + 8·nt, B stored already split:
+// its TF32 heads at hi, the rests at lo (store_split).
+template <int NT>
+__device__ __forceinline__ void mma_split(float (&acc)[NT][4], const FragA& a, const uint32_t* hi, const uint32_t* lo, int ld, int k0, int n0) {
   const int lane = lane_id(), g = lane / 4, t4 = lane % 4;
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
+  for (int nt = 0; nt < NT; ++nt) {
     const int at0 = (k0 + t4) * ld + n0 + 8 * nt + g, at1 = at0 + 4 * ld;
     FragB f;
     f.hi[0] = hi[at0];
@@ -130,24 +134,24 @@ __device__ __forceinline__ void mma_n4_split(float (&acc)[4][4], const FragA& a,
     mma_3x(acc[nt], a, f);
   }
 }
-// acc += A·B over k in [0, k_end) (k_end a multiple of 16) for four n8 tiles, B stored split, A's
-// fragment of k-step k0 from frag(k0): the k-steps alternate between acc and a second accumulator, two
-// HMMA chains a tile where one waited on the other's latency (ncu: the scan's level-1 loop stalled
-// mostly on fixed latency).
-template <class Frag>
-__device__ __forceinline__ void mma_n4_split_2chains(float (&acc)[4][4], int k_end, Frag frag, const uint32_t* hi, const uint32_t* lo, int ld) {
-  float odd[4][4] = {};
+// acc += A·B over k in [0, k_end) (k_end a multiple of 16) for NT n8 tiles at columns n0 + 8·nt, B
+// stored split, A's fragment of k-step k0 from frag(k0): the k-steps alternate between acc and a second
+// accumulator, two HMMA chains a tile where one waited on the other's latency (ncu: the scan's level-1
+// loop stalled mostly on fixed latency).
+template <int NT, class Frag>
+__device__ __forceinline__ void mma_split_2chains(float (&acc)[NT][4], int k_end, Frag frag, const uint32_t* hi, const uint32_t* lo, int ld, int n0) {
+  float odd[NT][4] = {};
   for (int k0 = 0; k0 < k_end; k0 += 16) {
-    mma_n4_split(acc, frag(k0), hi, lo, ld, k0, 0);
-    mma_n4_split(odd, frag(k0 + 8), hi, lo, ld, k0 + 8, 0);
+    mma_split(acc, frag(k0), hi, lo, ld, k0, n0);
+    mma_split(odd, frag(k0 + 8), hi, lo, ld, k0 + 8, n0);
   }
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
+  for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
     for (int q = 0; q < 4; ++q) acc[nt][q] += odd[nt][q];
   }
 }
-// Stores x split for mma_n4_split.
+// Stores x split for mma_split.
 __device__ __forceinline__ void store_split(uint32_t* hi, uint32_t* lo, int at, float x) {
   uint32_t h, l;
   tf32_split(x, h, l);
@@ -613,11 +617,11 @@ constexpr int kKdaScanBytes = ScanSmem::kFloats * 4;
 
 // Starts copying rows [C][width] of a record (row stride src_ld) into shared rows of stride ld.
 // Thread i copies 16 bytes at column 4·(i mod kWidth/4) of rows i / (kWidth/4), then every
-// 256 / (kWidth/4) rows: one address a thread, stepped.
+// kScanThreads / (kWidth/4) rows: one address a thread, stepped.
 template <int kWidth>
 __device__ __forceinline__ void copy_rows(float* dst, int ld, const float* src, int src_ld) {
-  constexpr int kVec = kWidth / 4, kPer = kC * kVec / kBlockThreads, kRowStep = kBlockThreads / kVec;
-  static_assert(kBlockThreads % kVec == 0 && kC * kVec % kBlockThreads == 0, "whole rows a round");
+  constexpr int kVec = kWidth / 4, kPer = kC * kVec / kScanThreads, kRowStep = kScanThreads / kVec;
+  static_assert(kScanThreads % kVec == 0 && kC * kVec % kScanThreads == 0, "whole rows a round");
   const int tid = static_cast<int>(threadIdx.x), row = tid / kVec, col = 4 * (tid % kVec);
   dst += row * ld + col;
   src += row * src_ld + col;
@@ -626,7 +630,12 @@ __device__ __forceinline__ void copy_rows(float* dst, int ld, const float* src, 
 }
 
 // One scan block: value columns [kKdaScanCols·group, …) of head h over sequence seq's chunks; sm:
-// kKdaScanBytes of shared memory.
+// kKdaScanBytes of shared memory. Sixteen warps: a chain of dependent products a chunk, so two warps a
+// scheduler (eight warps) left most issue slots empty (ncu: 0.31 issued a scheduler and cycle).
+//   level 1: warps 0–7 W·S₀, warps 8–15 (Q⊙e^γ)·S₀, each 16 positions (w mod 4) × 16 columns (w / 4 mod 2);
+//   then warps 0–7 V_new = U − W·S₀;
+//   level 2: warps 0–7 the state update, 16 key rows × the 32 columns each; warps 8–15 O += M·V_new
+//   over their level-1 tile (M lower triangular: 16–64 positions deep) and the output.
 __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* sm, int group, int h, int seq) {
   using S = ScanSmem;
   const int c0 = kCols * group, d = a.d;
@@ -649,7 +658,7 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
     copy_rows<kCols>(ub, S::kSld, rec + kKdaRecU + c0, kD);
     if (tid < kD / 4) cp_async16(decay + 4 * tid, rec + kKdaRecDecay + 4 * tid);
   };
-  for (int i = tid; i < kD * kCols; i += kBlockThreads) {
+  for (int i = tid; i < kD * kCols; i += kScanThreads) {
     const int j = i / kCols, c = i % kCols;
     const float x = j < d && c < cols ? state[static_cast<int64_t>(j) * d + c0 + c] : 0.0f;
     st[j * S::kSld + c] = x;
@@ -660,25 +669,25 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
   load_level2(0);
   cp_async_commit();
 
-  const int mt = warp % 4, m0 = 16 * mt;  // level 1 and M·V_new: this warp's 16 positions
+  const bool outputs = warp >= 8;                                  // warps 8–15: Q⊙e^γ and M, the output
+  const int m0 = 16 * (warp % 4), n0 = 16 * (warp / 4 % 2);        // their level-1 tile: 16 positions × 16 columns
   for (int k = 0; k < chunks; ++k) {
     const int row0 = a.chunk_row0[chunk0 + k], n = a.chunk_len[chunk0 + k];
     cp_async_wait<1>();  // W, Q⊙e^γ (the newest group, level 2's rows, may still be in flight)
     __syncthreads();
-    // Level 1: warps 0–3 W·S₀, warps 4–7 (Q⊙e^γ)·S₀, 16 positions × the 32 columns each.
-    float acc[4][4] = {};
+    float acc[2][4] = {};
     {
-      const float* A = warp < 4 ? wb : qb;
-      mma_n4_split_2chains(acc, kD, [&](int k0) { return frag_a_rows(A, S::kAld, m0, k0); }, s_hi, s_lo, S::kSld);
+      const float* A = outputs ? qb : wb;
+      mma_split_2chains(acc, kD, [&](int k0) { return frag_a_rows(A, S::kAld, m0, k0); }, s_hi, s_lo, S::kSld, n0);
     }
     cp_async_wait<0>();  // level 2's rows
     __syncthreads();     // and every warp done with W and Q⊙e^γ
-    if (warp < 4) {  // V_new = U − W·S₀, split for level 2
+    if (!outputs) {  // V_new = U − W·S₀, split for level 2
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          const int at = (m0 + g + 8 * (q / 2)) * S::kSld + 8 * nt + 2 * t4 + q % 2;
+          const int at = (m0 + g + 8 * (q / 2)) * S::kSld + n0 + 8 * nt + 2 * t4 + q % 2;
           store_split(v_hi, v_lo, at, ub[at] - acc[nt][q]);
         }
       }
@@ -686,20 +695,18 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
     __syncthreads();
     if (k + 1 < chunks) load_level1(k + 1);
     cp_async_commit();  // possibly empty: the waits count groups
-    // Level 2: warps 4–7 O += M·V_new and the output; every warp 16 key rows of the state update.
-    if (warp >= 4) {
-      mma_n4_split_2chains(acc, m0 + 16, [&](int k0) { return frag_a_rows(mb, S::kMld, m0, k0); }, v_hi, v_lo, S::kSld);  // M is lower triangular
+    if (outputs) {
+      mma_split_2chains(acc, m0 + 16, [&](int k0) { return frag_a_rows(mb, S::kMld, m0, k0); }, v_hi, v_lo, S::kSld, n0);  // M is lower triangular
       float* out = a.out + static_cast<int64_t>(row0 + m0 + g) * a.out_stride + static_cast<int64_t>(h) * d + c0;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          const int t = m0 + g + 8 * (q / 2), c = 8 * nt + 2 * t4 + q % 2;
+          const int t = m0 + g + 8 * (q / 2), c = n0 + 8 * nt + 2 * t4 + q % 2;
           if (t < n && c < cols) out[(q / 2) * 8 * a.out_stride + c] = round_act(a.out_act, acc[nt][q]);
         }
       }
-    }
-    {
+    } else {
       const int j0 = 16 * warp;  // key rows
       float upd[4][4];
 #pragma unroll
@@ -710,7 +717,7 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
           upd[nt][q] = st[j * S::kSld + 8 * nt + 2 * t4 + q % 2] * decay[j];
         }
       }
-      mma_n4_split_2chains(upd, kC, [&](int k0) { return frag_a_cols(kb, S::kKld, j0, k0); }, v_hi, v_lo, S::kSld);  // (K⊙e^{γ_n−γ})ᵀ: A(j, p) = Ke[p][j]
+      mma_split_2chains(upd, kC, [&](int k0) { return frag_a_cols(kb, S::kKld, j0, k0); }, v_hi, v_lo, S::kSld, 0);  // (K⊙e^{γ_n−γ})ᵀ: A(j, p) = Ke[p][j]
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -726,7 +733,7 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
     cp_async_commit();
   }
   cp_async_wait<0>();  // the trailing (empty) groups
-  for (int i = tid; i < kD * kCols; i += kBlockThreads) {
+  for (int i = tid; i < kD * kCols; i += kScanThreads) {
     const int j = i / kCols, c = i % kCols;
     if (j < d && c < cols) state[static_cast<int64_t>(j) * d + c0 + c] = st[j * S::kSld + c];
   }

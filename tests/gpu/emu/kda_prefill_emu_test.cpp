@@ -146,10 +146,10 @@ std::vector<float> run_blocks(const KdaEmuCase& c, const KdaEmuData& x, std::vec
   a.heads = x.heads;
   a.d = x.d;
   a.out_act = kAF32;
-  using kda_planned::kKdaPrefillThreads;
+  using kda_planned::kKdaPrefillThreads, kda_planned::kKdaScanThreads;
   std::vector<float> smem(static_cast<size_t>(std::max(kda_planned::kKdaPrepBytes, kda_planned::kKdaScanBytes)) / sizeof(float));
   const auto check_copies = [&](const std::string& where) {
-    for (int t = 0; t < kKdaPrefillThreads; ++t) EXPECT_TRUE(emu_cp.pending[t].empty()) << where << ": copies never waited for";
+    for (int t = 0; t < std::max(kKdaPrefillThreads, kKdaScanThreads); ++t) EXPECT_TRUE(emu_cp.pending[t].empty()) << where << ": copies never waited for";
   };
   for (int item = 0; item < a.chunks * a.heads; ++item) {
     std::fill(smem.begin(), smem.end(), std::numeric_limits<float>::quiet_NaN());
@@ -160,7 +160,7 @@ std::vector<float> run_blocks(const KdaEmuCase& c, const KdaEmuData& x, std::vec
     for (int h = 0; h < a.heads; ++h) {
       for (int group = 0; group * kda_planned::kKdaScanCols < a.d; ++group) {
         std::fill(smem.begin(), smem.end(), std::numeric_limits<float>::quiet_NaN());
-        block.run([&] { kda_planned::kda_scan_block(a, smem.data(), group, h, seq); }, kKdaPrefillThreads);
+        block.run([&] { kda_planned::kda_scan_block(a, smem.data(), group, h, seq); }, kKdaScanThreads);
         check_copies("scan block " + std::to_string(seq) + "/" + std::to_string(h) + "/" + std::to_string(group));
       }
     }
