@@ -146,10 +146,12 @@ void launch_to_half(const float* x, int64_t rows, int64_t cols, int64_t stride, 
 void launch_round_in_place(float* y, int64_t rows, int64_t cols, int32_t act, cudaStream_t stream);
 
 // The benchmark's kernel-level comparison at one projection shape [rows × in]·[in × out], bf16 weights,
-// random operands, median of `reps` timed calls each: `ours` is GemmRunner::run (fp32 arena → bf16
-// copy → GEMM, fp32 out; the rounding tasks not included), `cublas` the library alone (bf16 in and out).
+// random operands, median of `reps` timed calls each: `ours` is GemmRunner::run as a step's first linear
+// over its input runs it (fp32 arena → bf16 copy → GEMM, fp32 out; the rounding tasks not included),
+// `ours_gemm` the same call on an input already converted (every later linear over that input in the
+// step: a KDA layer's six projections read one), `cublas` the library alone (bf16 in and out).
 struct GemmTimes {
-  double ours_ms = 0, cublas_ms = 0;
+  double ours_ms = 0, ours_gemm_ms = 0, cublas_ms = 0;
 };
 GemmTimes time_prefill_gemm(int64_t rows, int64_t out, int64_t in, int reps, int device);
 
