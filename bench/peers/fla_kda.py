@@ -4,8 +4,11 @@
 Times `fla.ops.kda.chunk_kda` on random inputs of the KDA layer's shape (one sequence of `tokens`
 positions, `heads` heads of `dim`, bf16 q/k/v, fp32 log-decay g, bf16 beta, fp32 initial state, q/k
 l2-normalized inside the kernel, final state returned): the same work as plow's kda_delta_rule op over
-a prompt of that length on one layer. Prints one JSON array of records {"tokens", "ms"} or
-{"tokens", "skipped": reason} on stdout; progress on stderr. Run by `plow bench prefill --kda-peer '...'`
+a prompt of that length on one layer. A call is several Triton kernels launched from Python, so up to
+~8K tokens the host's launches can take longer than the kernels: "ms" is the time of CUDA graph
+replays of one call when it captures ("timing" says which; "eager_ms" is the eager calls' time).
+Prints one JSON array of records {"tokens", "ms", "timing", "eager_ms"} or {"tokens", "skipped":
+reason} on stdout; progress on stderr. Run by `plow bench prefill --kda-peer '...'`
 before plow takes the GPU. fla (fla-core, with einops) is not on the GPU machine: install its wheel with
 `pip install --no-deps --target DIR` and put DIR on PYTHONPATH.
 """
@@ -16,6 +19,17 @@ import sys
 
 def log(msg):
     print(f"fla_kda: {msg}", file=sys.stderr, flush=True)
+
+
+def timed_ms(torch, call, reps):
+    """Mean ms of `reps` calls of `call` between two events on the current stream."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def main():
@@ -39,6 +53,7 @@ def main():
     torch.manual_seed(args.seed)
     h, d = args.heads, args.dim
     records = []
+    graphs = True  # until a capture fails: a failed capture is not tried again at the next length
     for t in lengths:
         try:
             q = torch.randn(1, t, h, d, device="cuda", dtype=torch.bfloat16)
@@ -55,15 +70,28 @@ def main():
                 for _ in range(2):  # Triton compiles and autotunes here
                     call()
                 torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(args.reps):
-                    call()
-                end.record()
-                torch.cuda.synchronize()
-            ms = start.elapsed_time(end) / args.reps
-            records.append({"tokens": t, "ms": ms})
-            log(f"{t} tokens x {h} heads x {d}: {ms:.3f} ms")
+                eager_ms = timed_ms(torch, call, args.reps)
+                record = {"tokens": t, "ms": eager_ms, "timing": "eager calls (the host's launch time may show)", "eager_ms": eager_ms}
+                try:  # the GPU's time alone: chunk_kda is several kernels a call, launched from Python
+                    if not graphs:
+                        raise RuntimeError("a capture failed at a shorter length")
+                    graph = torch.cuda.CUDAGraph()
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        call()
+                    torch.cuda.current_stream().wait_stream(side)
+                    with torch.cuda.graph(graph):
+                        call()
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    record["ms"] = timed_ms(torch, graph.replay, args.reps)
+                    record["timing"] = "CUDA graph replays (the GPU's time, no host launches)"
+                except Exception as e:  # not capturable: the eager time stands, and says so
+                    graphs = False
+                    record["graph_refused"] = f"{type(e).__name__}: {str(e)[:200]}"
+            records.append(record)
+            log(f"{t} tokens x {h} heads x {d}: {record['ms']:.3f} ms ({record['timing']}; eager calls {eager_ms:.3f} ms)")
         except Exception as e:
             records.append({"tokens": t, "skipped": f"{type(e).__name__}: {str(e)[:200]}"})
             log(f"{t} tokens: {records[-1]['skipped']}")
