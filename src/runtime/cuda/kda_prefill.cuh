@@ -8,9 +8,9 @@
 //     channels go through shared memory in two halves of 64 (A and M accumulate in shared memory across
 //     them), which keeps a block at 72.7 KB.
 //  2. scan, a block of sixteen warps per (32 value columns, head, sequence), chunk after chunk with the
-//     state slice S₀ in shared memory: level 1, V_new = U − W·S₀ and O = (Q⊙e^γ)·S₀ side by side; level 2, O += M·V_new
-//     and S ← diag(e^{γ_n})·S₀ + (K⊙e^{γ_n−γ})ᵀ·V_new side by side. The next chunk's W and Q⊙e^γ load
-//     (cp.async) during level 2, its other rows during level 1.
+//     state slice S₀ in shared memory: level 1, V_new = U − W·S₀ and O = (Q⊙e^γ)·S₀ side by side;
+//     level 2, O += M·V_new and S ← diag(e^{γ_n})·S₀ + (K⊙e^{γ_n−γ})ᵀ·V_new side by side. The next
+//     chunk's W and Q⊙e^γ load (cp.async) during level 2, its other rows during level 1.
 // Pairwise decays are never factored over a whole chunk (the K3 gate takes γ to −320): the products
 // factor through the first position of each 16-row block row, where both factors are ≤ 1 below the
 // diagonal 16×16 blocks and bounded (kDiagMmaSpread) inside them; diagonal blocks steeper than that
