@@ -61,11 +61,15 @@ def metric(port, name):
 
 
 def wait_idle(port):
-    """Waits (bounded) until no request holds a slot; returns the final count for the caller to assert."""
+    """Waits (bounded) until no request holds a slot or waits for one; returns the final count of both
+    for the caller to assert. Running alone is not enough: a request submitted a moment ago may still
+    be queued (running 0, waiting 1) and take its slot right after."""
+    def busy():
+        return metric(port, "plow:num_requests_running") + metric(port, "plow:num_requests_waiting")
     deadline = time.monotonic() + 30
-    while metric(port, "plow:num_requests_running") != 0 and time.monotonic() < deadline:
+    while busy() != 0 and time.monotonic() < deadline:
         time.sleep(0.02)
-    return metric(port, "plow:num_requests_running")
+    return busy()
 
 
 class OpenAIClientTest(unittest.TestCase):
