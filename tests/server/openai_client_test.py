@@ -52,20 +52,31 @@ def http_get(port, path):
         conn.close()
 
 
-def metric(port, name):
+def metrics(port, *names):
+    """The values of `names` from one scrape of /metrics (one snapshot: gauges read together agree)."""
     _, text = http_get(port, "/metrics")
+    values = {}
     for line in text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} missing from /metrics")
+        for name in names:
+            if line.startswith(name + "{"):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    missing = [name for name in names if name not in values]
+    if missing:
+        raise AssertionError(f"{', '.join(missing)} missing from /metrics")
+    return [values[name] for name in names]
+
+
+def metric(port, name):
+    return metrics(port, name)[0]
 
 
 def wait_idle(port):
     """Waits (bounded) until no request holds a slot or waits for one; returns the final count of both
     for the caller to assert. Running alone is not enough: a request submitted a moment ago may still
-    be queued (running 0, waiting 1) and take its slot right after."""
+    be queued (running 0, waiting 1) and take its slot right after; both come from one scrape, so a
+    request moving from the queue to a slot between two reads is not missed."""
     def busy():
-        return metric(port, "plow:num_requests_running") + metric(port, "plow:num_requests_waiting")
+        return sum(metrics(port, "plow:num_requests_running", "plow:num_requests_waiting"))
     deadline = time.monotonic() + 30
     while busy() != 0 and time.monotonic() < deadline:
         time.sleep(0.02)

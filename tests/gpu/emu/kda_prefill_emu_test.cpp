@@ -1,10 +1,11 @@
 // The planned KDA prefill kernels (runtime/cuda/kda_prefill.cuh) on the host emulator (emu_prelude.h: a
-// block's 256 threads as fibers, mma.sync and cp.async through host stand-ins) against the recurrent
-// delta rule of spec/MODEL.md K5–K6 in double: several sequences in one batch, partial chunks, cached
-// states, head dims on and off the 32-column groups, gates from weak to K3's strong bounded one (γ to
-// −320 in a chunk) and steeper (diagonal blocks on both of the prep's paths). Shared memory starts NaN
-// before every block; outputs start NaN. Checks the kernels' logic (fragment layouts, the record, the triangular inverse, the scan's two levels and its
-// copies landing as late or as early as a device may land them) without a GPU.
+// block's threads as fibers, 256 a prep block and 512 a scan block; mma.sync and cp.async through host
+// stand-ins) against the recurrent delta rule of spec/MODEL.md K5–K6 in double: several sequences in
+// one batch, partial chunks, cached states, head dims on and off the 32-column groups, gates from weak
+// to K3's strong bounded one (γ to −320 in a chunk) and steeper (diagonal blocks on both of the prep's
+// paths). Shared memory starts NaN before every block; outputs start NaN. Checks the kernels' logic
+// (fragment layouts, the record, the triangular inverse, the scan's two levels and its copies landing
+// as late or as early as a device may land them) without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
