@@ -574,7 +574,8 @@ TEST(CudaPrefillMla, GemmFormMatchesTheCpuOverChunksAndSequences) {
 // after every step, with the bound and checks of the test above; every sequence through the kernel.
 TEST(CudaPrefillMla, FusedKernelOverLongPrefixesAtTheRealHeadShape) {
   const MlaCase c = {"3 heads of the real head shape", 64, 3, 128, 64, 128, 64};
-  const std::vector<std::vector<SequenceStep>> steps = {{{0, 300}}, {{0, 517}, {1, 70}}, {{0, 700}}, {{1, 64}}};
+  // Slot 1's first chunk of 40 rows is a block of one K/V tile (the kernel's shortest path).
+  const std::vector<std::vector<SequenceStep>> steps = {{{0, 300}, {1, 40}}, {{0, 517}, {1, 70}}, {{0, 700}}, {{1, 64}}};
   const Graph graph = mla_graph(c);
   const Checkpoint checkpoint = scaled(random_checkpoint(graph, 23, DType::BF16, "prefill-mla"), "self_attn.q_proj.weight", 8.0f);
   const BoundWeights bound_weights(graph, checkpoint);

@@ -34,7 +34,7 @@ constexpr int kQkTiles = kQk / 64;  // 64-column tiles of q and K
 constexpr int kQBytes = kQkTiles * kRows * 128;
 constexpr int kKBytes = kQkTiles * kKeys * 128;
 constexpr int kStageBytes = kKBytes + kDv * 128;  // K, then Vᵀ [dv][64 positions]
-constexpr int kStages = 3;  // tiles j + 1 and j + 2 in flight while tile j is used
+constexpr int kStages = 4;  // tiles j + 1 .. j + 3 landed or in flight while tile j is used
 constexpr int kBytes = kQBytes + kStages * kStageBytes + 1024;  // + the slack to align to 1,024 bytes
 static_assert(kQk % 64 == 0 && kDv == 128, "whole 64-column tiles of q·k; P·V is one m64n128 product");
 static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0 && kStageBytes % 1024 == 0, "tiles start on swizzle atoms");
@@ -107,52 +107,106 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(MlaFlashArgs a) 
   for (int nt = 0; nt < kDv / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
   float(&o_flat)[kDv / 2] = reinterpret_cast<float(&)[kDv / 2]>(o);
 
-  // S of tile j + 1 is issued right behind P·V of tile j, so the tensor cores run both back to back
-  // while the next softmax waits for them; s holds only the next tile's scores then (P is packed).
-  float s[kKeys / 8][4];
-  float(&s_flat)[kKeys / 2] = reinterpret_cast<float(&)[kKeys / 2]>(s);
-  const auto issue_scores = [&](int tile) {  // tile's copies landed for every thread before
+  // Two tiles' scores: S of tile j + 1 accumulates in one while the softmax of the other runs, so the
+  // tensor cores have P·V of tile j and S of tile j + 2 queued while the CUDA cores take tile j + 1's
+  // softmax (flash-attention 3's intra-warpgroup overlap). The buffers alternate, hence the loop below
+  // runs two iterations a turn.
+  float sa[kKeys / 8][4], sb[kKeys / 8][4];
+  uint32_t p[kKeys / 16][4];  // P of the tile whose P·V is next, in the element type
+  const auto issue_scores = [&](float(&d)[kKeys / 8][4], int tile) {  // tile's copies landed for every thread before
+    float(&d_flat)[kKeys / 2] = reinterpret_cast<float(&)[kKeys / 2]>(d);
 #pragma unroll
-    for (int nt = 0; nt < kKeys / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    for (int i = 0; i < kKeys / 2; ++i) asm volatile("mov.b32 %0, 0;" : "=f"(d_flat[i]));  // a zero of its own each: a shared one became an accumulator
     wg_fence();
 #pragma unroll
     for (int k = 0; k < kQk / 16; ++k) {
       const uint32_t step = (k / 4) * (kRows * 128) + group * (64 * 128) + 32 * (k % 4), k_step = (k / 4) * (kKeys * 128) + 32 * (k % 4);
-      wg_mma_ss<T>(s_flat, wg_desc(q_at + step), wg_desc(stage_at(tile) + k_step));
+      wg_mma_ss<T>(d_flat, wg_desc(q_at + step), wg_desc(stage_at(tile) + k_step));
     }
-    wg_commit();
   };
+  // Softmax of tile `tile`'s landed scores d; the returned factors rescale O once the P·V before it is done.
+  const auto softmax = [&](float(&d)[kKeys / 8][4], int tile) {
+    wg_fence_operand(reinterpret_cast<float(&)[kKeys / 2]>(d));  // not read ahead of the wait
+    return flash_softmax_scores(d, rows, tile * kKeys, tile * kKeys + kKeys - 1 > a.context + t0, a.context, a.scale_log2, c);
+  };
+  // O += P·V: score tiles 2kk, 2kk + 1 are the A fragment of positions [16kk, 16kk + 16).
+  const auto pack = [&](const float(&d)[kKeys / 8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      p[kk][0] = flash_pack<kF16>(d[2 * kk][0], d[2 * kk][1]), p[kk][1] = flash_pack<kF16>(d[2 * kk][2], d[2 * kk][3]);
+      p[kk][2] = flash_pack<kF16>(d[2 * kk + 1][0], d[2 * kk + 1][1]), p[kk][3] = flash_pack<kF16>(d[2 * kk + 1][2], d[2 * kk + 1][3]);
+    }
+  };
+
+  // Prologue: S of tiles 0 and 1 issued, tile 0's softmax taken and P packed (O is zero: no rescale).
+  // S of tile 1 is issued even when the block has one tile (its stage holds no tile then; the scores
+  // are never read): ptxas serializes the products where a wait cannot be proven to complete them, so
+  // every product and every wait below is on a path without conditions on the tile count.
   flash_cp_wait<kStages - 1>();  // tile 0
   wg_fence_proxy();
   __syncthreads();  // tile 0 and q in shared memory for every thread
-  issue_scores(0);
-  wg_wait();
-  for (int j = 0; j < tiles; ++j) {
-    flash_softmax_tile(s, o, rows, j * kKeys, j * kKeys + kKeys - 1 > a.context + t0, a.context, a.scale_log2, c);
-    // O += P·V: score tiles 2kk, 2kk + 1 are the A fragment of positions [16kk, 16kk + 16), all four
-    // packed before the first product reads them (wgmma reads its registers asynchronously).
-    uint32_t p[kKeys / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      p[kk][0] = flash_pack<kF16>(s[2 * kk][0], s[2 * kk][1]), p[kk][1] = flash_pack<kF16>(s[2 * kk][2], s[2 * kk][3]);
-      p[kk][2] = flash_pack<kF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]), p[kk][3] = flash_pack<kF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  issue_scores(sa, 0);
+  wg_commit();
+  flash_cp_wait<kStages - 2>();  // tile 1
+  wg_fence_proxy();
+  __syncthreads();
+  issue_scores(sb, 1);
+  wg_commit();
+  wg_wait_pending<1>();
+  softmax(sa, 0);
+  pack(sa);
+
+  // Iteration j: S(j) done, P(j) in p; S(j + 1) issued into `next` (when `has_next`), `free` unused;
+  // `issue`: S(j + 2) into `free`. Two product groups a turn (P·V, then S or none), so the waits count
+  // the same in every iteration. Copy group t is tile t (the prologue committed tiles 0..kStages − 1,
+  // iteration j commits tile j + kStages).
+  const auto iteration = [&](int j, float(&next)[kKeys / 8][4], float(&free)[kKeys / 8][4], auto issue, auto has_next) {
+    if constexpr (decltype(issue)::value) {
+      flash_cp_wait<kStages - 3>();  // tile j + 2 (groups up to j + kStages − 1 committed)
+      wg_fence_proxy();
+      __syncthreads();  // tile j + 2 for every thread
     }
+    wg_fence_operand(reinterpret_cast<uint32_t(&)[kKeys / 4]>(p));
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) wg_mma_rs<T>(o_flat, p[kk], wg_desc(stage_at(j) + kKBytes + 32 * kk));
     wg_commit();
-    if (j + 1 < tiles) {
-      flash_cp_wait<kStages - 2>();  // tile j + 1 (group j + 1 of the j + kStages committed)
-      wg_fence_proxy();
-      __syncthreads();  // tile j + 1 for every thread
-      issue_scores(j + 1);
+    if constexpr (decltype(issue)::value) issue_scores(free, j + 2);
+    wg_commit();
+    wg_wait_pending<2>();  // S(j + 1); P·V(j) and S(j + 2) may run on
+    FlashAlpha alpha{};
+    if constexpr (decltype(has_next)::value) alpha = softmax(next, j + 1);
+    wg_wait_pending<1>();  // P·V(j)
+    wg_fence_operand(o_flat);
+    wg_fence_operand(reinterpret_cast<uint32_t(&)[kKeys / 4]>(p));
+    if constexpr (decltype(has_next)::value) {
+      flash_rescale(o, alpha);
+      pack(next);
     }
-    wg_wait();        // P·V of tile j (o) and S of tile j + 1 (s)
     __syncthreads();  // every warpgroup is done with tile j's slot
     if (j + kStages < tiles) stage_tile(a, kg, vtg, keys, j + kStages, stage_at(j), tid);
     flash_cp_commit();
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  int j = 0;
+  for (; j + 3 < tiles; j += 2) {
+    iteration(j, sb, sa, Yes{}, Yes{});
+    iteration(j + 1, sa, sb, Yes{}, Yes{});
   }
-  flash_cp_wait<0>();  // the trailing (empty) groups
+  // One to three tiles left, S(j + 1) in sb.
+  if (tiles - j == 3) {
+    iteration(j, sb, sa, Yes{}, Yes{});
+    iteration(j + 1, sa, sb, No{}, Yes{});
+    iteration(j + 2, sb, sa, No{}, No{});
+  } else if (tiles - j == 2) {
+    iteration(j, sb, sa, No{}, Yes{});
+    iteration(j + 1, sa, sb, No{}, No{});
+  } else {
+    iteration(j, sb, sa, No{}, No{});
+  }
+  wg_wait_pending<0>();  // the last (empty) group
+  flash_cp_wait<0>();    // the trailing (empty) groups
 
   flash_store_rows(a, o, rows, h, c);
 }
