@@ -93,6 +93,17 @@ __device__ __forceinline__ void flash_mma(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
+// 2^x on the MUFU, results below 2⁻¹²⁶ flushed to zero (ex2.approx.ftz: exp2f's own error, without its
+// two multiplies and a compare for denormal results). A weight that small against the row's max of 1
+// adds nothing a bf16 or f16 P·V can hold.
+__device__ __forceinline__ float flash_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// Whether `pred` holds on every lane of the warp.
+__device__ __forceinline__ bool flash_warp_all(bool pred) { return __all_sync(0xffffffffu, pred); }
+
 // Two values rounded to the element type (nearest even), `low` in the low half.
 template <bool kF16>
 __device__ __forceinline__ uint32_t flash_pack(float low, float high) {
@@ -171,6 +182,12 @@ inline void flash_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32
   for (int e = 0; e < 4; ++e) d[e] = out[e];
 }
 
+inline float flash_exp2(float x) {
+  const float y = std::exp2(x);
+  return y < 0x1p-126f ? 0.0f : y;
+}
+inline bool flash_warp_all(bool pred) { return __all_sync(0xffffffffu, pred); }
+
 template <bool kF16>
 inline uint32_t flash_pack(float low, float high) {
   if (kF16) return static_cast<uint32_t>(__float2half_rn(low).bits) | static_cast<uint32_t>(__float2half_rn(high).bits) << 16;
@@ -193,31 +210,36 @@ __device__ __forceinline__ void flash_mma_pair(float (&d0)[4], float (&d1)[4], c
 // its warp's 16), shared by this kernel and the wgmma one (mla_wgmma.cu).
 struct FlashRows {
   int lo, hi;                                 // query rows
-  float m_lo = -INFINITY, m_hi = -INFINITY;  // running max, in the base-2 exponent's unit
+  float m_lo = -INFINITY, m_hi = -INFINITY;  // running max of the unscaled scores
   float l_lo = 0.0f, l_hi = 0.0f;            // this thread's share of Σ
 };
 
 // One tile of scores s (kTiles 8-position column tiles from position j0; c = lane % 4) into the
-// unnormalized weights exp2(s·scale − max) and the running max and sum updated; returns the factors
-// (lo, hi rows) that rescale O to the new max (flash_rescale). Masks only where a position can pass a
-// row's bound (context + row): `diagonal` tiles. The first tile holds position 0, which every row sees,
-// so the maxima are finite from there on (the guard keeps a row that saw nothing at p = 0, not NaN).
-// Split from the rescale so that the wgmma kernel can take a tile's softmax while the product of the
-// previous tile's weights still accumulates into O.
+// unnormalized weights exp2(s·scale − max·scale) (one FFMA and the MUFU an element) and the running max
+// (of the unscaled scores: scale > 0) and sum updated; returns the factors (lo, hi rows) that rescale O
+// to the new max (flash_rescale). Masks only where a position can pass a row's bound (context + row):
+// `diagonal` tiles. The first tile holds position 0, which every row sees, so the maxima are finite from
+// there on (the guard keeps a row that saw nothing at p = 0, not NaN). Split from the rescale so that
+// the wgmma kernel can take a tile's softmax while the product of the previous tile's weights still
+// accumulates into O.
 struct FlashAlpha {
   float lo, hi;
 };
 template <int kTiles>
 __device__ __forceinline__ FlashAlpha flash_softmax_scores(float (&s)[kTiles][4], FlashRows& r, int j0, bool diagonal, int context, float scale_log2, int c) {
+  if (diagonal) {
+#pragma unroll
+    for (int nt = 0; nt < kTiles; ++nt) {
+      const int key = j0 + nt * 8 + 2 * c;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (key + (e & 1) > context + (e < 2 ? r.lo : r.hi)) s[nt][e] = -INFINITY;
+      }
+    }
+  }
   float top_lo = -INFINITY, top_hi = -INFINITY;
 #pragma unroll
   for (int nt = 0; nt < kTiles; ++nt) {
-    const int key = j0 + nt * 8 + 2 * c;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const bool hidden = diagonal && key + (e & 1) > context + (e < 2 ? r.lo : r.hi);
-      s[nt][e] = hidden ? -INFINITY : s[nt][e] * scale_log2;
-    }
     top_lo = fmaxf(top_lo, fmaxf(s[nt][0], s[nt][1]));
     top_hi = fmaxf(top_hi, fmaxf(s[nt][2], s[nt][3]));
   }
@@ -227,23 +249,26 @@ __device__ __forceinline__ FlashAlpha flash_softmax_scores(float (&s)[kTiles][4]
     top_hi = fmaxf(top_hi, __shfl_xor_sync(0xffffffffu, top_hi, o_lane));
   }
   const float new_lo = fmaxf(r.m_lo, top_lo), new_hi = fmaxf(r.m_hi, top_hi);
-  const float base_lo = new_lo == -INFINITY ? 0.0f : new_lo, base_hi = new_hi == -INFINITY ? 0.0f : new_hi;
-  const FlashAlpha alpha{exp2f(r.m_lo - base_lo), exp2f(r.m_hi - base_hi)};  // 0 while the max was −∞
+  const float base_lo = new_lo == -INFINITY ? 0.0f : new_lo * scale_log2, base_hi = new_hi == -INFINITY ? 0.0f : new_hi * scale_log2;
+  // 0 while the max was −∞; exactly 1 while it stays (the same product on both sides).
+  const FlashAlpha alpha{flash_exp2(r.m_lo * scale_log2 - base_lo), flash_exp2(r.m_hi * scale_log2 - base_hi)};
   r.m_lo = new_lo, r.m_hi = new_hi;
   float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
   for (int nt = 0; nt < kTiles; ++nt) {
-    s[nt][0] = exp2f(s[nt][0] - base_lo), s[nt][1] = exp2f(s[nt][1] - base_lo);
-    s[nt][2] = exp2f(s[nt][2] - base_hi), s[nt][3] = exp2f(s[nt][3] - base_hi);
+    s[nt][0] = flash_exp2(fmaf(s[nt][0], scale_log2, -base_lo)), s[nt][1] = flash_exp2(fmaf(s[nt][1], scale_log2, -base_lo));
+    s[nt][2] = flash_exp2(fmaf(s[nt][2], scale_log2, -base_hi)), s[nt][3] = flash_exp2(fmaf(s[nt][3], scale_log2, -base_hi));
     sum_lo += s[nt][0] + s[nt][1], sum_hi += s[nt][2] + s[nt][3];
   }
   r.l_lo = r.l_lo * alpha.lo + sum_lo, r.l_hi = r.l_hi * alpha.hi + sum_hi;
   return alpha;
 }
 
-// O (kOut column tiles) to the new max of flash_softmax_scores.
+// O (kOut column tiles) to the new max of flash_softmax_scores; skipped while no row of the warp's
+// max moved (α = 1 exactly: the product would change nothing), which is most tiles past the first few.
 template <int kOut>
 __device__ __forceinline__ void flash_rescale(float (&o)[kOut][4], FlashAlpha alpha) {
+  if (flash_warp_all(alpha.lo == 1.0f && alpha.hi == 1.0f)) return;
 #pragma unroll
   for (int nt = 0; nt < kOut; ++nt) o[nt][0] *= alpha.lo, o[nt][1] *= alpha.lo, o[nt][2] *= alpha.hi, o[nt][3] *= alpha.hi;
 }

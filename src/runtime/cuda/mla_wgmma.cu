@@ -38,26 +38,33 @@ constexpr int kStages = 4;  // tiles j + 1 .. j + 3 landed or in flight while ti
 constexpr int kBytes = kQBytes + kStages * kStageBytes + 1024;  // + the slack to align to 1,024 bytes
 static_assert(kQk % 64 == 0 && kDv == 128, "whole 64-column tiles of q·k; P·V is one m64n128 product");
 static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0 && kStageBytes % 1024 == 0, "tiles start on swizzle atoms");
-static_assert(kKeys * (kQk / 8) % kThreads == 0 && kDv * 8 % kThreads == 0, "tile copies in whole rounds");
 
 // K/V tile j (positions [64j, 64j + 64)) into the stage at `at`, whole 16-byte copies: K rows from
 // `keys` on and columns past ld_k, Vᵀ rows past dv and positions from `keys` on (by 8: a copy that
 // starts before `keys` reads the values up to its end, finite: the expansion zeroes [visible, ld_vt))
-// are the copies' zero fill.
+// are the copies' zero fill. Thread t copies chunk t mod 8 of rows t/8 + 32i of each 64-column K tile
+// and of the Vᵀ tile, so its swizzled offset is one per thread (row mod 8 is t/8 mod 8) and the rest
+// steps by constants (the copies' address arithmetic was a fifth of the kernel's instructions).
 __device__ __forceinline__ void stage_tile(const MlaFlashArgs& a, const uint16_t* kg, const uint16_t* vtg, int keys, int j, uint32_t at, int tid) {
-  const int j0 = j * kKeys;
-  constexpr int kKChunks = kQk / 8;
+  static_assert(kThreads == 256 && kKeys == 64 && kDv == 128, "32 rows of 8 chunks a round");
+  const int j0 = j * kKeys, r0 = tid / 8, c = tid % 8;
+  const uint32_t lane_at = at + static_cast<uint32_t>(r0 * 128 + ((c ^ (r0 & 7)) << 4));
 #pragma unroll
-  for (int i = 0; i < kKeys * kKChunks / kThreads; ++i) {
-    const int idx = tid + i * kThreads, r = idx / kKChunks, c = idx % kKChunks;
-    const bool real = j0 + r < keys && 8 * c < a.ld_k;
-    wg_cp16(at + (c / 8) * (kKeys * 128) + wg_swizzle(r, c % 8), real ? kg + static_cast<int64_t>(j0 + r) * a.ld_k + 8 * c : kg, real ? 16 : 0);
+  for (int i = 0; i < kKeys / 32; ++i) {
+    const int row = j0 + r0 + 32 * i;
+    const uint16_t* src = kg + static_cast<int64_t>(row) * a.ld_k + 8 * c;
+#pragma unroll
+    for (int t = 0; t < kQkTiles; ++t) {
+      const bool real = row < keys && 64 * t + 8 * c < a.ld_k;
+      wg_cp16(lane_at + t * (kKeys * 128) + i * (32 * 128), real ? src + 64 * t : kg, real ? 16 : 0);
+    }
   }
+  const int p = j0 + 8 * c;
 #pragma unroll
-  for (int i = 0; i < kDv * 8 / kThreads; ++i) {
-    const int idx = tid + i * kThreads, d = idx / 8, c = idx % 8, p = j0 + 8 * c;
+  for (int i = 0; i < kDv / 32; ++i) {
+    const int d = r0 + 32 * i;
     const bool real = d < a.dv && p < keys;
-    wg_cp16(at + kKBytes + wg_swizzle(d, c), real ? vtg + static_cast<int64_t>(d) * a.ld_vt + p : vtg, real ? 16 : 0);
+    wg_cp16(lane_at + kKBytes + i * (32 * 128), real ? vtg + static_cast<int64_t>(d) * a.ld_vt + p : vtg, real ? 16 : 0);
   }
 }
 

@@ -121,6 +121,16 @@ template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int o) { return emu_shuffle(v, (threadIdx.x % 32) ^ static_cast<unsigned>(o)); }
 template <typename T>
 inline T __shfl_sync(unsigned, T v, int src) { return emu_shuffle(v, static_cast<unsigned>(src)); }
+// Whether pred holds on every lane of this warp (every lane must call it).
+inline bool __all_sync(unsigned, bool pred) {
+  const unsigned t = threadIdx.x, base = t - t % 32;
+  emu_block->xch[t] = pred ? 1u : 0u;
+  __syncwarp();
+  bool all = true;
+  for (unsigned l = 0; l < 32; ++l) all = all && emu_block->xch[base + l] != 0;
+  __syncwarp();
+  return all;
+}
 // One OS thread runs every block: plain read-modify-writes are atomic, fences are no-ops.
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
   const unsigned old = *p;
