@@ -36,23 +36,12 @@ __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.alig
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait_prior() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
-// All but this thread's kPending last committed groups complete.
-template <int kPending>
-__device__ __forceinline__ void wg_wait_pending() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
-// Registers an in-flight wgmma writes (or reads), pinned in place: the compiler must neither read them
-// ahead of the wait that completes the product nor write them before it (CUTLASS's
-// warpgroup_fence_operand). Needed where other work runs between a product's issue and its wait.
+// Registers an in-flight wgmma writes, pinned in place: the compiler must not read them ahead of the
+// wait that completes the product (CUTLASS's warpgroup_fence_operand).
 template <int N>
 __device__ __forceinline__ void wg_fence_operand(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void wg_fence_operand(uint32_t (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
 }
 // Generic-proxy stores to shared memory (st.shared, cp.async) made visible to wgmma's reads.
 __device__ __forceinline__ void wg_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -101,7 +90,24 @@ PLOW_WG_SS_FN(64, PLOW_WG_REGS32, PLOW_WG_OUT32, "32", "33")
 PLOW_WG_SS_FN(128, PLOW_WG_REGS64, PLOW_WG_OUT64, "64", "65")
 #undef PLOW_WG_SS_FN
 
-// RS, N = 128: A the four registers of the warp's fragment.
+// RS, N = 64 and N = 128: A the four registers of the warp's fragment. N = 64 takes kAccumulate:
+// false writes d = A·B (scale-d 0: d's old values are not read, no zeroing before the first k step).
+template <typename T, bool kAccumulate = true>
+__device__ __forceinline__ void wg_mma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PLOW_WG_REGS32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : PLOW_WG_OUT32
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kAccumulate ? 1 : 0));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " PLOW_WG_REGS32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : PLOW_WG_OUT32
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kAccumulate ? 1 : 0));
+  }
+}
 template <typename T>
 __device__ __forceinline__ void wg_mma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
