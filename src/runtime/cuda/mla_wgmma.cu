@@ -6,27 +6,27 @@
 //    rows of q, in the element type, as the register A fragments of S's twelve k steps (48 registers);
 //  - K tiles of 64 positions (three 64-column tiles, 128-byte-swizzled K-major: wgmma.cuh) and Vᵀ tiles
 //    (the values transposed by the expansion, `ld_vt`: 128 rows of 64 positions, so they are K-major for
-//    P·V too) come through a ring of four stages by cp.async, three tiles ahead of the one in use;
+//    P·V too) come by the tensor memory accelerator (TMA) into a ring of four stages, three tiles ahead,
+//    one thread issuing a tile's four boxes, an mbarrier a stage completing when its bytes landed;
 //  - S = q·Kᵀ is twelve m64n64k16 with K in shared memory (the first one with scale-d 0: no zeroing);
 //    the online softmax and the output (mla_flash.cuh's flash_softmax_tile and flash_store_rows) work
 //    on the accumulators in registers, whose layout is mma.sync's m16n8 tiles side by side; P, rounded
 //    to the element type, is the register A operand of four m64n128k16 for O += P·V.
+// No block barrier inside the loop: a warpgroup waits only for its tile's mbarrier, counts itself done
+// with a stage in shared memory, and the second of the two to finish a stage loads the stage's next
+// tile. The warpgroups drift apart, and one's softmax runs under the other's products; in lockstep
+// (cp.async by every thread and two block barriers a tile, until this) the tensor pipe was 44% busy
+// (ncu, one 8K layer: 1.67 ms) with the warps waiting on their products, and neither flash-attention
+// 3's intra-warpgroup overlap (two score buffers, S of tile j + 2 queued during tile j + 1's softmax;
+// 48e0e01) nor q in registers moved it. H200, 48B, MLA ops of seven layers over 8K / 32K: 14.1 / 207
+// ms (the lockstep kernel), 13.1 / 189 (its softmax on ex2.approx with the scale in one FFMA, O's rescale
+// skipped while no max moved, copies at one swizzled offset a thread: 813M → 457M instructions over an
+// 8K layer), 10.8 / 153 with the warpgroups apart.
 // The warpgroups share each K/V tile: at one warpgroup a block (64 rows, two blocks an SM) the tiles'
-// copies from L2 came to ~10 MB a block at 32K positions (168 GB a 48B layer, of the order of the
-// kernel's time at L2's bandwidth); two halve them (H200, 48B, MLA ops over 32K: 288 → 265 ms). S of
-// tile j + 1 is issued right behind P·V of tile j (both products back to back on the tensor cores):
-// 8K 18.0 → 13.9 ms, 32K 265 → 199 ms. Then (MLA ops of seven layers, 8K / 32K) the softmax on
-// ex2.approx with the scale in one FFMA, O's rescale skipped while no max moved and the copies at one
-// swizzled offset a thread: 14.1 → 13.0 / 207 → 188 ms (141f0bf), 183.5 at 32K with q in registers;
-// the kernel's instructions over an 8K layer 813M → 457M. What did not move it (H200, each against
-// the build before it in one session): q in registers instead of shared memory (at 8K), S of
-// tile j + 2 queued while tile j + 1's softmax runs (two score buffers, flash-attention 3's
-// intra-warpgroup overlap), and the query tiles of one head side by side on the SMs (L2 reuse). ncu on
-// an 8K layer (1.67 ms): tensor pipe active 44%, warps mostly waiting on the products' completion
-// (WARPGROUP.DEPBAR) with the two warpgroups in lockstep through the block barriers; what is left is
-// the flash-attention 3 structure (a producer warpgroup with TMA, mbarriers per stage, the consumer
-// warpgroups ping-ponging their softmax against each other's products). 161 KB of shared memory, 208
-// registers: one block an SM.
+// copies from L2 came to ~10 MB a block at 32K positions (168 GB a 48B layer); two halve them (MLA ops
+// over 32K: 288 → 265 ms). 161 KB of shared memory, ~200 registers: one block an SM.
+#include <cudaTypedefs.h>  // CUtensorMap, the driver entry point's type
+
 #include "runtime/cuda/kernels.h"  // declared in mla_gemm.h (host headers nvcc need not see)
 #include "runtime/cuda/mla_flash.cuh"
 #include "runtime/cuda/wgmma.cuh"
@@ -44,58 +44,78 @@ constexpr int kQkTiles = kQk / 64;  // 64-column tiles of q and K
 constexpr int kKBytes = kQkTiles * kKeys * 128;
 constexpr int kStageBytes = kKBytes + kDv * 128;  // K, then Vᵀ [dv][64 positions]
 constexpr int kStages = 4;  // tiles j + 1 .. j + 3 landed or in flight while tile j is used
-constexpr int kBytes = kStages * kStageBytes + 1024;  // + the slack to align to 1,024 bytes
+constexpr int kBarBytes = kStages * 8 + kStages * 4;  // the `full` mbarriers, then the `done` counts
+constexpr int kBytes = kStages * kStageBytes + kBarBytes + 1024;  // + the slack to align to 1,024 bytes
 static_assert(kQk % 64 == 0 && kDv == 128, "whole 64-column tiles of q·k; P·V is one m64n128 product");
 static_assert(kKBytes % 1024 == 0 && kStageBytes % 1024 == 0, "tiles start on swizzle atoms");
 
-// K/V tile j (positions [64j, 64j + 64)) into the stage at `at`, whole 16-byte copies: K rows from
-// `keys` on and columns past ld_k, Vᵀ rows past dv and positions from `keys` on (by 8: a copy that
-// starts before `keys` reads the values up to its end, finite: the expansion zeroes [visible, ld_vt))
-// are the copies' zero fill. Thread t copies chunk t mod 8 of rows t/8 + 32i of each 64-column K tile
-// and of the Vᵀ tile, so its swizzled offset is one per thread (row mod 8 is t/8 mod 8) and the rest
-// steps by constants (the copies' address arithmetic was a fifth of the kernel's instructions).
-__device__ __forceinline__ void stage_tile(const MlaFlashArgs& a, const uint16_t* kg, const uint16_t* vtg, int keys, int j, uint32_t at, int tid) {
-  static_assert(kThreads == 256 && kKeys == 64 && kDv == 128, "32 rows of 8 chunks a round");
-  const int j0 = j * kKeys, r0 = tid / 8, c = tid % 8;
-  const uint32_t lane_at = at + static_cast<uint32_t>(r0 * 128 + ((c ^ (r0 & 7)) << 4));
-#pragma unroll
-  for (int i = 0; i < kKeys / 32; ++i) {
-    const int row = j0 + r0 + 32 * i;
-    const uint16_t* src = kg + static_cast<int64_t>(row) * a.ld_k + 8 * c;
-#pragma unroll
-    for (int t = 0; t < kQkTiles; ++t) {
-      const bool real = row < keys && 64 * t + 8 * c < a.ld_k;
-      wg_cp16(lane_at + t * (kKeys * 128) + i * (32 * 128), real ? src + 64 * t : kg, real ? 16 : 0);
-    }
-  }
-  const int p = j0 + 8 * c;
-#pragma unroll
-  for (int i = 0; i < kDv / 32; ++i) {
-    const int d = r0 + 32 * i;
-    const bool real = d < a.dv && p < keys;
-    wg_cp16(lane_at + kKBytes + i * (32 * 128), real ? vtg + static_cast<int64_t>(d) * a.ld_vt + p : vtg, real ? 16 : 0);
-  }
+// The stages' barriers: an mbarrier a stage that the tensor copies complete (`full`), and a count a
+// stage of the warpgroups done with it (`done`: the second to finish, an odd count before its add,
+// loads the stage's next tile). No block barrier inside the loop: each warpgroup waits only for its
+// tiles, so the two drift apart and one's softmax runs under the other's products.
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred ready;\n"
+      "MLA_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
+      "@!ready bra MLA_WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// Box (c0, c1) of a 2D tensor map into shared memory at `dst` (128-byte swizzled, as wgmma reads it).
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+               "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+               : "memory");
+}
+// The 128 threads of warpgroup `group` (barrier 1 + group; 0 is __syncthreads).
+__device__ __forceinline__ void group_sync(int group) { asm volatile("bar.sync %0, 128;" ::"r"(1 + group) : "memory"); }
 
-// Block (head blockIdx.x, query tile gridDim.y − 1 − blockIdx.y: the longest blocks start first).
+// Block (head blockIdx.x, query tile gridDim.y − 1 − blockIdx.y: the longest blocks start first). K
+// and Vᵀ through tensor maps (`k_map`: [heads·visible rows, ld_k], `v_map`: [heads·dv rows, ld_vt], 16-bit,
+// boxes of 64 columns × 64 / 128 rows): a box's columns past ld_k / ld_vt and rows past the last head
+// are the copy's zero fill; K rows past `keys` (the next head's, or later positions: finite) score
+// positions every row of the block masks, Vᵀ rows past dv (the next head's) make output columns the
+// stores drop, and Vᵀ columns past `keys` meet P = 0 (up to `visible` real values, then the
+// expansion's zeros: no NaN).
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(MlaFlashArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(MlaFlashArgs a, const __grid_constant__ CUtensorMap k_map,
+                                                                const __grid_constant__ CUtensorMap v_map) {
   constexpr bool kF16 = std::is_same_v<T, __half>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t base = (wg_smem(smem_raw) + 1023u) & ~1023u;
   const auto stage_at = [&](int tile) { return base + static_cast<uint32_t>(tile % kStages) * kStageBytes; };
-  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4;
+  const uint32_t bars = base + kStages * kStageBytes;
+  const auto full_bar = [&](int tile) { return bars + 8u * static_cast<uint32_t>(tile % kStages); };
+  unsigned* done = reinterpret_cast<unsigned*>(smem_raw + (bars + 8u * kStages - wg_smem(smem_raw)));
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4, group = tid / 128;
   const int h = static_cast<int>(blockIdx.x), t0 = static_cast<int>(gridDim.y - 1 - blockIdx.y) * kRows;
   const int keys = a.context + min(t0 + kRows, a.tokens);  // the block's last row sees positions [0, keys)
   const int tiles = (keys + kKeys - 1) / kKeys;
-  const uint16_t* kg = a.keys + static_cast<int64_t>(h) * (a.context + a.tokens) * a.ld_k;
-  const uint16_t* vtg = a.values + static_cast<int64_t>(h) * a.dv * a.ld_vt;
-  // Copy groups: the prologue commits tiles 0..kStages−1 (empty past the last), iteration j one more
-  // (tile j + kStages into the slot tile j leaves), so tile t is group t.
+  const int k_row = h * (a.context + a.tokens), v_row = h * a.dv;  // the head's first rows in the maps
+  // Tile t (positions [64t, 64t + 64)) into its stage by one thread: three K boxes and one Vᵀ box.
+  const auto load_tile = [&](int t) {
+    const uint32_t at = stage_at(t), bar = full_bar(t);
+    mbar_expect_tx(bar, kStageBytes);
 #pragma unroll
-  for (int t = 0; t < kStages; ++t) {
-    if (t < tiles) stage_tile(a, kg, vtg, keys, t, stage_at(t), tid);
-    flash_cp_commit();
+    for (int q = 0; q < kQkTiles; ++q) tma_load(at + q * (kKeys * 128), &k_map, 64 * q, k_row + t * kKeys, bar);
+    tma_load(at + kKBytes, &v_map, t * kKeys, v_row, bar);
+  };
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) mbar_init(bars + 8u * st, 1), done[st] = 0;
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (tid == 0) {
+    for (int t = 0; t < kStages && t < tiles; ++t) load_tile(t);
   }
 
   // q rows of this warp (16 of the block's 128) in the element type (exact: q is an activation), zero
@@ -128,7 +148,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(MlaFlashArgs a) 
   // while the next softmax waits for them; s holds only the next tile's scores then (P is packed).
   float s[kKeys / 8][4] = {};  // zeroed once for the compiler: the first k step overwrites it (scale-d 0)
   float(&s_flat)[kKeys / 2] = reinterpret_cast<float(&)[kKeys / 2]>(s);
-  const auto issue_scores = [&](int tile) {  // tile's copies landed for every thread before
+  const auto issue_scores = [&](int tile) {  // waits for the tile's copies
+    mbar_wait(full_bar(tile), static_cast<uint32_t>(tile / kStages) & 1u);
     const uint64_t desc = wg_desc(stage_at(tile));
     wg_fence();
     wg_mma_rs<T, false>(s_flat, qf[0], desc);
@@ -136,9 +157,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(MlaFlashArgs a) 
     for (int k = 1; k < kQk / 16; ++k) wg_mma_rs<T>(s_flat, qf[k], desc + (((k / 4) * (kKeys * 128) + 32 * (k % 4)) >> 4));
     wg_commit();
   };
-  flash_cp_wait<kStages - 1>();  // tile 0
-  wg_fence_proxy();
-  __syncthreads();  // tile 0 for every thread
   issue_scores(0);
   wg_wait();
   for (int j = 0; j < tiles; ++j) {
@@ -156,21 +174,47 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(MlaFlashArgs a) 
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) wg_mma_rs<T>(o_flat, p[kk], wg_desc(stage_at(j) + kKBytes) + ((32 * kk) >> 4));
     wg_commit();
-    if (j + 1 < tiles) {
-      flash_cp_wait<kStages - 2>();  // tile j + 1
-      wg_fence_proxy();
-      __syncthreads();  // tile j + 1 for every thread
-      issue_scores(j + 1);
-    }
-    wg_wait();        // P·V of tile j (o) and S of tile j + 1 (s)
+    if (j + 1 < tiles) issue_scores(j + 1);
+    wg_wait();  // P·V of tile j (o) and S of tile j + 1 (s)
     wg_fence_operand(o_flat);
-    __syncthreads();  // every warpgroup is done with tile j's slot
-    if (j + kStages < tiles) stage_tile(a, kg, vtg, keys, j + kStages, stage_at(j), tid);
-    flash_cp_commit();
+    group_sync(group);  // this warpgroup is done with tile j's stage
+    if (tid % 128 == 0) {
+      const unsigned before = atomicAdd(done + j % kStages, 1u);
+      if ((before & 1u) != 0 && j + kStages < tiles) {  // the other warpgroup is done with it too
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        load_tile(j + kStages);
+      }
+    }
   }
-  flash_cp_wait<0>();  // the trailing (empty) groups
 
   flash_store_rows(a, o, rows, h, c);
+}
+
+// The driver's cuTensorMapEncodeTiled through the runtime (no libcuda link), found once.
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* entry = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    const cudaError_t error = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry, 12000, cudaEnableDefault, &found);
+    if (error != cudaSuccess) cuda_failure("MLA wgmma attention: the driver's cuTensorMapEncodeTiled", error);
+    if (found != cudaDriverEntryPointSuccess || entry == nullptr) cuda_failure("MLA wgmma attention: the driver has no cuTensorMapEncodeTiled", cudaErrorNotSupported);
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(entry);
+  }();
+  return fn;
+}
+
+// A row-major [rows, cols] matrix of 16-bit elements (row stride cols) in boxes of 64 columns × box_rows,
+// 128-byte swizzled, zeros outside.
+CUtensorMap tensor_map(const uint16_t* data, int64_t rows, int64_t cols, uint32_t box_rows, bool f16) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
+  const cuuint32_t box[2] = {64, box_rows}, element_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(&map, f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<uint16_t*>(data), dims,
+                                    strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) cuda_failure("MLA wgmma attention: cuTensorMapEncodeTiled", cudaErrorInvalidValue);
+  return map;
 }
 
 template <typename T>
@@ -178,8 +222,11 @@ void launch(const MlaFlashArgs& args, cudaStream_t stream) {
   // Per device (tensor-parallel ranks may be threads of one process): set at every launch.
   const cudaError_t error = cudaFuncSetAttribute(mla_wgmma_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
   if (error != cudaSuccess) cuda_failure("MLA wgmma attention shared memory", error);
+  constexpr bool kF16 = std::is_same_v<T, __half>;
+  const CUtensorMap k_map = tensor_map(args.keys, static_cast<int64_t>(args.heads) * (args.context + args.tokens), args.ld_k, kKeys, kF16);
+  const CUtensorMap v_map = tensor_map(args.values, static_cast<int64_t>(args.heads) * args.dv, args.ld_vt, kDv, kF16);
   const dim3 grid(static_cast<unsigned>(args.heads), static_cast<unsigned>((args.tokens + kRows - 1) / kRows));
-  mla_wgmma_kernel<T><<<grid, kThreads, kBytes, stream>>>(args);
+  mla_wgmma_kernel<T><<<grid, kThreads, kBytes, stream>>>(args, k_map, v_map);
   const cudaError_t launched = cudaGetLastError();
   if (launched != cudaSuccess) cuda_failure("MLA wgmma attention", launched);
 }
