@@ -215,17 +215,15 @@ struct FlashRows {
 };
 
 // One tile of scores s (kTiles 8-position column tiles from position j0; c = lane % 4) into the
-// unnormalized weights exp2(s·scale − max·scale) (one FFMA and the MUFU an element) and the running max
-// (of the unscaled scores: scale > 0) and sum updated; returns the factors (lo, hi rows) that rescale O
-// to the new max (flash_rescale), apart so that the wgmma kernel can take a tile's softmax while the
-// previous tile's P·V still accumulates into O. Masks only where a position can pass a row's bound
+// unnormalized weights exp2(s·scale − max·scale) (one FFMA and the MUFU an element), the running max
+// (of the unscaled scores: scale > 0) and sum updated and O (kOut column tiles) rescaled to the new max;
+// the rescale is skipped while no row of the warp's max moved (α = 1 exactly: the product would change
+// nothing), which is most tiles past the first few. Masks only where a position can pass a row's bound
 // (context + row): `diagonal` tiles. The first tile holds position 0, which every row sees, so the
 // maxima are finite from there on (the guard keeps a row that saw nothing at p = 0, not NaN).
-struct FlashAlpha {
-  float lo, hi;
-};
-template <int kTiles>
-__device__ __forceinline__ FlashAlpha flash_softmax_scores(float (&s)[kTiles][4], FlashRows& r, int j0, bool diagonal, int context, float scale_log2, int c) {
+template <int kTiles, int kOut>
+__device__ __forceinline__ void flash_softmax_tile(float (&s)[kTiles][4], float (&o)[kOut][4], FlashRows& r, int j0, bool diagonal, int context, float scale_log2,
+                                                   int c) {
   if (diagonal) {
 #pragma unroll
     for (int nt = 0; nt < kTiles; ++nt) {
@@ -250,7 +248,7 @@ __device__ __forceinline__ FlashAlpha flash_softmax_scores(float (&s)[kTiles][4]
   const float new_lo = fmaxf(r.m_lo, top_lo), new_hi = fmaxf(r.m_hi, top_hi);
   const float base_lo = new_lo == -INFINITY ? 0.0f : new_lo * scale_log2, base_hi = new_hi == -INFINITY ? 0.0f : new_hi * scale_log2;
   // 0 while the max was −∞; exactly 1 while it stays (the same product on both sides).
-  const FlashAlpha alpha{flash_exp2(r.m_lo * scale_log2 - base_lo), flash_exp2(r.m_hi * scale_log2 - base_hi)};
+  const float alpha_lo = flash_exp2(r.m_lo * scale_log2 - base_lo), alpha_hi = flash_exp2(r.m_hi * scale_log2 - base_hi);
   r.m_lo = new_lo, r.m_hi = new_hi;
   float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
@@ -259,24 +257,10 @@ __device__ __forceinline__ FlashAlpha flash_softmax_scores(float (&s)[kTiles][4]
     s[nt][2] = flash_exp2(fmaf(s[nt][2], scale_log2, -base_hi)), s[nt][3] = flash_exp2(fmaf(s[nt][3], scale_log2, -base_hi));
     sum_lo += s[nt][0] + s[nt][1], sum_hi += s[nt][2] + s[nt][3];
   }
-  r.l_lo = r.l_lo * alpha.lo + sum_lo, r.l_hi = r.l_hi * alpha.hi + sum_hi;
-  return alpha;
-}
-
-// O (kOut column tiles) to the new max of flash_softmax_scores; skipped while no row of the warp's
-// max moved (α = 1 exactly: the product would change nothing), which is most tiles past the first few.
-template <int kOut>
-__device__ __forceinline__ void flash_rescale(float (&o)[kOut][4], FlashAlpha alpha) {
-  if (flash_warp_all(alpha.lo == 1.0f && alpha.hi == 1.0f)) return;
+  r.l_lo = r.l_lo * alpha_lo + sum_lo, r.l_hi = r.l_hi * alpha_hi + sum_hi;
+  if (flash_warp_all(alpha_lo == 1.0f && alpha_hi == 1.0f)) return;
 #pragma unroll
-  for (int nt = 0; nt < kOut; ++nt) o[nt][0] *= alpha.lo, o[nt][1] *= alpha.lo, o[nt][2] *= alpha.hi, o[nt][3] *= alpha.hi;
-}
-
-// Both: a tile's softmax and O rescaled.
-template <int kTiles, int kOut>
-__device__ __forceinline__ void flash_softmax_tile(float (&s)[kTiles][4], float (&o)[kOut][4], FlashRows& r, int j0, bool diagonal, int context, float scale_log2,
-                                                   int c) {
-  flash_rescale(o, flash_softmax_scores(s, r, j0, diagonal, context, scale_log2, c));
+  for (int nt = 0; nt < kOut; ++nt) o[nt][0] *= alpha_lo, o[nt][1] *= alpha_lo, o[nt][2] *= alpha_hi, o[nt][3] *= alpha_hi;
 }
 
 // Σ over the row's 4 lanes, then O / Σ into head h's columns of the op's rows (rows past tokens and

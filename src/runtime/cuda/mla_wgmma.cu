@@ -144,70 +144,39 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(MlaFlashArgs a, 
   for (int nt = 0; nt < kDv / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
   float(&o_flat)[kDv / 2] = reinterpret_cast<float(&)[kDv / 2]>(o);
 
-  // Two tiles' scores: S of tile j + 1 accumulates in one while the softmax of the other runs, so the
-  // tensor cores have P·V of tile j and S of tile j + 2 queued while the CUDA cores take tile j + 1's
-  // softmax (flash-attention 3's intra-warpgroup overlap). The buffers alternate, hence the loop below
-  // runs two iterations a turn. Every product and every wait is on a path without conditions on the
-  // tile count (ptxas serializes the products where it cannot prove that a wait completed them).
-  float sa[kKeys / 8][4] = {}, sb[kKeys / 8][4] = {};  // zeroed once for the compiler: S's first k step overwrites them
-  uint32_t p[kKeys / 16][4];                           // P of the tile whose P·V is next, in the element type
-  const auto issue_scores = [&](float(&d)[kKeys / 8][4], int tile) {  // the tile landed
-    float(&d_flat)[kKeys / 2] = reinterpret_cast<float(&)[kKeys / 2]>(d);
+  // S of tile j + 1 is issued right behind P·V of tile j, so the tensor cores run both back to back
+  // while the next softmax waits for them; s holds only the next tile's scores then (P is packed).
+  float s[kKeys / 8][4] = {};  // zeroed once for the compiler: the first k step overwrites it (scale-d 0)
+  float(&s_flat)[kKeys / 2] = reinterpret_cast<float(&)[kKeys / 2]>(s);
+  const auto issue_scores = [&](int tile) {  // waits for the tile's copies
+    mbar_wait(full_bar(tile), static_cast<uint32_t>(tile / kStages) & 1u);
     const uint64_t desc = wg_desc(stage_at(tile));
     wg_fence();
-    wg_mma_rs<T, false>(d_flat, qf[0], desc);
+    wg_mma_rs<T, false>(s_flat, qf[0], desc);
 #pragma unroll
-    for (int k = 1; k < kQk / 16; ++k) wg_mma_rs<T>(d_flat, qf[k], desc + (((k / 4) * (kKeys * 128) + 32 * (k % 4)) >> 4));
+    for (int k = 1; k < kQk / 16; ++k) wg_mma_rs<T>(s_flat, qf[k], desc + (((k / 4) * (kKeys * 128) + 32 * (k % 4)) >> 4));
+    wg_commit();
   };
-  const auto wait_tile = [&](int tile) { mbar_wait(full_bar(tile), static_cast<uint32_t>(tile / kStages) & 1u); };
-  const auto softmax = [&](float(&d)[kKeys / 8][4], int tile) {
-    wg_fence_operand(reinterpret_cast<float(&)[kKeys / 2]>(d));  // not read ahead of the wait
-    return flash_softmax_scores(d, rows, tile * kKeys, tile * kKeys + kKeys - 1 > a.context + t0, a.context, a.scale_log2, c);
-  };
-  // O += P·V: score tiles 2kk, 2kk + 1 are the A fragment of positions [16kk, 16kk + 16).
-  const auto pack = [&](const float(&d)[kKeys / 8][4]) {
+  issue_scores(0);
+  wg_wait();
+  for (int j = 0; j < tiles; ++j) {
+    wg_fence_operand(s_flat);
+    flash_softmax_tile(s, o, rows, j * kKeys, j * kKeys + kKeys - 1 > a.context + t0, a.context, a.scale_log2, c);
+    uint32_t p[kKeys / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
-      p[kk][0] = flash_pack<kF16>(d[2 * kk][0], d[2 * kk][1]), p[kk][1] = flash_pack<kF16>(d[2 * kk][2], d[2 * kk][3]);
-      p[kk][2] = flash_pack<kF16>(d[2 * kk + 1][0], d[2 * kk + 1][1]), p[kk][3] = flash_pack<kF16>(d[2 * kk + 1][2], d[2 * kk + 1][3]);
+      p[kk][0] = flash_pack<kF16>(s[2 * kk][0], s[2 * kk][1]), p[kk][1] = flash_pack<kF16>(s[2 * kk][2], s[2 * kk][3]);
+      p[kk][2] = flash_pack<kF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]), p[kk][3] = flash_pack<kF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     }
-  };
-
-  // Prologue: S of tiles 0 and 1 issued (tile 1's products run on an unloaded stage when the block has
-  // one tile: their scores are never read), tile 0's softmax taken and P packed (O is zero).
-  wait_tile(0);
-  issue_scores(sa, 0);
-  wg_commit();
-  if (tiles > 1) wait_tile(1);
-  issue_scores(sb, 1);
-  wg_commit();
-  wg_wait_pending<1>();
-  softmax(sa, 0);
-  pack(sa);
-
-  // Iteration j: S(j) done, P(j) in p; S(j + 1) issued into `next` (when `has_next`), `free` unused;
-  // `issue`: S(j + 2) into `free`. Two product groups a turn (P·V, then S or none).
-  const auto iteration = [&](int j, float(&next)[kKeys / 8][4], float(&free)[kKeys / 8][4], auto issue, auto has_next) {
-    wg_fence_operand(reinterpret_cast<uint32_t(&)[kKeys / 4]>(p));
+    // O += P·V: score tiles 2kk, 2kk + 1 are the A fragment of positions [16kk, 16kk + 16), all four
+    // packed before the first product reads them (wgmma reads its registers asynchronously).
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) wg_mma_rs<T>(o_flat, p[kk], wg_desc(stage_at(j) + kKBytes) + ((32 * kk) >> 4));
     wg_commit();
-    if constexpr (decltype(issue)::value) {
-      wait_tile(j + 2);
-      issue_scores(free, j + 2);
-    }
-    wg_commit();
-    wg_wait_pending<2>();  // S(j + 1); P·V(j) and S(j + 2) may run on
-    FlashAlpha alpha{};
-    if constexpr (decltype(has_next)::value) alpha = softmax(next, j + 1);
-    wg_wait_pending<1>();  // P·V(j)
+    if (j + 1 < tiles) issue_scores(j + 1);
+    wg_wait();  // P·V of tile j (o) and S of tile j + 1 (s)
     wg_fence_operand(o_flat);
-    wg_fence_operand(reinterpret_cast<uint32_t(&)[kKeys / 4]>(p));
-    if constexpr (decltype(has_next)::value) {
-      flash_rescale(o, alpha);
-      pack(next);
-    }
     group_sync(group);  // this warpgroup is done with tile j's stage
     if (tid % 128 == 0) {
       const unsigned before = atomicAdd(done + j % kStages, 1u);
@@ -216,26 +185,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(MlaFlashArgs a, 
         load_tile(j + kStages);
       }
     }
-  };
-  using Yes = std::true_type;
-  using No = std::false_type;
-  int j = 0;
-  for (; j + 3 < tiles; j += 2) {
-    iteration(j, sb, sa, Yes{}, Yes{});
-    iteration(j + 1, sa, sb, Yes{}, Yes{});
   }
-  // One to three tiles left, S(j + 1) in sb.
-  if (tiles - j == 3) {
-    iteration(j, sb, sa, Yes{}, Yes{});
-    iteration(j + 1, sa, sb, No{}, Yes{});
-    iteration(j + 2, sb, sa, No{}, No{});
-  } else if (tiles - j == 2) {
-    iteration(j, sb, sa, No{}, Yes{});
-    iteration(j + 1, sa, sb, No{}, No{});
-  } else {
-    iteration(j, sb, sa, No{}, No{});
-  }
-  wg_wait_pending<0>();  // the last (empty) group
 
   flash_store_rows(a, o, rows, h, c);
 }

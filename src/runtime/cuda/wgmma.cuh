@@ -36,22 +36,12 @@ __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.alig
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait_prior() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
-// All but this thread's kPending last committed groups complete.
-template <int kPending>
-__device__ __forceinline__ void wg_wait_pending() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
 // Registers an in-flight wgmma writes, pinned in place: the compiler must not read them ahead of the
 // wait that completes the product (CUTLASS's warpgroup_fence_operand).
 template <int N>
 __device__ __forceinline__ void wg_fence_operand(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void wg_fence_operand(uint32_t (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
 }
 // Generic-proxy stores to shared memory (st.shared, cp.async) made visible to wgmma's reads.
 __device__ __forceinline__ void wg_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
