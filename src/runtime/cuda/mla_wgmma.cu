@@ -18,10 +18,11 @@
 // (cp.async by every thread and two block barriers a tile, until this) the tensor pipe was 44% busy
 // (ncu, one 8K layer: 1.67 ms) with the warps waiting on their products, and neither flash-attention
 // 3's intra-warpgroup overlap (two score buffers, S of tile j + 2 queued during tile j + 1's softmax;
-// 48e0e01) nor q in registers moved it. H200, 48B, MLA ops of seven layers over 8K / 32K: 14.1 / 207
-// ms (the lockstep kernel), 13.1 / 189 (its softmax on ex2.approx with the scale in one FFMA, O's rescale
-// skipped while no max moved, copies at one swizzled offset a thread: 813M → 457M instructions over an
-// 8K layer), 10.8 / 153 with the warpgroups apart.
+// 48e0e01, and on this kernel in e88112b: no faster either) nor q in registers moved it. H200, 48B,
+// MLA ops of seven layers over 8K / 32K: 14.1 / 207 ms (the lockstep kernel), 13.1 / 189 (its softmax
+// on ex2.approx with the scale in one FFMA, O's rescale skipped while no max moved, copies at one
+// swizzled offset a thread: 813M → 457M instructions over an 8K layer), 10.5–10.8 / 148–153 with the
+// warpgroups apart.
 // The warpgroups share each K/V tile: at one warpgroup a block (64 rows, two blocks an SM) the tiles'
 // copies from L2 came to ~10 MB a block at 32K positions (168 GB a 48B layer); two halve them (MLA ops
 // over 32K: 288 → 265 ms). 161 KB of shared memory, ~200 registers: one block an SM.
