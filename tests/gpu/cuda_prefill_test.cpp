@@ -9,10 +9,10 @@
 // prefix and several sequences of different contexts in one step, against the op body and under a
 // scores budget small enough to split every sequence; fp32 and bf16, megakernel and eager, against the
 // CPU ops; bf16 through the fused attention kernels (mla_flash.cuh on mma.sync for small heads,
-// mla_wgmma.cu on wgmma for the real head shape, which also runs on the mma.sync kernel once), also over
-// long prefixes at the real head shape; KDA's delta rule as planned launches (kda_prefill.h) over
-// partial chunks, cached states, several sequences, steps that fall back to the op body and a step
-// split into batches, against the CPU ops and the op body.
+// mla_wgmma.cu on wgmma for the real head shape and odd dims past the small kernel's, which also runs
+// on the mma.sync kernel once), also over long prefixes at the real head shape; KDA's delta rule as
+// planned launches (kda_prefill.h) over partial chunks, cached states, several sequences, steps that
+// fall back to the op body and a step split into batches, against the CPU ops and the op body.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -491,6 +491,9 @@ TEST(CudaPrefillMla, GemmFormMatchesTheCpuOverChunksAndSequences) {
   const std::vector<MlaCase> cases = {
       {"3 heads, odd head dims", 72, 3, 13, 7, 11, 36},
       {"2 heads of the real head shape", 64, 2, 128, 64, 128, 512},
+      // The wgmma kernel below its instantiation's dims: K boxes past ld_k (104) and Vᵀ rows past dv
+      // (72: the next head's, then past the last head) as the tensor copies fill them.
+      {"2 heads past the small kernel, odd dims", 64, 2, 71, 33, 72, 40},
   };
   const std::vector<MlaStep> steps = {
       {{{0, 45}}, true},         {{{0, 38}}, true},         {{{1, 3}}, false}, {{{0, 7}, {1, 33}, {2, 12}}, true},
