@@ -601,6 +601,11 @@ double CudaBackend::mla_ms() {
   return impl_->mla_runner ? impl_->mla_runner->timed_ms() : 0.0;
 }
 
+double CudaBackend::mla_attention_ms() {
+  impl_->use_device();
+  return impl_->mla_runner ? impl_->mla_runner->attend_ms() : 0.0;
+}
+
 void CudaBackend::reset_mla_ms() {
   impl_->use_device();
   if (impl_->mla_runner) impl_->mla_runner->reset_timed_ms();

@@ -181,6 +181,7 @@ class CudaBackend : public Backend {
   // on; mla_ms() waits for the stream.
   void set_mla_timing(bool on);
   double mla_ms();
+  double mla_attention_ms();  // of mla_ms(), the attention alone (no latents' append, no K/V expansion)
   void reset_mla_ms();
   // kda_delta_rule ops run as planned launches since construction (kda_prefill.h), and the launch pairs
   // they took (more than ops when a step's records were split into batches); their stream time while

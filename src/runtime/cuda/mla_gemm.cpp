@@ -117,7 +117,7 @@ MlaBlocking mla_blocking(int64_t tokens, int64_t visible, int64_t heads, int64_t
 }
 
 MlaGemmRunner::MlaGemmRunner(const MlaGemmCapacity& c, int64_t max_context, int64_t scores_bytes, cudaStream_t stream)
-    : stream_(stream), capacity_(c), max_context_(max_context), timer_(stream) {
+    : stream_(stream), capacity_(c), max_context_(max_context), timer_(stream), attend_timer_(stream) {
   const auto bytes = [](int64_t n) { return static_cast<size_t>(std::max<int64_t>(n, 16)); };
   workspace_ = DeviceBuffer(kWorkspaceBytes, "cuBLAS workspace");
   latents_ = DeviceBuffer(bytes(max_context * c.rank * c.elem_bytes), "MLA GEMM latents");
@@ -269,7 +269,9 @@ void MlaGemmRunner::run(const MlaGemmOp& op, float* arena, const DeviceState& ca
     launch_mla_append(arena + op.kv_a_offset + seq.first_row * op.kv_a_stride, op.kv_a_stride, seq.tokens, op.norm, op.eps, op.rank, op.rope, op.act,
                       slot + seq.context * op.latent(), stream_);
     expand(op, slot, visible);
+    if (timed) attend_timer_.start();
     attend(op, arena, seq);
+    if (timed) attend_timer_.stop();
   }
   if (timed) timer_.stop();
 }

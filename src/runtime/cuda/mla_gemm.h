@@ -90,7 +90,10 @@ class MlaGemmRunner {
   MlaGemmRunner(const MlaGemmRunner&) = delete;
   MlaGemmRunner& operator=(const MlaGemmRunner&) = delete;
 
-  void new_step() { timer_.harvest(); }  // the last step has finished: its timing events are read
+  void new_step() {  // the last step has finished: its timing events are read
+    timer_.harvest();
+    attend_timer_.harvest();
+  }
   // The op over the step: its latent rows appended to `cache`, its output rows written, final.
   void run(const MlaGemmOp& op, float* arena, const DeviceState& cache, const std::vector<MlaSequence>& seqs);
 
@@ -101,10 +104,16 @@ class MlaGemmRunner {
   // Benchmarks: the heads that take the wgmma kernel on the mma.sync one (mla_flash.cuh) instead, over
   // values expanded row by row.
   void set_prefer_mma_sync(bool on) { mma_sync_ = on; }
-  // Timing (benchmarks): with it on, each op's stream time is added up; timed_ms() synchronizes.
+  // Timing (benchmarks): with it on, each op's stream time is added up, and apart the attention alone
+  // (the fused kernel, or the score blocks: the work PyTorch SDPA does, without the latents' append
+  // and the K/V expansion); timed_ms() and attend_ms() synchronize.
   void set_timing(bool on) { timing_ = on; }
   double timed_ms() { return timer_.total_ms(); }
-  void reset_timed_ms() { timer_.reset(); }
+  double attend_ms() { return attend_timer_.total_ms(); }
+  void reset_timed_ms() {
+    timer_.reset();
+    attend_timer_.reset();
+  }
 
  private:
   void expand(const MlaGemmOp& op, const float* cache_slot, int64_t visible);
@@ -119,7 +128,7 @@ class MlaGemmRunner {
   bool mma_sync_ = false;
   bool wgmma(const MlaGemmOp& op) const { return op.wgmma() && !mma_sync_; }
   bool timing_ = false;
-  StreamTimer timer_;
+  StreamTimer timer_, attend_timer_;
 };
 
 // ---- device side (mla_gemm.cu) ------------------------------------------------------------------------
