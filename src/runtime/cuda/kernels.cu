@@ -9,6 +9,7 @@
 
 #include "graph/op_table.h"
 #include "runtime/cuda/device.cuh"
+#include "runtime/cuda/mbarrier.cuh"
 #include "runtime/cuda/ops/gemv.cuh"
 #include "runtime/cuda/ops/misc_ops.cuh"
 #include "runtime/cuda/ops/round_rows.cuh"
@@ -109,25 +110,13 @@ __device__ __forceinline__ const TaskCtx& task_ctx(const unsigned char* mem) { r
 __device__ __forceinline__ void load_task(TaskSlot* slot, uint64_t* bar, const Instr* ins, const unsigned char* desc, uint32_t bytes) {
   const uint32_t b = shared_address(bar);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's last generic-proxy writes (point_at_arrays) before the copy's
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(static_cast<uint32_t>(sizeof(Instr)) + bytes) : "memory");
+  mbar_expect_tx(b, static_cast<uint32_t>(sizeof(Instr)) + bytes);
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(shared_address(&slot->ins)), "l"(ins),
                "r"(static_cast<uint32_t>(sizeof(Instr))), "r"(b)
                : "memory");
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(shared_address(slot->desc)), "l"(desc),
                "r"(bytes), "r"(b)
                : "memory");
-}
-
-__device__ __forceinline__ void wait_slot(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred ready;\n"
-      "WAIT_SLOT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
-      "@!ready bra WAIT_SLOT;\n"
-      "}\n" ::"r"(shared_address(bar)),
-      "r"(parity)
-      : "memory");
 }
 
 // A record longer than kDescHeadBytes carries the OpDesc's arrays: point it at them.
@@ -152,8 +141,8 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
   unsigned long long wait_cycles = 0, run_cycles = 0;
   long long task_wait = 0;
   if (threadIdx.x == 0 && begin < end) {
-    for (int b = 0; b < 2; ++b) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bars + b)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int b = 0; b < 2; ++b) mbar_init(shared_address(bars + b), 1);
+    mbar_init_fence();
     const Instr& first = p.instrs[begin];
     load_task(slots, bars, &first, p.descs + first.desc, first.desc_bytes);
   }
@@ -162,7 +151,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
     TaskSlot* slot = slots + (k & 1);
     if (threadIdx.x == 0) {
       const long long t0 = clock64();
-      wait_slot(bars + (k & 1), static_cast<uint32_t>(k >> 1) & 1u);  // loaded while the task before ran
+      mbar_wait(shared_address(bars + (k & 1)), static_cast<uint32_t>(k >> 1) & 1u);  // loaded while the task before ran
       point_at_arrays(slot);
       const Instr& ins = slot->ins;
       // The other slot's task finished before the barrier that ended it: load the next one there.

@@ -29,6 +29,7 @@
 #include <cudaTypedefs.h>  // CUtensorMap, the driver entry point's type
 
 #include "runtime/cuda/kernels.h"  // declared in mla_gemm.h (host headers nvcc need not see)
+#include "runtime/cuda/mbarrier.cuh"
 #include "runtime/cuda/mla_flash.cuh"
 #include "runtime/cuda/wgmma.cuh"
 
@@ -50,27 +51,6 @@ constexpr int kBytes = kStages * kStageBytes + kBarBytes + 1024;  // + the slack
 static_assert(kQk % 64 == 0 && kDv == 128, "whole 64-column tiles of q·k; P·V is one m64n128 product");
 static_assert(kKBytes % 1024 == 0 && kStageBytes % 1024 == 0, "tiles start on swizzle atoms");
 
-// The stages' barriers: an mbarrier a stage that the tensor copies complete (`full`), and a count a
-// stage of the warpgroups done with it (`done`: the second to finish, an odd count before its add,
-// loads the stage's next tile). No block barrier inside the loop: each warpgroup waits only for its
-// tiles, so the two drift apart and one's softmax runs under the other's products.
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred ready;\n"
-      "MLA_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
-      "@!ready bra MLA_WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 // Box (c0, c1) of a 2D tensor map into shared memory at `dst` (128-byte swizzled, as wgmma reads it).
 __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
@@ -96,6 +76,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(MlaFlashArgs a, 
   const auto stage_at = [&](int tile) { return base + static_cast<uint32_t>(tile % kStages) * kStageBytes; };
   const uint32_t bars = base + kStages * kStageBytes;
   const auto full_bar = [&](int tile) { return bars + 8u * static_cast<uint32_t>(tile % kStages); };
+  // A stage's `full` mbarrier completes on its tile's bytes; its `done` count is the warpgroups done with
+  // it (the second to finish, an odd count before its add, loads the stage's next tile).
   unsigned* done = reinterpret_cast<unsigned*>(smem_raw + (bars + 8u * kStages - wg_smem(smem_raw)));
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32, g = lane / 4, c = lane % 4, group = tid / 128;
   const int h = static_cast<int>(blockIdx.x), t0 = static_cast<int>(gridDim.y - 1 - blockIdx.y) * kRows;
@@ -112,7 +94,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(MlaFlashArgs a, 
   };
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) mbar_init(bars + 8u * st, 1), done[st] = 0;
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   if (tid == 0) {
