@@ -93,6 +93,10 @@ std::vector<PlanOp> copy_ops(const Graph& graph) {
 // that must finish before it writes: the readers of the space it takes over (or the previous owner
 // itself when nothing read it). The output op is never released. `readers` is per buffer owner (a
 // read through a view is a read of its owner); views get their owner's offset plus their column.
+// A buffer whose last reader is op k is released only after the next op's output is placed, so no
+// op's output shares floats with the inputs of the op before it: a backend may let an op write its
+// reader's output in its epilogue while it still reads its inputs (the cuda prefill path's MLA output
+// gate, mla_gemm.h).
 std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<std::vector<int32_t>>& readers) {
   const auto n = static_cast<int32_t>(plan.ops.size());
   std::vector<std::vector<int32_t>> release_after(plan.ops.size());
@@ -104,10 +108,13 @@ std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<st
   ArenaAllocator arena;
   OccupantMap occupants;
   std::vector<std::vector<int32_t>> war(plan.ops.size());
+  std::vector<int32_t> pending;  // the last placed op's dead buffers, released after the next placement
   for (int32_t i = 0; i < n; ++i) {
     PlanOp& op = plan.ops[static_cast<size_t>(i)];
     if (op.is_view()) {  // its owner is earlier, so already placed (and still live: this view's readers read it)
       op.offset = activation_view(plan, i).offset;
+      const auto& dead = release_after[static_cast<size_t>(i)];
+      pending.insert(pending.end(), dead.begin(), dead.end());
       continue;
     }
     const int64_t floats = plan.buffer_floats(op);
@@ -120,10 +127,11 @@ std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<st
         war[static_cast<size_t>(i)].insert(war[static_cast<size_t>(i)].end(), read_by.begin(), read_by.end());
       }
     }
-    for (int32_t done : release_after[static_cast<size_t>(i)]) {
+    for (int32_t done : pending) {
       const PlanOp& freed = plan.ops[static_cast<size_t>(done)];
       arena.release(freed.offset, plan.buffer_floats(freed));
     }
+    pending = release_after[static_cast<size_t>(i)];
   }
   plan.arena_floats = arena.size();
   return war;

@@ -87,6 +87,9 @@ TEST_P(CudaPrefillFixtureTest, PromptLogitsAndGreedyTokensMatchTheReference) {
   // Both chunks (64 and 36 rows, one sequence) run MLA as GEMMs: kv_b is of the activation dtype.
   const bool has_mla = std::any_of(model->graph.nodes().begin(), model->graph.nodes().end(), [](const Node& n) { return n.op == Op::kMlaAttention; });
   EXPECT_EQ(gpu.prefill_mla_ops() > 0, has_mla) << "MLA layers vs MLA ops run as GEMMs: " << gpu.prefill_mla_ops();
+  // K3's MLA output gate (a sigmoid_mul of the attention) runs in the MLA epilogue.
+  const bool gated = std::any_of(model->graph.nodes().begin(), model->graph.nodes().end(), [](const Node& n) { return n.op == Op::kSigmoidMul; });
+  EXPECT_EQ(gpu.prefill_mla_gated() > 0, has_mla && gated) << "gated MLA ops: " << gpu.prefill_mla_gated();
   // Dense routed experts take the expert GEMMs; MXFP4 ones (tiny-k3) keep the GEMV bodies by design.
   bool mxfp4_experts = false;
   for (const WeightDecl& w : model->graph.weights()) mxfp4_experts = mxfp4_experts || w.mxfp4;
@@ -404,10 +407,13 @@ TEST(CudaPrefillGemm, RoutedExpertsMatchTheCpuOps) {
 // ---- MLA as GEMMs (mla_gemm.h) ---------------------------------------------------------------------
 
 // tokens → embedding [50, hidden] → q = linear(x; [heads·(nope+rope), hidden]), kv_a = linear(x;
-// [rank+rope, hidden]) → mla_attention (kv_a_layernorm [rank], kv_b [heads·(nope+v), rank]) → output.
+// [rank+rope, hidden]) → mla_attention (kv_a_layernorm [rank], kv_b [heads·(nope+v), rank]) → output;
+// `gate`: K3's output gate, sigmoid_mul(attention, linear(x; [heads·v, hidden])) as the output (the
+// gate computed before the attention, as the model graph does).
 struct MlaCase {
   const char* name;
   int64_t hidden, heads, nope, rope, dv, rank;
+  bool gate = false;
 };
 
 Graph mla_graph(const MlaCase& c) {
@@ -417,12 +423,14 @@ Graph mla_graph(const MlaCase& c) {
   const int x = g.add(Op::kEmbedding, {tokens}, {weight("model.embed_tokens.weight", {50, c.hidden})}, {}, "embed");
   const int q = g.add(Op::kLinear, {x}, {weight("self_attn.q_proj.weight", {c.heads * (c.nope + c.rope), c.hidden})}, {}, "q_proj");
   const int kv_a = g.add(Op::kLinear, {x}, {weight("self_attn.kv_a_proj_with_mqa.weight", {c.rank + c.rope, c.hidden})}, {}, "kv_a");
+  const int gate = c.gate ? g.add(Op::kLinear, {x}, {weight("self_attn.g_proj.weight", {c.heads * c.dv, c.hidden})}, {}, "g_proj") : -1;
   const int cache = g.add_state({StateKind::kMlaLatent, c.rank + c.rope, 0, "latent"});
   const Attrs attrs = {{"heads", static_cast<double>(c.heads)}, {"nope", static_cast<double>(c.nope)}, {"rope", static_cast<double>(c.rope)},
                        {"v", static_cast<double>(c.dv)},       {"rank", static_cast<double>(c.rank)}, {"eps", 1e-6}};
-  const int o = g.add(Op::kMlaAttention, {q, kv_a},
-                      {weight("self_attn.kv_a_layernorm.weight", {c.rank}), weight("self_attn.kv_b_proj.weight", {c.heads * (c.nope + c.dv), c.rank})}, attrs,
-                      "attention", cache);
+  int o = g.add(Op::kMlaAttention, {q, kv_a},
+                {weight("self_attn.kv_a_layernorm.weight", {c.rank}), weight("self_attn.kv_b_proj.weight", {c.heads * (c.nope + c.dv), c.rank})}, attrs,
+                "attention", cache);
+  if (gate >= 0) o = g.add(Op::kSigmoidMul, {o, gate}, {}, {}, "output_gate");
   g.set_output(o);
   g.verify();
   return g;
@@ -487,6 +495,9 @@ enum class MlaMode { kGemm, kGemmSmallBudget, kBody };
 // are scaled by 8 so the softmax is far from uniform (a wrong causal bound or a missing position moves
 // outputs by a large part of the scale). fp32 attends in score blocks (one per sequence, or many
 // under the small budget); bf16 in the fused kernel, one launch per sequence, whatever the budget.
+// The gated cases' outputs are sigmoid_mul's (σ < 1 scales an output's error down with it; its own
+// rounding is the CPU's, on the same operands where the attention's output agrees), and every GEMM step
+// must have applied the gate in the MLA epilogue.
 TEST(CudaPrefillMla, GemmFormMatchesTheCpuOverChunksAndSequences) {
   const std::vector<MlaCase> cases = {
       {"3 heads, odd head dims", 72, 3, 13, 7, 11, 36},
@@ -494,6 +505,10 @@ TEST(CudaPrefillMla, GemmFormMatchesTheCpuOverChunksAndSequences) {
       // The wgmma kernel below its instantiation's dims: K boxes past ld_k (104) and Vᵀ rows past dv
       // (72: the next head's, then past the last head) as the tensor copies fill them.
       {"2 heads past the small kernel, odd dims", 64, 2, 71, 33, 72, 40},
+      // K3's output gate in the epilogue: the score blocks' scatter (fp32), the mma.sync kernel (small
+      // heads) and the wgmma kernel (the real head shape).
+      {"3 heads, odd head dims, output gate", 72, 3, 13, 7, 11, 36, true},
+      {"2 heads of the real head shape, output gate", 64, 2, 128, 64, 128, 512, true},
   };
   const std::vector<MlaStep> steps = {
       {{{0, 45}}, true},         {{{0, 38}}, true},         {{{1, 3}}, false}, {{{0, 7}, {1, 33}, {2, 12}}, true},
@@ -526,10 +541,12 @@ TEST(CudaPrefillMla, GemmFormMatchesTheCpuOverChunksAndSequences) {
               const std::string at = where + " step " + std::to_string(k);
               const StepInputs in = script_step(steps[k].seqs, k);
               const int64_t ops_before = gpu.prefill_mla_ops(), blocks_before = gpu.prefill_mla_blocks(), flash_before = gpu.prefill_mla_flash();
+              const int64_t gated_before = gpu.prefill_mla_gated();
               const StepOutput want = cpu.step(in);
               const StepOutput have = gpu.step(in);
               const bool gemm = steps[k].gemm && mode != MlaMode::kBody;
               ASSERT_EQ(gpu.prefill_mla_ops() - ops_before, gemm ? 1 : 0) << at;
+              ASSERT_EQ(gpu.prefill_mla_gated() - gated_before, gemm && c.gate ? 1 : 0) << at << ": the output gate in the MLA epilogue";
               const int64_t blocks = gpu.prefill_mla_blocks() - blocks_before, flash = gpu.prefill_mla_flash() - flash_before;
               const auto seqs = static_cast<int64_t>(in.sequences.size());
               if (!gemm) {

@@ -189,6 +189,9 @@ class KimiLinearBuilder {
     }
     const int kv_a = linear(x, p + "kv_a_proj_with_mqa.weight", c_.kv_lora_rank + c_.qk_rope_head_dim, label + ".kv_a");
     const int cache = g_.add_state({StateKind::kMlaLatent, c_.kv_lora_rank + c_.qk_rope_head_dim, 0, label + ".latent"});
+    // K3 (§7.4): the output gate σ(x·W_gᵀ), computed before the attention so that a backend may apply it
+    // in the attention's epilogue (the cuda prefill GEMM path does).
+    const int gate = c_.mla_output_gate ? linear_col(x, p + "g_proj.weight", all_heads * c_.v_head_dim, heads_field, label + ".g_proj") : -1;
     const Attrs attrs = {{"heads", static_cast<double>(heads)},         {"nope", static_cast<double>(c_.qk_nope_head_dim)},
                          {"rope", static_cast<double>(c_.qk_rope_head_dim)}, {"v", static_cast<double>(c_.v_head_dim)},
                          {"rank", static_cast<double>(c_.kv_lora_rank)}, {"eps", kLatentNormEps}};
@@ -196,10 +199,7 @@ class KimiLinearBuilder {
                          {weight(p + "kv_a_layernorm.weight", {c_.kv_lora_rank}),
                           sharded_weight(p + "kv_b_proj.weight", {all_heads * (c_.qk_nope_head_dim + c_.v_head_dim), c_.kv_lora_rank}, 0, heads_field)},
                          attrs, label + ".attention", cache);
-    if (c_.mla_output_gate) {  // K3 (§7.4): elementwise σ(x·W_gᵀ) on the head outputs, before o_proj
-      const int gate = linear_col(x, p + "g_proj.weight", all_heads * c_.v_head_dim, heads_field, label + ".g_proj");
-      o = g_.add(Op::kSigmoidMul, {o, gate}, {}, {}, label + ".output_gate");
-    }
+    if (gate >= 0) o = g_.add(Op::kSigmoidMul, {o, gate}, {}, {}, label + ".output_gate");  // elementwise on the head outputs, before o_proj
     return all_reduce(linear_row(o, p + "o_proj.weight", c_.hidden_size, heads_field, label + ".o_proj"), label);
   }
 

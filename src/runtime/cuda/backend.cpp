@@ -591,6 +591,7 @@ int64_t CudaBackend::prefill_mla_blocks() const { return impl_->mla_runner ? imp
 
 int64_t CudaBackend::prefill_mla_flash() const { return impl_->mla_runner ? impl_->mla_runner->flash() : 0; }
 int64_t CudaBackend::prefill_mla_wgmma() const { return impl_->mla_runner ? impl_->mla_runner->wgmma_flash() : 0; }
+int64_t CudaBackend::prefill_mla_gated() const { return impl_->mla_runner ? impl_->mla_runner->gated() : 0; }
 
 void CudaBackend::set_mla_timing(bool on) {
   if (impl_->mla_runner) impl_->mla_runner->set_timing(on);

@@ -177,6 +177,7 @@ class CudaBackend : public Backend {
   int64_t prefill_mla_blocks() const;
   int64_t prefill_mla_flash() const;
   int64_t prefill_mla_wgmma() const;  // of those, the sequences on the wgmma kernel (mla_wgmma.cu)
+  int64_t prefill_mla_gated() const;  // MLA ops run as GEMMs with K3's output gate in their epilogue
   // Benchmarks: stream time of the MLA GEMM ops (append, expansion, scores, softmax, P·V) summed while
   // on; mla_ms() waits for the stream.
   void set_mla_timing(bool on);

@@ -264,7 +264,7 @@ __device__ __forceinline__ void flash_softmax_tile(float (&s)[kTiles][4], float 
 }
 
 // Σ over the row's 4 lanes, then O / Σ into head h's columns of the op's rows (rows past tokens and
-// columns past dv stay untouched), rounded as the cuBLAS path's scatter rounds them.
+// columns past dv stay untouched), rounded and gated as the cuBLAS path's scatter does it.
 template <int kOut>
 __device__ __forceinline__ void flash_store_rows(const MlaFlashArgs& a, const float (&o)[kOut][4], FlashRows r, int h, int c) {
 #pragma unroll
@@ -274,8 +274,12 @@ __device__ __forceinline__ void flash_store_rows(const MlaFlashArgs& a, const fl
   }
   const float inv_lo = 1.0f / r.l_lo, inv_hi = 1.0f / r.l_hi;
   float* out = a.out + static_cast<int64_t>(h) * a.dv;
+  const float* gate = a.gate != nullptr ? a.gate + static_cast<int64_t>(h) * a.dv : nullptr;
   const auto store = [&](int row, int col, float v) {
-    if (row < a.tokens && col < a.dv) out[static_cast<int64_t>(row) * a.width + col] = a.round_out ? round_act(a.act, v) : v;
+    if (row >= a.tokens || col >= a.dv) return;
+    float y = a.round_out ? round_act(a.act, v) : v;
+    if (gate != nullptr) y = round_act(a.act, y * sigmoidf_(gate[static_cast<int64_t>(row) * a.gate_stride + col]));
+    out[static_cast<int64_t>(row) * a.width + col] = y;
   };
 #pragma unroll
   for (int nt = 0; nt < kOut; ++nt) {

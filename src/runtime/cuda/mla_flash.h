@@ -38,7 +38,7 @@ inline bool mla_wgmma_fits(int64_t qk, int64_t dv, int32_t type) {
 // values likewise with ld_v (dv columns, then anything); ld_k and ld_v are qk and dv rounded up to 8
 // (16-byte rows, copied whole). q is the op's fp32 input (values exact
 // in the element type), row t at q + t·q_stride, head h at column h·qk; the output row t at
-// out + t·width, head h at column h·dv, rounded to `act` when round_out.
+// out + t·width, head h at column h·dv, rounded to `act` when round_out, then gated when `gate` is set.
 struct MlaFlashArgs {
   const float* q = nullptr;
   const uint16_t* keys = nullptr;
@@ -53,6 +53,11 @@ struct MlaFlashArgs {
   float scale_log2 = 0;  // (nope + rope)^(−1/2) · log2(e): scores in the base-2 exponent's unit
   int32_t act = kABF16;
   bool round_out = true;
+  // The K3 output gate in the epilogue (MlaGemmOp::gate_op): row t's gate at gate + t·gate_stride, head h
+  // at column h·dv; the stored value is act(o'·σ(g)), o' the output as rounded above (sigmoid_mul's
+  // arithmetic and its one rounding). nullptr: no gate.
+  const float* gate = nullptr;
+  int64_t gate_stride = 0;
 };
 
 }  // namespace plow::cuda

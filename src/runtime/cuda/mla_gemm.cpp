@@ -46,9 +46,49 @@ struct Operand {
   int64_t ld, stride;
 };
 
+// Arena floats a view's rows [0, rows) span.
+struct Span {
+  int64_t begin, end;
+};
+Span span(const ActivationView& v, int64_t rows) { return {v.offset, v.offset + (rows - 1) * v.row_stride + v.width}; }
+bool overlap(Span a, Span b) { return a.begin < b.end && b.begin < a.end; }
+
+// K3's output gate into op `index`'s epilogue (MlaGemmOp): its only reader is a sigmoid_mul of its
+// output with a gate of the activation dtype that an earlier op computed, whose own output is of the
+// activation dtype and shares no arena float with the attention's inputs or the gate (the epilogue
+// writes it while other blocks still read them).
+void fuse_output_gate(const Plan& plan, int32_t index, MlaGemmOp& m) {
+  int32_t reader = -1;
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    for (int32_t in : plan.ops[i].inputs) {
+      if (in != index) continue;
+      if (reader >= 0) return;
+      reader = static_cast<int32_t>(i);
+    }
+  }
+  if (reader < 0 || plan.output_op == index) return;
+  const PlanOp& mul = plan.op(reader);
+  if (mul.op() != Op::kSigmoidMul || mul.inputs.size() != 2 || mul.inputs[0] != index || mul.inputs[1] >= index) return;
+  if (mul.dtype != OutDType::kAct || mul.width != m.width || plan.op(mul.inputs[1]).dtype != OutDType::kAct) return;
+  const ActivationView gate = activation_view(plan, mul.inputs[1]);
+  if (gate.width != m.width) return;
+  const int64_t rows = plan.max_tokens;
+  const Span out{mul.offset, mul.offset + rows * mul.width};
+  const PlanOp& op = plan.op(index);
+  for (int32_t in : op.inputs) {
+    if (overlap(out, span(activation_view(plan, in), rows))) return;
+  }
+  if (overlap(out, span(gate, rows))) return;
+  m.gate_op = reader;
+  m.gate_offset = gate.offset;
+  m.gate_stride = gate.row_stride;
+  m.out_offset = mul.offset;
+}
+
 }  // namespace
 
-std::optional<MlaGemmOp> mla_gemm_form(const Plan& plan, const PlanOp& op, const std::vector<DeviceWeight>& weights, int32_t act) {
+std::optional<MlaGemmOp> mla_gemm_form(const Plan& plan, int32_t index, const std::vector<DeviceWeight>& weights, int32_t act) {
+  const PlanOp& op = plan.op(index);
   if (op.op() != Op::kMlaAttention || op.inputs.size() != 2 || weights.size() != 2 || op.state < 0) return std::nullopt;
   MlaGemmOp m;
   m.norm = weights[0];
@@ -81,6 +121,7 @@ std::optional<MlaGemmOp> mla_gemm_form(const Plan& plan, const PlanOp& op, const
   m.act = act;
   m.type = type;
   m.round_out = op.dtype == OutDType::kAct;
+  fuse_output_gate(plan, index, m);
   return m;
 }
 
@@ -218,6 +259,10 @@ void MlaGemmRunner::attend(const MlaGemmOp& op, float* arena, const MlaSequence&
     args.scale_log2 = op.scale * 1.44269504088896341f;  // log2(e)
     args.act = op.act;
     args.round_out = op.round_out;
+    if (op.gate_op >= 0) {
+      args.gate = arena + op.gate_offset + seq.first_row * op.gate_stride;
+      args.gate_stride = op.gate_stride;
+    }
     if (wgmma(op)) {
       args.ld_vt = static_cast<int32_t>(padded(visible));
       launch_mla_wgmma(args, op.type, stream_);
@@ -244,8 +289,9 @@ void MlaGemmRunner::attend(const MlaGemmOp& op, float* arena, const MlaSequence&
       const Operand values{values_.as<uint8_t>() + h0 * visible * ld_v * e, t, ld_v, visible * ld_v};
       gemm(handle_, CUBLAS_OP_N, op.dv, rows, length, 1.0f, values, Operand{probs_.ptr, t, ld_s, ld_s * rows}, outputs_.ptr, CUDA_R_32F, ld_v, ld_v * rows,
            group, op.type, "P·V");
+      const float* gate = op.gate_op >= 0 ? arena + op.gate_offset + (seq.first_row + t0) * op.gate_stride + h0 * op.dv : nullptr;
       launch_mla_scatter(outputs_.as<float>(), ld_v, group, rows, op.dv, arena + op.out_offset + (seq.first_row + t0) * op.width + h0 * op.dv, op.width,
-                         op.act, op.round_out, stream_);
+                         op.act, op.round_out, gate, op.gate_stride, stream_);
     }
   }
 }
@@ -257,6 +303,7 @@ void MlaGemmRunner::run(const MlaGemmOp& op, float* arena, const DeviceState& ca
     fail("cuda: an MLA op of {} heads outgrows the MLA GEMM buffers (a sizing bug)", op.heads);
   }
   calls_ += 1;
+  if (op.gate_op >= 0) gated_ += 1;
   const bool timed = timing_;
   if (timed) timer_.start();
   for (const MlaSequence& seq : seqs) {

@@ -108,11 +108,14 @@ __global__ void softmax_kernel(const float* scores, int64_t ld, int64_t rows, in
   }
 }
 
-__global__ void scatter_kernel(const float* o, int64_t ld_o, int64_t group, int64_t rows, int64_t dv, float* out, int64_t width, int32_t act, bool round_out) {
+__global__ void scatter_kernel(const float* o, int64_t ld_o, int64_t group, int64_t rows, int64_t dv, float* out, int64_t width, int32_t act, bool round_out,
+                               const float* gate, int64_t gate_stride) {
   for (int64_t t = blockIdx.x; t < rows; t += gridDim.x) {
     for (int64_t i = threadIdx.x; i < group * dv; i += kBlock) {
       const float v = o[((i / dv) * rows + t) * ld_o + i % dv];  // head g's rows are [g·rows, (g+1)·rows)
-      out[t * width + i] = round_out ? round_act(act, v) : v;
+      float y = round_out ? round_act(act, v) : v;
+      if (gate != nullptr) y = round_act(act, y * sigmoidf_(gate[t * gate_stride + i]));  // sigmoid_mul's arithmetic
+      out[t * width + i] = y;
     }
   }
 }
@@ -199,9 +202,9 @@ void launch_mla_softmax(const float* scores, int64_t ld, int64_t rows, int64_t q
 }
 
 void launch_mla_scatter(const float* o, int64_t ld_o, int64_t group, int64_t rows, int64_t dv, float* out, int64_t width, int32_t act, bool round_out,
-                        cudaStream_t stream) {
+                        const float* gate, int64_t gate_stride, cudaStream_t stream) {
   if (rows == 0) return;
-  scatter_kernel<<<grid_for(rows), kBlock, 0, stream>>>(o, ld_o, group, rows, dv, out, width, act, round_out);
+  scatter_kernel<<<grid_for(rows), kBlock, 0, stream>>>(o, ld_o, group, rows, dv, out, width, act, round_out, gate, gate_stride);
   check_launch("MLA output scatter");
 }
 

@@ -32,10 +32,16 @@ inline constexpr int64_t kMlaGemmMinTokens = 32;
 // One mla_attention op as GEMMs. Inputs q [T, heads·(nope+rope)] and kv_a [T, rank+rope] (rows at
 // arena + offset, row stride in floats); output [T, heads·v] at out_offset (row stride width). The
 // state index names the latent cache (fp32 rows [max_context, rank+rope] per slot).
+// K3's output gate fused (gate_op ≥ 0): the op's only reader is the sigmoid_mul `gate_op` of its output
+// and a gate computed before it (rows at gate_offset, row stride gate_stride); the epilogue writes
+// that op's output (out_offset is then gate_op's), whose tasks only round in place (a no-op), and the
+// attention's own output rows are left unwritten.
 struct MlaGemmOp {
   DeviceWeight norm, kv_b;  // kv_a_layernorm [rank]; kv_b [heads·(nope+v), rank] (this rank's heads)
   int64_t q_offset = 0, q_stride = 0, kv_a_offset = 0, kv_a_stride = 0;
   int64_t out_offset = 0, width = 0;
+  int32_t gate_op = -1;
+  int64_t gate_offset = 0, gate_stride = 0;
   int64_t heads = 0, nope = 0, rope = 0, dv = 0, rank = 0;
   float eps = 0, scale = 0;  // kv_a norm ε; (nope + rope)^(−1/2)
   int32_t state = -1;
@@ -53,7 +59,8 @@ struct MlaGemmOp {
 // The GEMM form of `op` (a kMlaAttention) with its weights on the device, when it has one: kv_b dense
 // and of the activation dtype (bf16 and f16 with those activations, fp32 with fp32 ones), so every GEMM
 // input (latents, raw k_r, q, P) is exact in it; q and kv_a in the activation dtype. Else nullopt.
-std::optional<MlaGemmOp> mla_gemm_form(const Plan& plan, const PlanOp& op, const std::vector<DeviceWeight>& weights, int32_t act);
+// `index`: op's index in the plan (its readers decide whether the output gate fuses).
+std::optional<MlaGemmOp> mla_gemm_form(const Plan& plan, int32_t index, const std::vector<DeviceWeight>& weights, int32_t act);
 
 // Device memory the MLA GEMMs of some plans need: the most step rows and heads, the widest rows (padded
 // to 8 elements), the GEMM element size and whether an op attends in score blocks (the queries, scores,
@@ -101,6 +108,7 @@ class MlaGemmRunner {
   int64_t blocks() const { return blocks_; }  // score blocks run (tests: that the budget split a sequence)
   int64_t flash() const { return flash_; }    // sequences attended by the fused kernel
   int64_t wgmma_flash() const { return wgmma_flash_; }  // of those, on the wgmma kernel
+  int64_t gated() const { return gated_; }   // ops run with the output gate in their epilogue
   // Benchmarks: the heads that take the wgmma kernel on the mma.sync one (mla_flash.cuh) instead, over
   // values expanded row by row.
   void set_prefer_mma_sync(bool on) { mma_sync_ = on; }
@@ -124,7 +132,7 @@ class MlaGemmRunner {
   MlaGemmCapacity capacity_;
   int64_t max_context_ = 0, scores_floats_ = 0;
   DeviceBuffer workspace_, latents_, keys_, values_, queries_, scores_, probs_, outputs_;
-  int64_t calls_ = 0, blocks_ = 0, flash_ = 0, wgmma_flash_ = 0;
+  int64_t calls_ = 0, blocks_ = 0, flash_ = 0, wgmma_flash_ = 0, gated_ = 0;
   bool mma_sync_ = false;
   bool wgmma(const MlaGemmOp& op) const { return op.wgmma() && !mma_sync_; }
   bool timing_ = false;
@@ -155,8 +163,9 @@ void launch_mla_flash(const MlaFlashArgs& args, int32_t type, cudaStream_t strea
 // The same on wgmma (mla_wgmma.cu) for heads that mla_wgmma_fits, values transposed (args.ld_vt > 0).
 void launch_mla_wgmma(const MlaFlashArgs& args, int32_t type, cudaStream_t stream);
 // The block's outputs o[g][t][ld_o] (fp32) into out rows [t]: out[t·width + g·dv + i], rounded to the
-// activation dtype when round_out.
+// activation dtype when round_out; with `gate` (row t's at gate + t·gate_stride, the block's first head
+// at column 0) then act(o'·σ(g)) as sigmoid_mul computes it.
 void launch_mla_scatter(const float* o, int64_t ld_o, int64_t group, int64_t rows, int64_t dv, float* out, int64_t width, int32_t act, bool round_out,
-                        cudaStream_t stream);
+                        const float* gate, int64_t gate_stride, cudaStream_t stream);
 
 }  // namespace plow::cuda

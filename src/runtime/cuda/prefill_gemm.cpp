@@ -31,7 +31,8 @@ std::optional<GemmOp> gemm_form(const Plan& plan, const PlanOp& op, const Device
   return GemmOp{weight, x.offset, op.offset, input.width, op.width, x.row_stride, op.dtype == OutDType::kAct ? act : kAF32, op.inputs.front()};
 }
 
-std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host_op, int32_t skip_op) {
+std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host_op, int32_t skip_op,
+                                    const std::vector<int32_t>* also_reads) {
   std::vector<Segment> segments(1);
   const auto ops = static_cast<int32_t>(plan.ops.size());
   for (int32_t i = 0; i < ops; ++i) {
@@ -40,7 +41,8 @@ std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& 
     // Join the open segment while it holds host ops only and op i reads none of their outputs.
     const bool only_host = !open.host_ops.empty() && open.host_ops.front() == open.first_op && static_cast<int32_t>(open.host_ops.size()) == i - open.first_op;
     const std::vector<int32_t>& inputs = plan.ops[static_cast<size_t>(i)].inputs;
-    if (only_host && std::all_of(inputs.begin(), inputs.end(), [&](int32_t in) { return in < open.first_op; })) {
+    const int32_t also = also_reads != nullptr ? (*also_reads)[static_cast<size_t>(i)] : -1;
+    if (only_host && also < open.first_op && std::all_of(inputs.begin(), inputs.end(), [&](int32_t in) { return in < open.first_op; })) {
       open.host_ops.push_back(i);
       continue;
     }
@@ -69,18 +71,21 @@ std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& 
 
 namespace {
 
-// The tasks of the ops marked in `host` only round; segments cut at the host ops and leave out the
-// tasks of `skip_op` (eager steps skip them in launch_op).
-GemmSchedule gemm_schedule(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host, const std::vector<bool>& reduce, int32_t skip_op) {
+// The tasks of the ops marked in `host` or `absorbed` (an op whose output a host op wrote: the MLA
+// epilogue's output gate) only round; segments cut at the host ops, each also waiting for the op
+// `also_reads` names (−1: none), and leave out the tasks of `skip_op` (eager steps skip them in
+// launch_op).
+GemmSchedule gemm_schedule(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host, const std::vector<bool>& absorbed,
+                           const std::vector<int32_t>& also_reads, const std::vector<bool>& reduce, int32_t skip_op) {
   std::vector<Instr> tasks = by_task;
   for (Instr& ins : tasks) {
     const auto op = static_cast<size_t>(ins.op);
-    if (!host[op] || reduce[op]) continue;
+    if (!(host[op] || absorbed[op]) || reduce[op]) continue;
     ins.opcode = kOpRoundRows;
   }
   GemmSchedule schedule;
   schedule.task_instrs = upload(tasks, "instructions");
-  schedule.segments = build_segments(plan, tasks, host, skip_op);
+  schedule.segments = build_segments(plan, tasks, host, skip_op, &also_reads);
   return schedule;
 }
 
@@ -120,7 +125,7 @@ GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weigh
       continue;
     }
     if (op.op() == Op::kMlaAttention) {
-      if (mla) path.mla_ops[i] = mla_gemm_form(plan, op, op_weights, act);
+      if (mla) path.mla_ops[i] = mla_gemm_form(plan, static_cast<int32_t>(i), op_weights, act);
       if (!path.mla_ops[i]) continue;
       any_mla = true;
       path.mla_capacity.add(*path.mla_ops[i], plan.max_tokens);
@@ -142,11 +147,17 @@ GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weigh
   if (path.max_input_elems == 0 && path.moe_capacity.pairs == 0 && !any_mla && !any_kda) return {};
   if (output_on_host(plan, by_task, reduce, path)) path.output_on_host = plan.output_op;
   const auto with = [&](bool mla_host, bool kda_host) {
-    std::vector<bool> marked = host;
+    std::vector<bool> marked = host, absorbed(plan.ops.size(), false);
+    std::vector<int32_t> also_reads(plan.ops.size(), -1);
     for (size_t i = 0; i < plan.ops.size(); ++i) {
       marked[i] = marked[i] || (mla_host && path.mla_ops[i].has_value()) || (kda_host && path.kda_ops[i].has_value());
+      if (mla_host && path.mla_ops[i] && path.mla_ops[i]->gate_op >= 0) {  // the output gate in the MLA epilogue: it reads the gate
+        const auto gated = static_cast<size_t>(path.mla_ops[i]->gate_op);
+        absorbed[gated] = true;
+        also_reads[i] = plan.ops[gated].inputs[1];
+      }
     }
-    return gemm_schedule(plan, by_task, marked, reduce, path.output_on_host);
+    return gemm_schedule(plan, by_task, marked, absorbed, also_reads, reduce, path.output_on_host);
   };
   path.all_host = with(true, true);
   if (any_mla) path.mla_body = with(false, true);

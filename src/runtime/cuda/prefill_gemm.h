@@ -39,14 +39,16 @@ std::optional<GemmOp> gemm_form(const Plan& plan, const PlanOp& op, const Device
 // The plan's queues cut into megakernel launches: each segment first runs its host ops (all_reduce,
 // GEMMs) on the stream, then the tasks of ops [first_op, next segment's first_op) in queue order. A
 // host op opens a segment; host ops right after it that read none of the group's outputs join it.
-// `skip_op` (≥ 0): an op whose tasks are left out, the host doing all of its work.
+// `skip_op` (≥ 0): an op whose tasks are left out, the host doing all of its work. `also_reads` (per
+// op, −1 for none): an op a host op reads besides its inputs (the MLA epilogue's output gate).
 struct Segment {
   int32_t first_op = 0;
   std::vector<int32_t> host_ops;
   DeviceBuffer instrs, queue_begin;
   int64_t tasks = 0;  // none: only the host ops run
 };
-std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host_op, int32_t skip_op = -1);
+std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host_op, int32_t skip_op = -1,
+                                    const std::vector<int32_t>* also_reads = nullptr);
 
 // One way to run a GEMM step: the segments cut at its host ops and the all_reduces, and the task-order
 // instructions (eager) where the host ops' tasks only round (a no-op on the MoE and MLA ops' outputs,
