@@ -28,6 +28,8 @@
 // over 32K: 288 → 265 ms). 161 KB of shared memory, ~200 registers: one block an SM.
 #include <cudaTypedefs.h>  // CUtensorMap, the driver entry point's type
 
+#include <cstdio>
+
 #include "runtime/cuda/kernels.h"  // declared in mla_gemm.h (host headers nvcc need not see)
 #include "runtime/cuda/mbarrier.cuh"
 #include "runtime/cuda/mla_flash.cuh"
@@ -196,7 +198,12 @@ CUtensorMap tensor_map(const uint16_t* data, int64_t rows, int64_t cols, uint32_
   const CUresult r = encode_tiled()(&map, f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<uint16_t*>(data), dims,
                                     strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) cuda_failure("MLA wgmma attention: cuTensorMapEncodeTiled", cudaErrorInvalidValue);
+  if (r != CUDA_SUCCESS) {  // the driver's code and the shape it refused (the runtime's error names no cause of its own)
+    char what[192];
+    std::snprintf(what, sizeof what, "MLA wgmma attention: cuTensorMapEncodeTiled returned CUresult %d for [%lld, %lld] in boxes of 64 x %u", static_cast<int>(r),
+                  static_cast<long long>(rows), static_cast<long long>(cols), box_rows);
+    cuda_failure(what, cudaErrorInvalidValue);
+  }
   return map;
 }
 
