@@ -406,11 +406,38 @@ __device__ __noinline__ void mla_combine_item(const TaskCtx& ctx, const MlaShape
       lsum += w * __ldcg(ws.part_ml + 2 * record(k) + 1);
     }
     const float total = block_sum(lsum, red);  // its barriers also publish wts
-    for (int e = tid; e < sh.rank; e += kThreads) {
+    // Σ_k wts[k]·u_k in split order. The partials come by cp.async into shared memory, a chunk of splits
+    // at a time, all of a chunk's copies in flight (ncu, batch 1 × 4096, 65 splits: the loop over
+    // __ldcg loads, three or four in flight as ptxas scheduled them, was half the op's time, ~1 µs a
+    // split). Ranks off 16-byte rows keep the loads.
+    const float* u0 = ws.part_u + record(0) * sh.rank;
+    const int64_t step_u = static_cast<int64_t>(si.groups) * kMlaGroup * sh.rank;
+    float* stage = red + 32;  // [chunk][rank], in the rest of the item's shared memory
+    const int chunk = static_cast<int>((kSharedBytes / 4 - 32 - (stage - smem)) / sh.rank);
+    if (sh.rank % 4 == 0 && chunk >= 1) {
       float acc = 0.0f;
+      for (int k0 = 0; k0 < si.splits; k0 += chunk) {
+        const int m = si.splits - k0 < chunk ? si.splits - k0 : chunk, quads = sh.rank / 4;
+        for (int i = tid; i < m * quads; i += kThreads) {
+          const int k = i / quads, c = 4 * (i % quads);
+          cp_async16(stage + k * sh.rank + c, u0 + (k0 + k) * step_u + c);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        if (tid < sh.rank) {
+          for (int k = 0; k < m; ++k) acc += wts[k0 + k] * stage[k * sh.rank + tid];
+        }
+        __syncthreads();  // the stage is rewritten by the next chunk
+      }
+      if (tid < sh.rank) usum[r * sh.rank + tid] = acc / total;
+    } else {
+      for (int e = tid; e < sh.rank; e += kThreads) {
+        float acc = 0.0f;
 #pragma unroll 8
-      for (int k = 0; k < si.splits; ++k) acc += wts[k] * __ldcg(ws.part_u + record(k) * sh.rank + e);
-      usum[r * sh.rank + e] = acc / total;
+        for (int k = 0; k < si.splits; ++k) acc += wts[k] * __ldcg(u0 + k * step_u + e);
+        usum[r * sh.rank + e] = acc / total;
+      }
     }
     __syncthreads();  // wts is rewritten by the next row; usum is read below
   }
