@@ -27,6 +27,7 @@ struct __half { uint16_t bits; };
 inline float __bfloat162float(__nv_bfloat16 b) { return plow::bf16_to_f32(b.bits); }
 inline __nv_bfloat16 __float2bfloat16_rn(float v) { return {plow::f32_to_bf16(v)}; }
 inline float __half2float(__half h) { return plow::f16_to_f32(h.bits); }
+inline __half __ushort_as_half(unsigned short bits) { return {bits}; }
 inline __half __float2half_rn(float v) { return {plow::f32_to_f16(v)}; }
 inline float __int_as_float(int i) { return std::bit_cast<float>(i); }
 struct EmuDim3 { unsigned x = 0, y = 0, z = 0; };

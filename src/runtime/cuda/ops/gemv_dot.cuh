@@ -6,6 +6,7 @@
 #pragma once
 
 #include "runtime/cuda/device.cuh"
+#include "runtime/cuda/ops/half8.cuh"
 
 namespace plow::cuda {
 
@@ -31,17 +32,7 @@ __device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
 
 __device__ __forceinline__ void unpack8(uint4 v, int32_t type, float (&f)[8]) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (type == kWBF16) {
-      f[2 * i] = __uint_as_float(w[i] << 16);
-      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    } else {
-      const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-      f[2 * i] = h.x;
-      f[2 * i + 1] = h.y;
-    }
-  }
+  unpack_half8(w, type, f);
 }
 
 // E2M1 code → value, branch-free: sign, 2 exponent bits (bias 1), 1 mantissa bit; e = 0 is 0 or 0.5.

@@ -3,9 +3,8 @@
 // u = Σ_τ p_τ c_τ, o = W_UV,h·u. Equal to the CPU's expanded form up to fp32 reassociation, except that
 // the CPU rounds the expanded k_nope and v, and P, to the activation dtype (no-ops in fp32; in bf16 a
 // difference of order one bf16 ulp, hence the looser bf16 test bound). One sweep over the cache with an
-// online softmax: P is never formed normalized, so it is not rounded.
-// Steps of at most kMlaHeadsMaxRows rows whose sequences all hold at most kMlaHeadsMaxContext positions
-// take the per-head body of mla_heads.cuh instead (faster there: no cross-block phases).
+// online softmax: P is never formed normalized, so it is not rounded. Every step runs split-KV, short
+// contexts too (a per-head body there was slower once A and C streamed through shared memory).
 // Split-KV: the op has one task per worker (spreads_over_workers) and its tasks take work items from a
 // ticket counter (OpDesc::sync[0]) in three phases, every item of a phase before any of the next:
 //  A (block of kMlaRowBlock query rows × head × part, ≤ kMlaSplitAC parts): q_abs into the workspace, the
@@ -24,9 +23,9 @@
 #pragma once
 
 #include "runtime/cuda/ops/common.cuh"
+#include "runtime/cuda/ops/half8.cuh"
 #include "runtime/cuda/ops/limits.h"
 #include "runtime/cuda/ops/mla_common.cuh"
-#include "runtime/cuda/ops/mla_heads.cuh"
 #ifndef PLOW_CUDA_EMU
 #include "runtime/cuda/ops/gemv.cuh"  // load_stream, unpack8 (W_UV rows)
 #endif
@@ -159,6 +158,78 @@ __device__ inline void mla_append_latents(const TaskCtx& ctx, const MlaShape& sh
       });
 }
 
+// Whether A takes mla_absorb_cols: half-precision W_UK whose rows are whole 16-byte chunks.
+__device__ __forceinline__ bool mla_absorb_vector(const DeviceWeight& kv_b, const MlaShape& sh) {
+  return (kv_b.type == kWBF16 || kv_b.type == kWF16) && sh.rank % 8 == 0;
+}
+
+// q_abs's rank columns [c0, c1) (multiples of 8) for the block's rows, every thread busy: chunks of
+// the part's W_UK rows come by cp.async into shared memory (`stage`, stage_bytes), every copy of a
+// chunk in flight; thread t then takes the 8 columns c0 + 8·(t % groups) over the chunk's rows
+// i ≡ t / groups (mod slices), and the slices' sums meet in shared memory (`part`, ≤ kThreads·8
+// floats), added in slice order. (ncu, batch 1 × 4096: the scalar loop of mla_absorb_item ran 144 of
+// 512 threads, each 128 scalar loads of its column; 16-byte loads into registers instead were issued
+// two at a time by ptxas, each just before its use.)
+template <int kRows>
+__device__ __noinline__ void mla_absorb_cols(const TaskCtx& ctx, const MlaShape sh, int h, int r0, int n, int c0, int c1, const float* qs, float* part,
+                                             uint8_t* stage, int stage_bytes, float* qabs) {
+  const DeviceWeight& kv_b = ctx.weight(1);
+  const int tid = static_cast<int>(threadIdx.x), cols = c1 - c0, groups = cols / 8, slices = kThreads / groups;
+  const int g = tid % groups, slice = tid / groups;
+  const bool active = slice < slices;
+  const int chunk_rows = stage_bytes / (cols * 2) < sh.nope ? stage_bytes / (cols * 2) : sh.nope;
+  const uint8_t* w = kv_b.data + (static_cast<int64_t>(h) * sh.per_head * sh.rank + c0) * 2;
+  float acc[kRows][8];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) acc[r][c] = 0.0f;
+  }
+  for (int i0 = 0; i0 < sh.nope; i0 += chunk_rows) {
+    const int m = sh.nope - i0 < chunk_rows ? sh.nope - i0 : chunk_rows;
+    for (int idx = tid; idx < m * groups; idx += kThreads) {
+      const int i = idx / groups, c = idx % groups;
+      const uint8_t* src = w + (static_cast<int64_t>(i0 + i) * sh.rank + 8 * c) * 2;
+      cp_async16(reinterpret_cast<float*>(stage + (i * cols + 8 * c) * 2), reinterpret_cast<const float*>(src));
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    if (active) {
+      for (int i = slice; i < m; i += slices) {
+        const float4 raw = *reinterpret_cast<const float4*>(stage + (i * cols + 8 * g) * 2);
+        const uint32_t words[4] = {__float_as_uint(raw.x), __float_as_uint(raw.y), __float_as_uint(raw.z), __float_as_uint(raw.w)};
+        float f[8];
+        unpack_half8(words, kv_b.type, f);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          if (r >= n) break;
+          const float x = qs[r * sh.nope + i0 + i];
+#pragma unroll
+          for (int c = 0; c < 8; ++c) acc[r][c] += x * f[c];
+        }
+      }
+    }
+    __syncthreads();  // the stage is rewritten by the next chunk
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (r >= n) break;  // block-uniform
+    if (active) {
+      float4* dst = reinterpret_cast<float4*>(part + slice * cols + 8 * g);
+      dst[0] = make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+      dst[1] = make_float4(acc[r][4], acc[r][5], acc[r][6], acc[r][7]);
+    }
+    __syncthreads();
+    for (int j = tid; j < cols; j += kThreads) {
+      float sum = 0.0f;
+      for (int k = 0; k < slices; ++k) sum += part[k * cols + j];
+      qabs[(static_cast<int64_t>(r0 + r) * sh.heads + h) * sh.latent + c0 + j] = sum;
+    }
+    __syncthreads();  // part is rewritten by the next row
+  }
+}
+
 // A item: q_abs[row][h] = [q_nope·W_UK,h | q_rope] for the block's rows, columns of its part: rank
 // columns [c0, c1) and rope columns rank + [t0, t1) (one read of the part's columns of W_UK,h).
 // (The non-inlined items take the shape, schedule and workspace by value: a reference is a pointer
@@ -167,12 +238,31 @@ __device__ __noinline__ void mla_absorb_item(const TaskCtx& ctx, const MlaShape 
   const DeviceWeight& kv_b = ctx.weight(1);  // [heads·(nope+v), rank]
   const MlaAcItem it = mla_ac_item(ctx, sh, parts, item);
   const int h = it.h, r0 = it.r0, n = it.n;
-  const int c0 = mla_part_begin(sh.rank, it.part, parts), c1 = mla_part_begin(sh.rank, it.part + 1, parts);
   const int t0 = mla_part_begin(sh.rope, it.part, parts), t1 = mla_part_begin(sh.rope, it.part + 1, parts);
-  // The block's q_nope rows of head h in shared memory (after `red`): the loop below reads each n times.
+  // The block's q_nope rows of head h in shared memory (after `red`): the loops below read each often.
   float* qs = red + 32;
   for (int idx = static_cast<int>(threadIdx.x); idx < n * sh.nope; idx += kThreads) qs[idx] = ctx.in(0, r0 + idx / sh.nope)[h * sh.qk + idx % sh.nope];
   __syncthreads();
+  if (mla_absorb_vector(kv_b, sh)) {
+    // Column shares in multiples of 8 (the 16-byte copies; a part may get none); rope columns are copies.
+    const int c0 = 8 * mla_part_begin(sh.rank / 8, it.part, parts), c1 = 8 * mla_part_begin(sh.rank / 8, it.part + 1, parts);
+    for (int idx = static_cast<int>(threadIdx.x); idx < n * (t1 - t0); idx += kThreads) {
+      const int r = idx / (t1 - t0), e = sh.rank + t0 + idx % (t1 - t0);
+      qabs[(static_cast<int64_t>(r0 + r) * sh.heads + h) * sh.latent + e] = ctx.in(0, r0 + r)[h * sh.qk + sh.nope + e - sh.rank];
+    }
+    float* part = qs + ((n * sh.nope + 3) & ~3);  // 16-byte aligned (qs is: red + 32 floats)
+    uint8_t* stage = reinterpret_cast<uint8_t*>(part + kThreads * 8);
+    const int stage_bytes = static_cast<int>(kSharedBytes - 4 * (32 + (part + kThreads * 8 - red)));  // red: 32 floats into the op's smem
+    // One row (batch 1) keeps 8 accumulators a thread, a block of rows 64.
+    if (c1 > c0 && n == 1) {
+      mla_absorb_cols<1>(ctx, sh, h, r0, n, c0, c1, qs, part, stage, stage_bytes, qabs);  // ends with __syncthreads
+    } else if (c1 > c0) {
+      mla_absorb_cols<kMlaRowBlock>(ctx, sh, h, r0, n, c0, c1, qs, part, stage, stage_bytes, qabs);
+    }
+    if (h == 0 && it.part == 0) mla_append_latents(ctx, sh, r0, n, red);
+    return;
+  }
+  const int c0 = mla_part_begin(sh.rank, it.part, parts), c1 = mla_part_begin(sh.rank, it.part + 1, parts);
   for (int j = static_cast<int>(threadIdx.x); j < c1 - c0 + t1 - t0; j += kThreads) {
     const int e = j < c1 - c0 ? c0 + j : sh.rank + t0 + (j - (c1 - c0));
     float acc[kMlaRowBlock];
@@ -502,14 +592,6 @@ __device__ inline bool mla_step_fits(const TaskCtx& ctx, const MlaShape& sh, con
 // is refused). attrs: [0] heads, [1] nope, [2] rope, [3] v, [4] rank, [5] eps (kv_a norm). Requires
 // rank ≤ 512 and rank + rope ≤ 576 (pack_misc_attrs refuses others), OpDesc workspace and sync.
 __device__ __noinline__ void op_mla_attention(const TaskCtx& ctx) {
-  // Steps of few rows over short contexts: one task per head slice, no cross-block phases
-  // (mla_heads.cuh). Step-uniform.
-  bool short_step = ctx.rows() <= kMlaHeadsMaxRows;
-  for (int s = 0; s < ctx.step->num_seqs; ++s) short_step = short_step && ctx.step->seq_context[s] + ctx.step->seq_tokens[s] <= kMlaHeadsMaxContext;
-  if (short_step) {
-    mla_heads::run(ctx);
-    return;
-  }
   const MlaShape sh = mla_shape(ctx);
   const MlaSchedule sched = mla_schedule(ctx, sh);
   if (!mla_step_fits(ctx, sh, sched)) return;

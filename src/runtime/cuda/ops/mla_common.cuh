@@ -1,5 +1,5 @@
-// What both MLA bodies share (spec/MODEL.md §4.3): the op's shape from its attributes, and one latent
-// row against a query, lane-strided over a warp. mla.cuh (split-KV) and mla_heads.cuh (per head).
+// What the MLA decode items share (spec/MODEL.md §4.3): the op's shape from its attributes, and one
+// latent row against a query, lane-strided over a warp (mla.cuh's SIMT B item).
 #pragma once
 
 #include "runtime/cuda/ops/common.cuh"

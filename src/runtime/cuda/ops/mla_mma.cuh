@@ -76,22 +76,22 @@ __device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaSha
   const int g = lane >> 2, c2 = (lane & 3) * 2;  // fragment row (group) and column pair
   const int quads = sh.latent / 4;
   // The group's q_abs rows as bf16 hi/lo (zero rows past nq): every load in flight, then the stores.
+  // Slots past nq load query nq − 1's row and drop it: a load under a branch was issued alone (SASS:
+  // five dependent L2 latencies for the five loads a thread).
   {
     constexpr int kPer = (kMlaGroup * (kMlaMaxLatent / 4) + kThreads - 1) / kThreads;
     float4 v[kPer];
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int idx = tid + i * kThreads, j = idx / quads, e = (idx % quads) * 4;
-      v[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (j < nq) {
-        const int qi = q0 + j;
-        v[i] = __ldcg(reinterpret_cast<const float4*>(ws.qabs + (static_cast<int64_t>(first + qi / sh.heads) * sh.heads + qi % sh.heads) * sh.latent + e));
-      }
+      const int qi = q0 + (j < nq ? j : nq - 1);
+      v[i] = __ldcg(reinterpret_cast<const float4*>(ws.qabs + (static_cast<int64_t>(first + qi / sh.heads) * sh.heads + qi % sh.heads) * sh.latent + e));
     }
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int idx = tid + i * kThreads, j = idx / quads, e = (idx % quads) * 4;
       if (j >= kMlaGroup) break;
+      if (j >= nq) v[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       uint32_t h01, l01, h23, l23;
       mla_split_pair(v[i].x, v[i].y, h01, l01);
       mla_split_pair(v[i].z, v[i].w, h23, l23);
