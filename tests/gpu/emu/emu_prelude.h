@@ -178,6 +178,8 @@ inline void emu_cp_land(const EmuCpAsync::Copy& c) {
 }
 inline void emu_cp_async(void* dst, const void* src, int src_bytes) {
   if (src_bytes != 0 && src_bytes != 16) std::abort();
+  // The device faults ("misaligned address") on a cp.async whose addresses are not 16-byte aligned.
+  if (((reinterpret_cast<uintptr_t>(dst) | (src_bytes != 0 ? reinterpret_cast<uintptr_t>(src) : 0)) & 15) != 0) std::abort();
   const unsigned t = threadIdx.x;
   const EmuCpAsync::Copy c{dst, src, src_bytes, emu_cp.committed[t]};
   if (emu_cp.eager) {

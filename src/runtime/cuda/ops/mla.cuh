@@ -158,9 +158,9 @@ __device__ inline void mla_append_latents(const TaskCtx& ctx, const MlaShape& sh
       });
 }
 
-// Whether A takes mla_absorb_cols: half-precision W_UK whose rows are whole 16-byte chunks.
+// Whether A takes mla_absorb_cols: half-precision W_UK whose rows are whole, aligned 16-byte chunks.
 __device__ __forceinline__ bool mla_absorb_vector(const DeviceWeight& kv_b, const MlaShape& sh) {
-  return (kv_b.type == kWBF16 || kv_b.type == kWF16) && sh.rank % 8 == 0;
+  return (kv_b.type == kWBF16 || kv_b.type == kWF16) && sh.rank % 8 == 0 && (reinterpret_cast<uintptr_t>(kv_b.data) & 15) == 0;
 }
 
 // q_abs's rank columns [c0, c1) (multiples of 8) for the block's rows, every thread busy: chunks of
@@ -499,12 +499,14 @@ __device__ __noinline__ void mla_combine_item(const TaskCtx& ctx, const MlaShape
     // Σ_k wts[k]·u_k in split order. The partials come by cp.async into shared memory, a chunk of splits
     // at a time, all of a chunk's copies in flight (ncu, batch 1 × 4096, 65 splits: the loop over
     // __ldcg loads, three or four in flight as ptxas scheduled them, was half the op's time, ~1 µs a
-    // split). Ranks off 16-byte rows keep the loads.
+    // split). Partials off 16-byte alignment keep the loads.
     const float* u0 = ws.part_u + record(0) * sh.rank;
     const int64_t step_u = static_cast<int64_t>(si.groups) * kMlaGroup * sh.rank;
     float* stage = red + 32;  // [chunk][rank], in the rest of the item's shared memory
     const int chunk = static_cast<int>((kSharedBytes / 4 - 32 - (stage - smem)) / sh.rank);
-    if (sh.rank % 4 == 0 && chunk >= 1) {
+    // 16-byte copies need part_u 16-byte aligned: the q_abs block before it is rows·heads·latent
+    // floats, not a multiple of 4 for odd latents (a misaligned-address fault in the prefill test).
+    if (sh.rank % 4 == 0 && (reinterpret_cast<uintptr_t>(ws.part_u) & 15) == 0 && chunk >= 1) {
       float acc = 0.0f;
       for (int k0 = 0; k0 < si.splits; k0 += chunk) {
         const int m = si.splits - k0 < chunk ? si.splits - k0 : chunk, quads = sh.rank / 4;
