@@ -585,6 +585,7 @@ std::vector<std::pair<MlaLongCase, DType>> mla_long_params() {
   const std::vector<MlaLongCase> shapes = {
       {3, 32, 8, 24, 64, 1, 1, 7},        {3, 32, 8, 24, 64, 63, 3, 3},       {3, 32, 8, 24, 64, 700, 3, 132},
       {3, 32, 8, 24, 64, 4097, 1, 132},   {3, 32, 8, 24, 64, 20000, 1, 132},  {3, 32, 8, 24, 64, 20000, 3, 7},
+      {3, 32, 7, 24, 64, 701, 3, 132},    // latent 71: rows·heads·latent floats of q_abs, not a multiple of 4, before the partials
       {5, 16, 8, 16, 32, 700, 3, 7},      {5, 16, 8, 16, 32, 4097, 3, 132},   // 5 heads: query groups of 16 straddle tokens
       {2, 128, 64, 128, 512, 700, 3, 3},  {2, 128, 64, 128, 512, 4097, 1, 132},  // the real head shape
       {2, 128, 64, 128, 512, 4097, 3, 132},

@@ -110,11 +110,11 @@ bool pack_misc_attrs(const PlanOp& op, float* attr) {
 bool cooperates(const PlanOp& op) { return op.op() == Op::kMlaAttention || op.op() == Op::kKdaDeltaRule; }
 
 int64_t workspace_floats(const PlanOp& op, int64_t max_tokens, int64_t max_seqs, int32_t tasks) {
-  if (op.op() == Op::kMlaAttention) {  // q_abs of every row, then the partials of at most 2·tasks + Σ groups split items, Σ groups ≤ ⌈T·heads/16⌉ + T
+  if (op.op() == Op::kMlaAttention) {  // q_abs of every row (padded to 4 floats), then the partials of at most 2·tasks + Σ groups split items, Σ groups ≤ ⌈T·heads/16⌉ + T
     const int64_t heads = integer(op, "heads"), rank = integer(op, "rank");
     const int64_t latent = rank + integer(op, "rope");
     const int64_t items = 2 * int64_t{tasks} + (max_tokens * heads + kMlaGroupQueries - 1) / kMlaGroupQueries + max_tokens;
-    return max_tokens * heads * latent + items * kMlaGroupQueries * (2 + rank);
+    return (max_tokens * heads * latent + 3) / 4 * 4 + items * kMlaGroupQueries * (2 + rank);
   }
   if (op.op() == Op::kKdaDeltaRule) {  // a record per (chunk, head); chunks ≤ Σ (tokens/C + 1) over the chunked sequences
     const int64_t d = integer(op, "head_dim");

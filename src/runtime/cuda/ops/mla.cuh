@@ -102,15 +102,20 @@ __device__ inline MlaSchedule mla_schedule(const TaskCtx& ctx, const MlaShape& s
   return m;
 }
 
-// The workspace of one step: q_abs [T, heads, latent], then per B item and query (max, sum) and u [rank].
+// The workspace of one step: q_abs [T, heads, latent] padded to a multiple of 4 floats, then per B item
+// and query (max, sum) and u [rank]: the partials start 16-byte aligned (C copies them by cp.async; an
+// odd latent left them misaligned, a fault on the H200). ops_attrs.cpp sizes it the same way.
 struct MlaWorkspace {
   float* qabs;
   float* part_ml;
   float* part_u;
 };
 
+__device__ __forceinline__ int64_t mla_qabs_floats(const MlaShape& sh, int tokens) {
+  return (static_cast<int64_t>(tokens) * sh.heads * sh.latent + 3) / 4 * 4;
+}
 __device__ __forceinline__ int64_t mla_workspace_floats(const MlaShape& sh, int tokens, int b_items) {
-  return static_cast<int64_t>(tokens) * sh.heads * sh.latent + static_cast<int64_t>(b_items) * kMlaGroup * (2 + sh.rank);
+  return mla_qabs_floats(sh, tokens) + static_cast<int64_t>(b_items) * kMlaGroup * (2 + sh.rank);
 }
 
 // Where B item ib of query group gq, split k of sequence s begins: base of s (the items of the
@@ -499,14 +504,12 @@ __device__ __noinline__ void mla_combine_item(const TaskCtx& ctx, const MlaShape
     // Σ_k wts[k]·u_k in split order. The partials come by cp.async into shared memory, a chunk of splits
     // at a time, all of a chunk's copies in flight (ncu, batch 1 × 4096, 65 splits: the loop over
     // __ldcg loads, three or four in flight as ptxas scheduled them, was half the op's time, ~1 µs a
-    // split). Partials off 16-byte alignment keep the loads.
+    // split). Ranks off 16-byte rows keep the loads.
     const float* u0 = ws.part_u + record(0) * sh.rank;
     const int64_t step_u = static_cast<int64_t>(si.groups) * kMlaGroup * sh.rank;
     float* stage = red + 32;  // [chunk][rank], in the rest of the item's shared memory
     const int chunk = static_cast<int>((kSharedBytes / 4 - 32 - (stage - smem)) / sh.rank);
-    // 16-byte copies need part_u 16-byte aligned: the q_abs block before it is rows·heads·latent
-    // floats, not a multiple of 4 for odd latents (a misaligned-address fault in the prefill test).
-    if (sh.rank % 4 == 0 && (reinterpret_cast<uintptr_t>(ws.part_u) & 15) == 0 && chunk >= 1) {
+    if (sh.rank % 4 == 0 && chunk >= 1) {
       float acc = 0.0f;
       for (int k0 = 0; k0 < si.splits; k0 += chunk) {
         const int m = si.splits - k0 < chunk ? si.splits - k0 : chunk, quads = sh.rank / 4;
@@ -599,8 +602,8 @@ __device__ __noinline__ void op_mla_attention(const TaskCtx& ctx) {
   if (!mla_step_fits(ctx, sh, sched)) return;
   const int a_items = sched.a_items, b_items = sched.b_items, total = 2 * a_items + b_items;  // C: as many as A
   float* const ws_base = ctx.op->workspace;
-  const MlaWorkspace ws{ws_base, ws_base + static_cast<int64_t>(ctx.rows()) * sh.heads * sh.latent,
-                        ws_base + static_cast<int64_t>(ctx.rows()) * sh.heads * sh.latent + static_cast<int64_t>(b_items) * kMlaGroup * 2};
+  const int64_t qabs_floats = mla_qabs_floats(sh, ctx.rows());
+  const MlaWorkspace ws{ws_base, ws_base + qabs_floats, ws_base + qabs_floats + static_cast<int64_t>(b_items) * kMlaGroup * 2};
   unsigned* const sync = ctx.op->sync;
   float* const smem = smem_floats(ctx) + 32;  // after the ticket
   for (;;) {
