@@ -203,6 +203,22 @@ TEST_P(CudaGemvTest, MatchesTheReference) {
         }
       }
     }
+    // A one-row plan runs kernels whose GEMV bodies carry the one-row pass alone (gemv_task's kCap);
+    // the general kernels on a 3-row plan give the same row the same bits.
+    cuda::CudaOptions options;
+    options.act_dtype = c.dtype;
+    options.num_slots = 13;
+    options.max_context_tokens = 64;
+    options.poison_arena = true;
+    cuda::CudaBackend general(graph, weights, {lower_to_plan(graph, {PlanPhase::kDecode, 3, workers, 0, 0})}, options);
+    StepInputs in;
+    in.all_logits = true;
+    in.token_ids = token_ids(1, workers + 1);
+    in.sequences = {{0, 1}};
+    const StepOutput have = general.step(in);
+    const std::vector<float>& one_row = megakernel_out.at(0);
+    ASSERT_EQ(have.logits.size(), one_row.size());
+    EXPECT_EQ(0, std::memcmp(one_row.data(), have.logits.data(), one_row.size() * sizeof(float))) << c.name << " workers " << workers;
   }
 }
 

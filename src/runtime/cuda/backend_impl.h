@@ -260,7 +260,7 @@ struct CudaBackend::Impl {
     run_host_op(prepared, static_cast<int32_t>(op_index), p, gemm, mla, kda);
     const auto [first, end] = prepared.op_tasks[op_index];
     const bool host_only = gemm && static_cast<int32_t>(op_index) == prepared.gemm.output_on_host;
-    if (end > first && !host_only) launch_eager(p, first, end - first, stream);
+    if (end > first && !host_only) launch_eager(p, first, end - first, prepared.plan.max_tokens, stream);
     nvtxRangePop();
   }
 
@@ -288,7 +288,7 @@ struct CudaBackend::Impl {
     static const std::vector<Segment> kUncut;
     const std::vector<Segment>& segments = gemm ? schedule.segments : p.step.peers != nullptr ? kUncut : prepared.segments;
     if (segments.empty()) {
-      launch_megakernel(p, prepared.plan.workers, stream);
+      launch_megakernel(p, prepared.plan.workers, prepared.plan.max_tokens, stream);
       return;
     }
     for (const Segment& segment : segments) {
@@ -296,7 +296,7 @@ struct CudaBackend::Impl {
       KernelParams part = p;
       part.instrs = segment.instrs.as<Instr>();
       part.queue_begin = segment.queue_begin.as<int32_t>();
-      if (segment.tasks > 0) launch_megakernel(part, prepared.plan.workers, stream);
+      if (segment.tasks > 0) launch_megakernel(part, prepared.plan.workers, prepared.plan.max_tokens, stream);
     }
   }
 

@@ -27,7 +27,7 @@ int CudaBackend::diagnose_decode_step(int batch, double timeout_ms) {
     if (end <= first) continue;
     const auto start = std::chrono::steady_clock::now();
     m.run_host_op(prepared, static_cast<int32_t>(i), p, false);
-    launch_eager(p, first, end - first, m.stream);
+    launch_eager(p, first, end - first, prepared.plan.max_tokens, m.stream);
     cudaError_t state = cudaErrorNotReady;
     double ms = 0;
     while ((state = cudaStreamQuery(m.stream)) == cudaErrorNotReady) {

@@ -18,23 +18,25 @@ namespace plow::cuda {
 
 namespace {
 
-// The op bodies this backend has. kTokens has no tasks (the host writes the token ids).
+// The op bodies this backend has. kTokens has no tasks (the host writes the token ids). kCap: the
+// most token rows a GEMV pass serves (gemv_task): 1 in the kernels of one-row plans.
+template <int kCap>
 __device__ void run_task(const TaskCtx& ctx, int32_t opcode) {
   if (opcode == kOpRoundRows) {
     op_round_rows(ctx);
     return;
   }
   switch (static_cast<Op>(opcode)) {
-    case Op::kLinear: op_linear(ctx); return;
-    case Op::kRouterLogits: op_router_logits(ctx); return;
-    case Op::kNormLinear: op_norm_linear(ctx); return;
-    case Op::kMultiLinear: op_multi_linear(ctx); return;
-    case Op::kNormMultiLinear: op_norm_multi_linear(ctx); return;
-    case Op::kLinearAdd: op_linear_add(ctx); return;
-    case Op::kLinearKdaGate: op_linear_kda_gate(ctx); return;
-    case Op::kGateUpAct: op_gate_up_act(ctx); return;
-    case Op::kActLinear: op_act_linear(ctx); return;
-    case Op::kGatedNormLinear: op_gated_norm_linear(ctx); return;
+    case Op::kLinear: op_linear<kCap>(ctx); return;
+    case Op::kRouterLogits: op_router_logits<kCap>(ctx); return;
+    case Op::kNormLinear: op_norm_linear<kCap>(ctx); return;
+    case Op::kMultiLinear: op_multi_linear<kCap>(ctx); return;
+    case Op::kNormMultiLinear: op_norm_multi_linear<kCap>(ctx); return;
+    case Op::kLinearAdd: op_linear_add<kCap>(ctx); return;
+    case Op::kLinearKdaGate: op_linear_kda_gate<kCap>(ctx); return;
+    case Op::kGateUpAct: op_gate_up_act<kCap>(ctx); return;
+    case Op::kActLinear: op_act_linear<kCap>(ctx); return;
+    case Op::kGatedNormLinear: op_gated_norm_linear<kCap>(ctx); return;
     case Op::kMoeGateUp: op_moe_gate_up(ctx); return;
     case Op::kMoeDown: op_moe_down_impl<false>(ctx); return;
     case Op::kMoeDownAdd: op_moe_down_impl<true>(ctx); return;
@@ -130,6 +132,7 @@ __device__ __forceinline__ void point_at_arrays(TaskSlot* slot) {
   d->weights = reinterpret_cast<const DeviceWeight*>(in + 3 * d->num_inputs);
 }
 
+template <int kCap>
 __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant__ KernelParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int worker = blockIdx.x;
@@ -170,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
     __syncthreads();
     const long long r0 = clock64();
     const Instr& ins = slot->ins;
-    run_task(task_ctx(slot->ctx), ins.opcode);
+    run_task<kCap>(task_ctx(slot->ctx), ins.opcode);
     // The releasing thread reads its counters before the barrier: after it, thread 0 loads the task
     // after next into this slot.
     const int32_t signals = ins.num_signals, first_signal = ins.signal_begin, inline0 = ins.signal[0], inline1 = ins.signal[1];
@@ -205,6 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
   }
 }
 
+template <int kCap>
 __global__ void __launch_bounds__(kThreads, 1) eager_kernel(const __grid_constant__ KernelParams p, int32_t first) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ alignas(16) unsigned char ctx_mem[sizeof(TaskCtx)];  // as the megakernel's (build_task_ctx)
@@ -214,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1) eager_kernel(const __grid_constan
     build_task_ctx(ctx_mem, TaskCtx{p.ops + ins.op, p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task});
   }
   __syncthreads();
-  run_task(task_ctx(ctx_mem), ins.opcode);
+  run_task<kCap>(task_ctx(ctx_mem), ins.opcode);
 }
 
 // cand set: write (value, vocab_offset + id) pairs instead of ids / token_out (tensor parallelism).
@@ -364,20 +368,29 @@ void configure_kernels() {
   if (cudaGetDevice(&device) != cudaSuccess) cuda_failure("querying the current device", cudaGetLastError());
   const std::lock_guard lock(mutex);
   if (done.count(device)) return;
-  for (const void* kernel : {reinterpret_cast<const void*>(megakernel), reinterpret_cast<const void*>(eager_kernel)}) {
+  for (const void* kernel : {reinterpret_cast<const void*>(megakernel<1>), reinterpret_cast<const void*>(megakernel<kMaxGroup>),
+                             reinterpret_cast<const void*>(eager_kernel<1>), reinterpret_cast<const void*>(eager_kernel<kMaxGroup>)}) {
     const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kLaunchSharedBytes);
     if (error != cudaSuccess) cuda_failure("raising the kernels' shared memory limit", error);
   }
   done.insert(device);
 }
 
-void launch_megakernel(const KernelParams& params, int workers, cudaStream_t stream) {
-  megakernel<<<workers, kThreads, kLaunchSharedBytes, stream>>>(params);
+void launch_megakernel(const KernelParams& params, int workers, int64_t max_rows, cudaStream_t stream) {
+  if (max_rows == 1) {
+    megakernel<1><<<workers, kThreads, kLaunchSharedBytes, stream>>>(params);
+  } else {
+    megakernel<kMaxGroup><<<workers, kThreads, kLaunchSharedBytes, stream>>>(params);
+  }
   check_launch("the megakernel");
 }
 
-void launch_eager(const KernelParams& params, int first_instr, int count, cudaStream_t stream) {
-  eager_kernel<<<count, kThreads, kSharedBytes, stream>>>(params, first_instr);
+void launch_eager(const KernelParams& params, int first_instr, int count, int64_t max_rows, cudaStream_t stream) {
+  if (max_rows == 1) {
+    eager_kernel<1><<<count, kThreads, kSharedBytes, stream>>>(params, first_instr);
+  } else {
+    eager_kernel<kMaxGroup><<<count, kThreads, kSharedBytes, stream>>>(params, first_instr);
+  }
   check_launch("an eager op");
 }
 

@@ -73,8 +73,10 @@ bool device_has_op(int opcode);
 // A failed CUDA call or launch: plow::Error naming `what` (defined in backend.cpp, outside nvcc's view of fmt).
 [[noreturn]] void cuda_failure(const char* what, cudaError_t error);
 void configure_kernels();  // raises the dynamic shared-memory limits (once per device, on the current one)
-void launch_megakernel(const KernelParams& params, int workers, cudaStream_t stream);
-void launch_eager(const KernelParams& params, int first_instr, int count, cudaStream_t stream);
+// max_rows: the plan's rows (its bucket); plans of one row run kernels whose GEMV bodies carry the
+// one-row pass alone (gemv_task's kCap).
+void launch_megakernel(const KernelParams& params, int workers, int64_t max_rows, cudaStream_t stream);
+void launch_eager(const KernelParams& params, int first_instr, int count, int64_t max_rows, cudaStream_t stream);
 // For each sequence s: the argmax (lowest index on ties) of logits row (first_row[s] + tokens[s] − 1)
 // of [rows, vocab] at `logits`; written to ids[s] and, when token_out is set, to token_out[s] as a float.
 void launch_argmax(const float* logits, int64_t vocab, const int32_t* first_row, const int32_t* tokens, int num_seqs, int32_t* ids,

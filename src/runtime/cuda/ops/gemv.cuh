@@ -117,21 +117,27 @@ __device__ __forceinline__ void gemv_pass(const TaskCtx& ctx, const float* xs, i
   }
 }
 
-template <int NDOT, bool PER_TOKEN, class Stage, class Ref, class Epi>
+// kCap: the most token rows a pass serves, kMaxGroup or 1. The kernels of one-row plans (batch-1
+// decode) instantiate their bodies with 1: they then carry the one-row pass alone, not beside it the
+// passes of 2, 4 and 8 rows that such a plan never takes (a body was 14–35 K SASS instructions, of which
+// a task ran ~2 K, scattered: ncu had instruction fetch at ~45% of a small GEMV task's stalls).
+template <int NDOT, bool PER_TOKEN, int kCap = kMaxGroup, class Stage, class Ref, class Epi>
 __device__ __forceinline__ void gemv_task(const TaskCtx& ctx, int n, Stage stage, Ref ref, Epi epi) {
+  static_assert(kCap == 1 || kCap == kMaxGroup, "a pass serves 1 or kMaxGroup rows");
   int ld = 0, group = 0;
   float* xs = staging(ctx, n, ld, group);
   if (group == 0) {  // a row wider than the block's scratch
     if (threadIdx.x == 0) report_error(ctx, kErrWorkspace);
     return;
   }
+  if (kCap == 1) group = 1;
   const int rows = ctx.rows();
   for (int t0 = 0; t0 < rows; t0 += group) {
     const int count = rows - t0 < group ? rows - t0 : group;
     __syncthreads();  // the previous group's readers are done with xs
     stage(xs, ld, t0, count);
     __syncthreads();
-    if (PER_TOKEN || count == 1) {
+    if (PER_TOKEN || kCap == 1 || count == 1) {
       gemv_pass<NDOT, 1, PER_TOKEN>(ctx, xs, ld, n, t0, count, ref, epi);
     } else if (count == 2) {
       gemv_pass<NDOT, 2, false>(ctx, xs, ld, n, t0, count, ref, epi);
@@ -188,19 +194,23 @@ __device__ __forceinline__ auto store_rounded(const TaskCtx& ctx) {
 }
 
 // kLinear: out = x·Wᵀ.
+template <int kCap = kMaxGroup>
 __device__ __noinline__ void op_linear(const TaskCtx& ctx) {
-  gemv_task<1, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; }, store_rounded(ctx));
+  gemv_task<1, false, kCap>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; },
+                            store_rounded(ctx));
 }
 
 // kRouterLogits: logits = x·Wᵀ in fp32, never rounded (moe_topk reads them). attrs: none.
+template <int kCap = kMaxGroup>
 __device__ __noinline__ void op_router_logits(const TaskCtx& ctx) {
-  gemv_task<1, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; },
-                      [&ctx](int t, int64_t c, const float* dots) { ctx.out(t)[c] = dots[0]; });
+  gemv_task<1, false, kCap>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; },
+                            [&ctx](int t, int64_t c, const float* dots) { ctx.out(t)[c] = dots[0]; });
 }
 
 // kNormLinear: linear(rms_norm(x; w); W). attr0 = ε.
+template <int kCap = kMaxGroup>
 __device__ __noinline__ void op_norm_linear(const TaskCtx& ctx) {
-  gemv_task<1, false>(
+  gemv_task<1, false, kCap>(
       ctx, static_cast<int>(ctx.in_width(0)),
       [&ctx](float* xs, int ld, int t0, int count) { stage_rms_norm(ctx, ctx.weight(0), ctx.attr(0), xs, ld, t0, count); },
       [](int, int64_t c, int) { return RowRef{1, 0, c}; }, store_rounded(ctx));
@@ -217,36 +227,40 @@ __device__ __forceinline__ RowRef multi_row(const TaskCtx& ctx, int first, int64
 }
 
 // kMultiLinear: concat_i linear(x; W_i).
+template <int kCap = kMaxGroup>
 __device__ __noinline__ void op_multi_linear(const TaskCtx& ctx) {
-  gemv_task<1, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [&ctx](int, int64_t c, int) { return multi_row(ctx, 0, c); },
-                      store_rounded(ctx));
+  gemv_task<1, false, kCap>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [&ctx](int, int64_t c, int) { return multi_row(ctx, 0, c); },
+                            store_rounded(ctx));
 }
 
 // kNormMultiLinear: multi_linear(rms_norm(x; w); W_1..W_n). attr0 = ε.
+template <int kCap = kMaxGroup>
 __device__ __noinline__ void op_norm_multi_linear(const TaskCtx& ctx) {
-  gemv_task<1, false>(
+  gemv_task<1, false, kCap>(
       ctx, static_cast<int>(ctx.in_width(0)),
       [&ctx](float* xs, int ld, int t0, int count) { stage_rms_norm(ctx, ctx.weight(0), ctx.attr(0), xs, ld, t0, count); },
       [&ctx](int, int64_t c, int) { return multi_row(ctx, 1, c); }, store_rounded(ctx));
 }
 
 // kLinearAdd: r + linear(y; W), inputs y, r: round(r + round(y·Wᵀ)).
+template <int kCap = kMaxGroup>
 __device__ __noinline__ void op_linear_add(const TaskCtx& ctx) {
-  gemv_task<1, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; },
-                      [&ctx](int t, int64_t c, const float* dots) {
-                        ctx.out(t)[c] = round_out(ctx, ctx.in(1, t)[c] + round_act(ctx.op->act, dots[0]));
-                      });
+  gemv_task<1, false, kCap>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; },
+                            [&ctx](int t, int64_t c, const float* dots) {
+                              ctx.out(t)[c] = round_out(ctx, ctx.in(1, t)[c] + round_act(ctx.op->act, dots[0]));
+                            });
 }
 
 // kLinearKdaGate: kda_gate(round(f·Wᵀ)), fp32 out; weights W, A_log, dt_bias; attrs as kKdaGate
 // ([0] head_dim, [1] bounded, [2] lower_bound).
+template <int kCap = kMaxGroup>
 __device__ __noinline__ void op_linear_kda_gate(const TaskCtx& ctx) {
-  gemv_task<1, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; },
-                      [&ctx](int t, int64_t c, const float* dots) {
-                        const float z = round_act(ctx.op->act, dots[0]) + weight_flat(ctx.weight(2), c);
-                        const float a_log = weight_flat(ctx.weight(1), static_cast<int>(c) / static_cast<int>(ctx.attr(0)));
-                        ctx.out(t)[c] = round_out(ctx, kda_gate_value(z, a_log, ctx.attr(1) != 0.0f, ctx.attr(2)));
-                      });
+  gemv_task<1, false, kCap>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int, int64_t c, int) { return RowRef{0, 0, c}; },
+                            [&ctx](int t, int64_t c, const float* dots) {
+                              const float z = round_act(ctx.op->act, dots[0]) + weight_flat(ctx.weight(2), c);
+                              const float a_log = weight_flat(ctx.weight(1), static_cast<int>(c) / static_cast<int>(ctx.attr(0)));
+                              ctx.out(t)[c] = round_out(ctx, kda_gate_value(z, a_log, ctx.attr(1) != 0.0f, ctx.attr(2)));
+                            });
 }
 
 // The activations of the fused FFN ops: attr0 = act (0 SiLU·mul, 1 SiTU, 2 a·σ(b)), attr1 = β,
@@ -261,18 +275,20 @@ __device__ __forceinline__ float fused_act(const TaskCtx& ctx, float a, float b)
 }
 
 // kGateUpAct: act(round(x·W_gᵀ), round(x·W_uᵀ)). attrs as fused_act.
+template <int kCap = kMaxGroup>
 __device__ __noinline__ void op_gate_up_act(const TaskCtx& ctx) {
-  gemv_task<2, false>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int j, int64_t c, int) { return RowRef{j, 0, c}; },
-                      [&ctx](int t, int64_t c, const float* dots) {
-                        const int32_t act = ctx.op->act;
-                        ctx.out(t)[c] = round_out(ctx, fused_act(ctx, round_act(act, dots[0]), round_act(act, dots[1])));
-                      });
+  gemv_task<2, false, kCap>(ctx, static_cast<int>(ctx.in_width(0)), plain_stage(ctx), [](int j, int64_t c, int) { return RowRef{j, 0, c}; },
+                            [&ctx](int t, int64_t c, const float* dots) {
+                              const int32_t act = ctx.op->act;
+                              ctx.out(t)[c] = round_out(ctx, fused_act(ctx, round_act(act, dots[0]), round_act(act, dots[1])));
+                            });
 }
 
 // kActLinear: linear(act(a, b); W). attrs as fused_act.
+template <int kCap = kMaxGroup>
 __device__ __noinline__ void op_act_linear(const TaskCtx& ctx) {
   const int n = static_cast<int>(ctx.in_width(0));
-  gemv_task<1, false>(
+  gemv_task<1, false, kCap>(
       ctx, n,
       [&ctx, n](float* xs, int ld, int t0, int count) {
         const Rows<const float> a = ctx.in_rows(0), b = ctx.in_rows(1);
@@ -286,11 +302,12 @@ __device__ __noinline__ void op_act_linear(const TaskCtx& ctx) {
 
 // kGatedNormLinear: linear(gated_rms_norm(o, z; w); W), per head of d = attr1 columns:
 // round(w_j · (o_j · rsqrt(mean o² + ε)) · σ(z_j)) in fp32. attr0 = ε, attr1 = head_dim.
+template <int kCap = kMaxGroup>
 __device__ __noinline__ void op_gated_norm_linear(const TaskCtx& ctx) {
   const int n = static_cast<int>(ctx.in_width(0));
   const int d = static_cast<int>(ctx.attr(1));
   const float eps = ctx.attr(0);
-  gemv_task<1, false>(
+  gemv_task<1, false, kCap>(
       ctx, n,
       [&ctx, n, d, eps](float* xs, int ld, int t0, int count) {
         const int pad = padded(count);
