@@ -3,6 +3,9 @@
 # the five gpu test binaries, then compute-sanitizer memcheck and racecheck on a small plan (the
 # megakernel and eager), on split-KV MLA at the real head shape and on chunked KDA (tensor-core phases,
 # strong decays; 132 workers at the 48B head dim). Logs go to OUT (default /tmp/plow-gpu); a summary is printed last.
+# plow and cuda_server_tests link Debian's libcpp-httplib.so.0.11 (and brotli), which the GPU machine's
+# Ubuntu lacks: copy them along and put their folder on LD_LIBRARY_PATH (a binary that cannot start
+# reports rc 127 and the loader's message below).
 set -u
 BIN=${BIN:-build/bin}
 OUT=${OUT:-/tmp/plow-gpu}
@@ -13,7 +16,7 @@ run() {  # name timeout command...
   local name=$1 limit=$2; shift 2
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  summary+=("$name: rc $rc, $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$name.log" | tr '\n' ' ')$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$name.log" | tr '\n' ' ')")
+  summary+=("$name: rc $rc, $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$name.log" | tr '\n' ' ')$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$name.log" | tr '\n' ' ')$( [ $rc -eq 127 ] && head -c 300 "$OUT/$name.log")")
 }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 run gemv_tests 120 "$BIN/cuda_gemv_tests"
