@@ -263,22 +263,16 @@ __device__ __forceinline__ void flash_softmax_tile(float (&s)[kTiles][4], float 
   for (int nt = 0; nt < kOut; ++nt) o[nt][0] *= alpha_lo, o[nt][1] *= alpha_lo, o[nt][2] *= alpha_hi, o[nt][3] *= alpha_hi;
 }
 
-// Σ over the row's 4 lanes, then O / Σ into head h's columns of the op's rows (rows past tokens and
-// columns past dv stay untouched), rounded and gated as the cuBLAS path's scatter does it.
-template <int kOut>
-__device__ __forceinline__ void flash_store_rows(const MlaFlashArgs& a, const float (&o)[kOut][4], FlashRows r, int h, int c) {
-#pragma unroll
-  for (int o_lane = 1; o_lane < 4; o_lane *= 2) {
-    r.l_lo += __shfl_xor_sync(0xffffffffu, r.l_lo, o_lane);
-    r.l_hi += __shfl_xor_sync(0xffffffffu, r.l_hi, o_lane);
-  }
-  const float inv_lo = 1.0f / r.l_lo, inv_hi = 1.0f / r.l_hi;
-  float* out = a.out + static_cast<int64_t>(h) * a.dv;
-  const float* gate = a.gate != nullptr ? a.gate + static_cast<int64_t>(h) * a.dv : nullptr;
+// The tiles of O / Σ into this thread's rows and columns of out (head h's columns of the op's rows; rows
+// past tokens and columns past dv stay untouched), rounded and, with kGate, gated as the cuBLAS path's
+// scatter does it.
+template <int kOut, bool kGate>
+__device__ __forceinline__ void flash_store_tiles(const MlaFlashArgs& a, const float (&o)[kOut][4], const FlashRows& r, float inv_lo, float inv_hi,
+                                                  float* out, const float* gate, int c) {
   const auto store = [&](int row, int col, float v) {
     if (row >= a.tokens || col >= a.dv) return;
     float y = a.round_out ? round_act(a.act, v) : v;
-    if (gate != nullptr) y = round_act(a.act, y * sigmoidf_(gate[static_cast<int64_t>(row) * a.gate_stride + col]));
+    if constexpr (kGate) y = round_act(a.act, y * sigmoidf_(gate[static_cast<int64_t>(row) * a.gate_stride + col]));
     out[static_cast<int64_t>(row) * a.width + col] = y;
   };
 #pragma unroll
@@ -288,6 +282,26 @@ __device__ __forceinline__ void flash_store_rows(const MlaFlashArgs& a, const fl
     store(r.lo, col + 1, o[nt][1] * inv_lo);
     store(r.hi, col, o[nt][2] * inv_hi);
     store(r.hi, col + 1, o[nt][3] * inv_hi);
+  }
+}
+
+// Σ over the row's 4 lanes, then O / Σ into head h's columns of the op's rows (flash_store_tiles). The
+// gate is chosen once, outside the unrolled stores: tested in each of the 4·kOut inlined stores, it
+// took cicc ~4 minutes for one 64-wide instantiation of mla_flash_kernel and ~30 for the four of
+// mla_gemm.cu (2 s and 31 s with the choice hoisted; the same arithmetic per element).
+template <int kOut>
+__device__ __forceinline__ void flash_store_rows(const MlaFlashArgs& a, const float (&o)[kOut][4], FlashRows r, int h, int c) {
+#pragma unroll
+  for (int o_lane = 1; o_lane < 4; o_lane *= 2) {
+    r.l_lo += __shfl_xor_sync(0xffffffffu, r.l_lo, o_lane);
+    r.l_hi += __shfl_xor_sync(0xffffffffu, r.l_hi, o_lane);
+  }
+  const float inv_lo = 1.0f / r.l_lo, inv_hi = 1.0f / r.l_hi;
+  float* out = a.out + static_cast<int64_t>(h) * a.dv;
+  if (a.gate != nullptr) {
+    flash_store_tiles<kOut, true>(a, o, r, inv_lo, inv_hi, out, a.gate + static_cast<int64_t>(h) * a.dv, c);
+  } else {
+    flash_store_tiles<kOut, false>(a, o, r, inv_lo, inv_hi, out, nullptr, c);
   }
 }
 
