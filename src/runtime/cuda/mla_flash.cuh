@@ -288,7 +288,8 @@ __device__ __forceinline__ void flash_store_tiles(const MlaFlashArgs& a, const f
 // Σ over the row's 4 lanes, then O / Σ into head h's columns of the op's rows (flash_store_tiles). The
 // gate is chosen once, outside the unrolled stores: tested in each of the 4·kOut inlined stores, it
 // took cicc ~4 minutes for one 64-wide instantiation of mla_flash_kernel and ~30 for the four of
-// mla_gemm.cu (2 s and 31 s with the choice hoisted; the same arithmetic per element).
+// mla_gemm.cu (8 s and 31 s for the 64- and 192-wide ones with the choice hoisted; the same arithmetic
+// per element).
 template <int kOut>
 __device__ __forceinline__ void flash_store_rows(const MlaFlashArgs& a, const float (&o)[kOut][4], FlashRows r, int h, int c) {
 #pragma unroll
