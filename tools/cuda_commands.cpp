@@ -144,6 +144,7 @@ void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
   cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
   cmd->add_option("--light-task-elements", args.light_task_elements, "decode plans: at most one task of a light op per this many output elements")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  cmd->add_option("--disable-rule", args.disabled_rules, "decode plans: compile without this compiler rule (docs/compiler.md; repeatable), to time a fusion against its absence");
   cmd->add_flag("--profile", args.profile, "per-opcode time, bytes and bandwidth; the megakernel's wait and run time");
   cmd->add_flag_callback("--gemm-plans", [&args] { args.gemm_plans = true; },
                          "also time batches of at least --gemm-min-rows sequences on an unfused prefill plan (projections and experts as GEMMs, the rest on op "
@@ -258,7 +259,7 @@ int run_bench_decode(const BenchDecodeArgs& args) {
   {
     auto weights = args.model_dir.empty() ? cuda::random_device_weights(model->graph, args.seed, dtype) : cuda::upload_weights(model->graph, *model->weights);
     std::vector<Plan> plans;
-    for (int64_t b : args.batches) plans.push_back(compile_plan(*model, PlanPhase::kDecode, b, workers, max_context, true, args.light_task_elements));
+    for (int64_t b : args.batches) plans.push_back(compile_plan(*model, PlanPhase::kDecode, b, workers, max_context, true, args.light_task_elements, args.disabled_rules));
     // The GEMM path's prefill plans after the decode plans (plan_info[bi] stays the batch's decode plan).
     const auto on_gemm_path = [&](int64_t b) { return gemm_plans && b >= gemm_min_rows; };
     if (gemm_plans && args.gemm_plan_tokens > 0) {
@@ -324,6 +325,7 @@ int run_bench_decode(const BenchDecodeArgs& args) {
                        {"workers", workers},
                        {"plan", plan_info[bi]},
                        {"light_task_elements", args.light_task_elements},
+                       {"disabled_rules", args.disabled_rules},
                        {"device", device},
                        {"git_rev", rev},
                        {"command", args.command_line},

@@ -83,6 +83,7 @@ struct BenchDecodeArgs {
   int steps = 30;
   int workers = 0;
   int64_t light_task_elements = LowerOptions::kLightTaskElements;  // the decode plans' (plan/lower.h)
+  std::vector<std::string> disabled_rules;                         // compiler rules the decode plans are compiled without
   bool profile = false;
   // Also time batches of ≥ gemm_min_rows on a prefill plan's GEMM path, as `serve` runs them (unset:
   // on for one GPU; a tensor-parallel run times it only when asked).
