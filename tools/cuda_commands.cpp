@@ -257,9 +257,10 @@ int run_bench_decode(const BenchDecodeArgs& args) {
                                         gemm_plans ? args.gemm_plan_tokens : int64_t{0}});
   json records = json::array();
   {
-    auto weights = args.model_dir.empty() ? cuda::random_device_weights(model->graph, args.seed, dtype) : cuda::upload_weights(model->graph, *model->weights);
+    // The decode plans before the weights: a bad --disable-rule fails before ~100 GB are drawn.
     std::vector<Plan> plans;
     for (int64_t b : args.batches) plans.push_back(compile_plan(*model, PlanPhase::kDecode, b, workers, max_context, true, args.light_task_elements, args.disabled_rules));
+    auto weights = args.model_dir.empty() ? cuda::random_device_weights(model->graph, args.seed, dtype) : cuda::upload_weights(model->graph, *model->weights);
     // The GEMM path's prefill plans after the decode plans (plan_info[bi] stays the batch's decode plan).
     const auto on_gemm_path = [&](int64_t b) { return gemm_plans && b >= gemm_min_rows; };
     if (gemm_plans && args.gemm_plan_tokens > 0) {

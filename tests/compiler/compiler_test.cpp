@@ -178,53 +178,26 @@ TEST(FusedModels, DeepModelsHaveTheExpectedFusedOps) {
   }
 }
 
-// Decode plans of the 48B: every router and every attention projection after the first layer reads
-// its residual sum's two terms (add-norm-into-router / -multi-linear), so none waits for an add_norm;
-// the sum's add_norm or add is still there for its other readers, and no task reads a norm that
-// only they read. Prefill plans keep the unfused form, as does a decode plan compiled without the
-// rules; an unknown rule name is an error that names it.
-TEST(FusedModels, DecodePlansReadTheResidualSumsTerms) {
+// A decode plan compiled without a rule (bench decode --disable-rule) keeps that rule's left-hand side:
+// without kda-gate-into-linear every KDA gate is its own op again; an unknown name is an error that
+// names it and lists the rules.
+TEST(FusedModels, DecodePlanWithoutARule) {
   const auto model = LoadedModel::describe((fs::path(PLOW_SOURCE_DIR) / "bench/configs/kimi-linear-48b-a3b.json").string());
-  const ModelConfig& c = model->config;
   auto count = [](const Plan& plan, Op op) { return std::count_if(plan.ops.begin(), plan.ops.end(), [op](const PlanOp& o) { return o.op() == op; }); };
-  const int64_t moe_layers = count(compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, false), Op::kMoeTopK);
-  ASSERT_GT(moe_layers, 0);
-  const Plan decode = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64);
-  // A router still reads a norm only where the residual add is a projection's epilogue (linear_add:
-  // the o_proj of three MLA layers), whose sum needs that projection's weights.
-  EXPECT_EQ(count(decode, Op::kAddNormRouterLogits) + count(decode, Op::kRouterLogits), moe_layers);
-  EXPECT_GE(count(decode, Op::kAddNormRouterLogits), moe_layers - 3);
-  for (const PlanOp& op : decode.ops) {
-    if (op.op() != Op::kRouterLogits) continue;
-    const PlanOp& norm = decode.ops[static_cast<size_t>(op.inputs[0])];
-    ASSERT_EQ(norm.op(), Op::kRmsNorm) << op.label;
-    EXPECT_EQ(decode.ops[static_cast<size_t>(norm.inputs[0])].op(), Op::kLinearAdd) << op.label;
-  }
-  EXPECT_EQ(count(decode, Op::kAddNormMultiLinear), c.num_layers - 1);  // layer 0's norm reads the embedding
-  // The add or add_norm of the same two terms comes after each fused op in the plan's order, so the
-  // workers that run its few tasks run them after their task of the fused op, not before.
-  for (size_t f = 0; f < decode.ops.size(); ++f) {
-    const PlanOp& op = decode.ops[f];
-    if (op.op() != Op::kAddNormRouterLogits && op.op() != Op::kAddNormMultiLinear) continue;
-    size_t sum = 0;
-    for (size_t i = 0; i < decode.ops.size(); ++i) {
-      const PlanOp& o = decode.ops[i];
-      if ((o.op() == Op::kAdd || o.op() == Op::kAddNorm) && o.inputs == op.inputs) sum = i;
-    }
-    EXPECT_GT(sum, f) << op.label << ": its terms' sum is not after it";
-  }
-  const Plan prefill = compile_plan(*model, PlanPhase::kPrefill, 64, 8, 64);
-  EXPECT_EQ(count(prefill, Op::kAddNormRouterLogits) + count(prefill, Op::kAddNormMultiLinear), 0);
-  const Plan without = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements,
-                                    {"add-norm-into-router", "add-norm-into-multi-linear"});
-  EXPECT_EQ(count(without, Op::kAddNormRouterLogits) + count(without, Op::kAddNormMultiLinear), 0);
-  EXPECT_EQ(count(without, Op::kRouterLogits), moe_layers);
+  const int64_t kda_layers = model->config.num_layers_of(MixerKind::kKda);
+  const Plan with = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64);
+  EXPECT_EQ(count(with, Op::kLinearKdaGate), kda_layers);
+  EXPECT_EQ(count(with, Op::kKdaGate), 0);
+  const Plan without = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements, {"kda-gate-into-linear"});
+  EXPECT_EQ(count(without, Op::kLinearKdaGate), 0);
+  EXPECT_EQ(count(without, Op::kKdaGate), kda_layers);
+  EXPECT_EQ(std::count(without.compile.rules_fired.begin(), without.compile.rules_fired.end(), "kda-gate-into-linear"), 0);
   try {
-    compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements, {"add-norm-into-routers"});
+    compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements, {"kda-gate-into-linears"});
     ADD_FAILURE() << "an unknown rule was accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("'add-norm-into-routers' is not a compiler rule"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("add-norm-into-router,"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'kda-gate-into-linears' is not a compiler rule"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("kda-gate-into-linear,"), std::string::npos) << e.what();
   }
 }
 
