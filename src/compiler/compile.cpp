@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "compiler/rewrite.h"
 #include "compiler/schedule.h"
 #include "core/error.h"
 
@@ -35,9 +36,11 @@ Graph fuse(const Graph& graph, const std::vector<const Rule*>& rules, const Comp
     classes.push_back(egraph.add(Symbol{node.op, node.attrs, node.weights, node.state, node.width, node.label}, children));
   }
   egraph.rebuild();
-  report.saturation = run_rules(egraph, rules, options.limits);
+  std::vector<const Rule*> in_egraph, on_extracted;
+  for (const Rule* rule : rules) (rule->rewrite ? on_extracted : in_egraph).push_back(rule);
+  report.saturation = run_rules(egraph, in_egraph, options.limits);
   Extraction extraction = extract(egraph, classes[static_cast<size_t>(graph.output())], graph, options.cost);
-  return std::move(extraction.graph);
+  return rewrite_extracted(extraction.graph, on_extracted, report.saturation.applied);
 }
 
 }  // namespace

@@ -12,6 +12,15 @@
 
 namespace plow {
 
+// What a rule that runs on the extracted graph makes of one node: `op` over `inputs` (node ids of
+// that graph) with these weights and attributes, in place of the node (same width and label).
+struct NodeRewrite {
+  Op op;
+  std::vector<int> inputs;
+  std::vector<int> weights;
+  Attrs attrs;
+};
+
 struct Rule {
   std::string name;
   std::string file;        // which rules file defines it (for reports)
@@ -20,6 +29,10 @@ struct Rule {
   std::function<std::vector<Match>(const EGraph&)> search;          // custom searcher (multi-root rules)
   std::function<bool(const EGraph&, const Match&)> guard;           // optional
   std::function<std::optional<ClassId>(EGraph&, const Match&)> apply;  // builds the RHS; the runner merges it with match.root
+  // Set instead of lhs/apply for a rule that runs on the extracted graph (rewrite.h), where the
+  // extraction's amortized tree cost would never choose its right-hand side: it reads more classes
+  // than the left-hand side, for a gain (a dependency hop) that bytes do not price.
+  std::function<std::optional<NodeRewrite>(const Graph&, int node)> rewrite;
   // Certificate instance: the left-hand side as a small graph (kInput leaves) at a size seed
   // (odd sizes included) — both sides are evaluated on it by the CPU reference.
   std::function<Graph(int64_t size)> instance;

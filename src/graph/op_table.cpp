@@ -186,6 +186,11 @@ int64_t add_norm_rule(const Node& node, Widths in, Weights w) {
   return 2 * in[0];
 }
 
+int64_t add_norm_multi_linear_rule(const Node& node, Widths in, Weights w) {
+  PLOW_CHECK(in[0] == in[1], "{}: add widths differ", node.label);
+  return norm_multi_linear_rule(node, in.first(1), w);
+}
+
 int64_t attn_res_norm_rule(const Node& node, Widths in, Weights w) {
   const int64_t width = attn_res_rule(node, in, w.subspan(0, 2));
   expect_shape(node, w[2], {width});
@@ -260,6 +265,8 @@ constexpr std::array<OpInfo, static_cast<size_t>(Op::kCount)> kOps = {{
     {Op::kAttnResNorm, "attn_res_norm", -1, 3, OutDType::kAct, false, attn_res_norm_rule, Slicing::kColumns, ""},
     {Op::kAllReduce, "all_reduce", 1, 0, OutDType::kAct, false, same_width_rule, Slicing::kWhole, ""},
     {Op::kLinearKdaGate, "linear_kda_gate", 1, 3, OutDType::kF32, false, linear_kda_gate_rule, Slicing::kColumns, ""},
+    {Op::kAddNormMultiLinear, "add_norm_multi_linear", 2, -1, OutDType::kAct, false, add_norm_multi_linear_rule, Slicing::kColumns, ""},
+    {Op::kAddNormRouterLogits, "add_norm_router_logits", 2, 2, OutDType::kF32, false, add_norm_multi_linear_rule, Slicing::kColumns, ""},
 }};
 
 constexpr bool table_in_enum_order() {

@@ -55,6 +55,10 @@ enum class Op : uint8_t {
   // Fused, after kAllReduce so that the op codes above keep their values.
   kLinearKdaGate,    // [T,P] fp32 kda_gate(linear(f; W)): the KDA gate in the f_b projection's epilogue
                      //       weights: W [P, in], A_log (n_k), dt_bias (P)
+  // A norm of a residual sum read by its consumer directly: the consumer no longer waits for the
+  // add_norm (a light op of a few tasks) that it would otherwise read, one dependency hop a layer.
+  kAddNormMultiLinear,  // multi_linear(rms_norm(a + b; w); W_1..W_n), a + b rounded as kAdd   weights: w, W_1..W_n
+  kAddNormRouterLogits, // [T,E] fp32 router_logits(rms_norm(a + b; w); W)                     weights: w, W [E,H]
   kCount,
 };
 

@@ -154,6 +154,13 @@ bool is_light(Op op) {
   }
 }
 
+// A router task's columns (experts), at least: the router is the one op of its layer's chain whose
+// weights are too few to need every worker (48B: 256 experts, 1.2 MB), so the workers past its tasks
+// take what the order puts after it at once (the add_norm the experts read, when the router reads the
+// residual sum's terms: add-norm-into-router). H200, 48B, 4 columns (64 tasks) against 2 (132):
+// batch 1 × 0 4.78 against 4.80 ms a step, batch 4 × 0 10.27 against 10.42 (docs/cuda.md).
+constexpr int64_t kRouterTaskColumns = 4;
+
 // Tasks of one op: min(workers, units) slices of near-equal whole units (unit = slice granularity);
 // a light op (is_light) at most one a light_task_elements output elements of the bucket. A task costs
 // its worker a fixed few µs whatever its size up to a load per thread (H200, 256 threads: add 2.8 µs,
@@ -170,6 +177,7 @@ void add_tasks(Plan& plan, const Graph& graph, int32_t op_index, int64_t light_t
   const int64_t units = node.width / unit;
   int64_t slices = std::min<int64_t>(plan.workers, units);
   if (is_light(node.op)) slices = std::clamp<int64_t>((plan.max_tokens * node.width + light_task_elements - 1) / light_task_elements, 1, slices);
+  if (node.op == Op::kRouterLogits || node.op == Op::kAddNormRouterLogits) slices = std::min<int64_t>(slices, (units + kRouterTaskColumns - 1) / kRouterTaskColumns);
   const int64_t tasks = std::max<int64_t>(spread_tasks(node.op, plan.workers, plan.max_tokens), slices);
   for (int64_t s = 0; s < tasks; ++s) {
     PlanTask task;

@@ -178,6 +178,58 @@ TEST(FusedModels, DeepModelsHaveTheExpectedFusedOps) {
   }
 }
 
+// Decode plans of the 48B: every router and every attention projection after the first layer reads
+// its residual sum's two terms (add-norm-into-router / -multi-linear), so none waits for an add_norm;
+// the sum's add_norm or add is still there for its other readers, after them. Prefill plans keep the
+// unfused form, as does a decode plan compiled without the rules.
+TEST(FusedModels, DecodePlansReadTheResidualSumsTerms) {
+  const auto model = LoadedModel::describe((fs::path(PLOW_SOURCE_DIR) / "bench/configs/kimi-linear-48b-a3b.json").string());
+  const ModelConfig& c = model->config;
+  auto count = [](const Plan& plan, Op op) { return std::count_if(plan.ops.begin(), plan.ops.end(), [op](const PlanOp& o) { return o.op() == op; }); };
+  const int64_t moe_layers = count(compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, false), Op::kMoeTopK);
+  ASSERT_GT(moe_layers, 0);
+  const Plan decode = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64);
+  // A router still reads a norm only where the residual add is a projection's epilogue (linear_add:
+  // the o_proj of three MLA layers), whose sum needs that projection's weights.
+  EXPECT_EQ(count(decode, Op::kAddNormRouterLogits) + count(decode, Op::kRouterLogits), moe_layers);
+  EXPECT_GE(count(decode, Op::kAddNormRouterLogits), moe_layers - 3);
+  for (const PlanOp& op : decode.ops) {
+    if (op.op() != Op::kRouterLogits) continue;
+    const PlanOp& norm = decode.ops[static_cast<size_t>(op.inputs[0])];
+    ASSERT_EQ(norm.op(), Op::kRmsNorm) << op.label;
+    EXPECT_EQ(decode.ops[static_cast<size_t>(norm.inputs[0])].op(), Op::kLinearAdd) << op.label;
+  }
+  EXPECT_EQ(count(decode, Op::kAddNormMultiLinear), c.num_layers - 1);  // layer 0's norm reads the embedding
+  // The add or add_norm of the same two terms comes after each fused op in the plan's order, so the
+  // workers that run its few tasks run them after their task of the fused op, not before.
+  for (size_t f = 0; f < decode.ops.size(); ++f) {
+    const PlanOp& op = decode.ops[f];
+    if (op.op() != Op::kAddNormRouterLogits && op.op() != Op::kAddNormMultiLinear) continue;
+    size_t sum = 0;
+    for (size_t i = 0; i < decode.ops.size(); ++i) {
+      const PlanOp& o = decode.ops[i];
+      if ((o.op() == Op::kAdd || o.op() == Op::kAddNorm) && o.inputs == op.inputs) sum = i;
+    }
+    EXPECT_GT(sum, f) << op.label << ": its terms' sum is not after it";
+  }
+  const Plan prefill = compile_plan(*model, PlanPhase::kPrefill, 64, 8, 64);
+  EXPECT_EQ(count(prefill, Op::kAddNormRouterLogits) + count(prefill, Op::kAddNormMultiLinear), 0);
+  const Plan without = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements,
+                                    {"add-norm-into-router", "add-norm-into-multi-linear"});
+  EXPECT_EQ(count(without, Op::kAddNormRouterLogits) + count(without, Op::kAddNormMultiLinear), 0);
+  EXPECT_EQ(count(without, Op::kRouterLogits), moe_layers);
+  // At 132 workers a router task takes 4 of the 256 experts (lower.cpp, kRouterTaskColumns): 64 tasks,
+  // so 68 workers are free for the add_norm the experts read.
+  const Plan wide = compile_plan(*model, PlanPhase::kDecode, 1, 132, 64);
+  std::vector<int64_t> tasks(wide.ops.size(), 0);
+  for (const PlanTask& task : wide.tasks) tasks[static_cast<size_t>(task.op)] += 1;
+  for (size_t i = 0; i < wide.ops.size(); ++i) {
+    if (wide.ops[i].op() == Op::kAddNormRouterLogits || wide.ops[i].op() == Op::kRouterLogits) {
+      EXPECT_EQ(tasks[i], 64) << wide.ops[i].label;
+    }
+  }
+}
+
 // A decode plan compiled without a rule (bench decode --disable-rule) keeps that rule's left-hand side:
 // without kda-gate-into-linear every KDA gate is its own op again; an unknown name is an error that
 // names it and lists the rules.

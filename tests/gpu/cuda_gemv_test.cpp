@@ -73,6 +73,18 @@ Graph build(const GemvCase& c) {
       y = g.add(Op::kNormMultiLinear, {x}, {weight("n.norm.weight", {c.hidden}), weight("a", {c.out, c.hidden}), weight("b", {5, c.hidden})}, {{"eps", 1e-6}},
                 "y");
       break;
+    case Op::kAddNormMultiLinear: {  // the residual sum's terms: two projections of x, or two views of one
+      const auto [a, b] = operands("a", "b");
+      y = g.add(Op::kAddNormMultiLinear, {a, b}, {weight("n.norm.weight", {c.hidden}), weight("p", {c.out, c.hidden}), weight("q", {5, c.hidden})},
+                {{"eps", 1e-6}}, "y");
+      break;
+    }
+    case Op::kAddNormRouterLogits: {  // out = experts
+      const auto [a, b] = operands("a", "b");
+      y = g.add(Op::kAddNormRouterLogits, {a, b}, {weight("post_attention_layernorm.weight", {c.hidden}), weight("mlp.block_sparse_moe.gate.weight", {c.out, c.hidden})},
+                {{"eps", 1e-5}}, "y");
+      break;
+    }
     case Op::kLinearAdd: {
       const int r = linear(x, c.out, "r");
       y = g.add(Op::kLinearAdd, {x, r}, {weight("w", {c.out, c.hidden})}, {}, "y");
@@ -181,7 +193,8 @@ TEST_P(CudaGemvTest, MatchesTheReference) {
         for (float v : want.logits) scale = std::max(scale, std::fabs(v));
         // fp32 (and the router logits, fp32 whatever the dtype: bf16 products are exact in fp32):
         // reassociation of dots of ≤ 2304 terms; bf16: one bf16 ulp of the output where a sum lands next
-        // to a rounding boundary (2⁻⁷ relative), plus that through a second rounding.
+        // to a rounding boundary (2⁻⁷ relative), plus that through a second rounding (the router logits
+        // after a bf16 norm too: an element of the normed row one ulp apart moves the logits by as much).
         const bool f32_out = c.dtype == DType::F32 || c.op == Op::kRouterLogits;
         const float bound_abs = f32_out ? 1e-5f * std::max(1.0f, scale) : 2.0f * 0.0079f * std::max(1.0f, scale);
         for (size_t i = 0; i < want.logits.size(); ++i) {
@@ -224,8 +237,8 @@ TEST_P(CudaGemvTest, MatchesTheReference) {
 
 std::vector<GemvCase> cases() {
   std::vector<GemvCase> all;
-  for (Op op : {Op::kLinear, Op::kNormLinear, Op::kMultiLinear, Op::kNormMultiLinear, Op::kLinearAdd, Op::kGateUpAct, Op::kActLinear, Op::kGatedNormLinear,
-                Op::kLinearKdaGate}) {
+  for (Op op : {Op::kLinear, Op::kNormLinear, Op::kMultiLinear, Op::kNormMultiLinear, Op::kAddNormMultiLinear, Op::kLinearAdd, Op::kGateUpAct,
+                Op::kActLinear, Op::kGatedNormLinear, Op::kLinearKdaGate}) {
     for (auto [hidden, out] : {std::pair<int64_t, int64_t>{64, 37}, {96, 257}, {130, 1}, {256, 96}}) {
       for (DType dtype : {DType::F32, DType::BF16}) {
         if (op == Op::kGatedNormLinear && hidden % 2 != 0) continue;
@@ -236,16 +249,19 @@ std::vector<GemvCase> cases() {
   }
   // Wide rows (2 KB) and tasks of ~200 KB at 3 workers: several rounds of kRowBatch loads a row, and
   // many rows a warp.
-  for (Op op : {Op::kLinear, Op::kNormLinear, Op::kMultiLinear, Op::kNormMultiLinear, Op::kLinearAdd, Op::kGateUpAct, Op::kActLinear, Op::kGatedNormLinear,
-                Op::kLinearKdaGate}) {
+  for (Op op : {Op::kLinear, Op::kNormLinear, Op::kMultiLinear, Op::kNormMultiLinear, Op::kAddNormMultiLinear, Op::kLinearAdd, Op::kGateUpAct,
+                Op::kActLinear, Op::kGatedNormLinear, Op::kLinearKdaGate}) {
     all.push_back({std::string(op_name(op)) + "_1024x300_bf16", op, 1024, 300, DType::BF16});
   }
   // Router logits (out = experts): odd expert counts and widths (unaligned rows take the scalar path),
-  // the 48B shape (256 × 2304) and more experts than a block has warps.
-  for (auto [hidden, out] : {std::pair<int64_t, int64_t>{97, 61}, {130, 257}, {256, 8}, {2304, 256}}) {
-    for (DType dtype : {DType::F32, DType::BF16}) {
-      all.push_back({"router_logits_" + std::to_string(hidden) + "x" + std::to_string(out) + "_" + std::string(dtype_name(dtype)), Op::kRouterLogits,
-                     hidden, out, dtype});
+  // the 48B shape (256 × 2304) and more experts than a block has warps; the same with the residual
+  // sum's norm in the prologue.
+  for (Op op : {Op::kRouterLogits, Op::kAddNormRouterLogits}) {
+    for (auto [hidden, out] : {std::pair<int64_t, int64_t>{97, 61}, {130, 257}, {256, 8}, {2304, 256}}) {
+      for (DType dtype : {DType::F32, DType::BF16}) {
+        all.push_back({std::string(op_name(op)) + "_" + std::to_string(hidden) + "x" + std::to_string(out) + "_" + std::string(dtype_name(dtype)), op,
+                       hidden, out, dtype});
+      }
     }
   }
   // Routed experts (inter = out): bf16/f32 experts at odd sizes, MXFP4 experts (sizes multiples of 32).
@@ -260,8 +276,8 @@ std::vector<GemvCase> cases() {
   }
   // Inputs through views (x read in place at stride hidden + 13), every op of the family once per dtype;
   // moe_down_add also reads x as its residual.
-  for (Op op : {Op::kLinear, Op::kNormLinear, Op::kMultiLinear, Op::kNormMultiLinear, Op::kLinearAdd, Op::kGateUpAct, Op::kActLinear, Op::kGatedNormLinear,
-                Op::kLinearKdaGate, Op::kRouterLogits, Op::kMoeDownAdd}) {
+  for (Op op : {Op::kLinear, Op::kNormLinear, Op::kMultiLinear, Op::kNormMultiLinear, Op::kAddNormMultiLinear, Op::kLinearAdd, Op::kGateUpAct,
+                Op::kActLinear, Op::kGatedNormLinear, Op::kLinearKdaGate, Op::kRouterLogits, Op::kAddNormRouterLogits, Op::kMoeDownAdd}) {
     for (DType dtype : {DType::F32, DType::BF16}) {
       const int64_t out = op == Op::kMoeDownAdd ? 40 : 37;
       all.push_back({std::string(op_name(op)) + "_96x" + std::to_string(out) + "_view_" + std::string(dtype_name(dtype)), op, 96, out, dtype, false, true});

@@ -1,6 +1,8 @@
 // Rules around projections: RMSNorm folded into the projection that reads it, horizontal fusion of
 // projections sharing an input, and the residual add folded into a projection's epilogue.
 #include <algorithm>
+#include <optional>
+#include <utility>
 
 #include "compiler/rule.h"
 #include "compiler/rules/instance.h"
@@ -112,6 +114,100 @@ Rule norm_into_multi_linear() {
   return r;
 }
 
+// The readers of a residual stream's norm read the sum's two terms themselves: each task adds and
+// normalizes the rows it stages (as norm_multi_linear already normalizes them), so the projection or
+// the router no longer waits for an add_norm's few tasks: one dependency hop a layer each at decode.
+// The sum stays an add (or the add_norm that the experts read) for its other readers, off that path.
+// These run on the extracted graph (Rule::rewrite, compiler/rewrite.h): reading two rows where the
+// norm's reader read one, their right-hand sides never win the extraction's byte count.
+
+// The terms when node `id` is a + b: add(a, b), or the sum half of add_norm(a, b).
+std::optional<std::pair<int, int>> sum_terms(const Graph& g, int id) {
+  const Node& node = g.node(id);
+  if (node.op == Op::kAdd) return std::pair{node.inputs[0], node.inputs[1]};
+  if (node.op == Op::kSlice && node.attrs.i("offset") == 0) {
+    const Node& fused = g.node(node.inputs[0]);
+    if (fused.op == Op::kAddNorm && node.width == fused.width / 2) return std::pair{fused.inputs[0], fused.inputs[1]};
+  }
+  return std::nullopt;
+}
+
+// rms_norm(a + b; w) as node `id`: rms_norm(add(a, b)) or the norm half of add_norm(a, b).
+struct NormOfSum {
+  int a, b, weight;
+  double eps;
+};
+std::optional<NormOfSum> norm_of_sum(const Graph& g, int id) {
+  const Node& node = g.node(id);
+  if (node.op == Op::kRmsNorm) {
+    if (const auto terms = sum_terms(g, node.inputs[0])) return NormOfSum{terms->first, terms->second, node.weights[0], node.attrs.get("eps")};
+  }
+  if (node.op == Op::kSlice) {
+    const Node& fused = g.node(node.inputs[0]);
+    if (fused.op == Op::kAddNorm && node.attrs.i("offset") == fused.width / 2 && node.width == fused.width / 2) {
+      return NormOfSum{fused.inputs[0], fused.inputs[1], fused.weights[0], fused.attrs.get("eps")};
+    }
+  }
+  return std::nullopt;
+}
+
+Rule add_norm_into_multi_linear() {
+  Rule r;
+  r.name = "add-norm-into-multi-linear";
+  r.definition =
+      "(norm_multi_linear@m (add ?a ?b)) => (add_norm_multi_linear ?a ?b | m.w m.W...); "
+      "(multi_linear@m (rms_norm@norm (add ?a ?b))) => (add_norm_multi_linear ?a ?b | norm.w m.W...); on the extracted graph";
+  r.rewrite = [](const Graph& g, int id) -> std::optional<NodeRewrite> {
+    const Node& node = g.node(id);
+    if (node.op == Op::kNormMultiLinear) {
+      if (const auto terms = sum_terms(g, node.inputs[0])) {
+        return NodeRewrite{Op::kAddNormMultiLinear, {terms->first, terms->second}, node.weights, {{"eps", node.attrs.get("eps")}}};
+      }
+    }
+    if (node.op == Op::kMultiLinear) {
+      if (const auto norm = norm_of_sum(g, node.inputs[0])) {
+        std::vector<int> weights = {norm->weight};
+        weights.insert(weights.end(), node.weights.begin(), node.weights.end());
+        return NodeRewrite{Op::kAddNormMultiLinear, {norm->a, norm->b}, weights, {{"eps", norm->eps}}};
+      }
+    }
+    return std::nullopt;
+  };
+  // The sum read by the projections and by the residual after them, as in a layer; odd sizes take the
+  // first form (norm_multi_linear, as fusion extracts it), even sizes the second.
+  r.instance = [](int64_t n) {
+    Graph g;
+    const int sum = g.add(Op::kAdd, {rules::input(g, n, "a"), rules::input(g, n, "b")}, {}, {}, "sum");
+    const int p = rules::weight(g, "p.weight", {n - 2, n}), q = rules::weight(g, "q.weight", {2, n});
+    const int multi = n % 2 != 0 ? g.add(Op::kNormMultiLinear, {sum}, {rules::weight(g, "n_norm.weight", {n}), p, q}, {{"eps", 1e-5}}, "pq")
+                                 : g.add(Op::kMultiLinear, {rules::norm(g, sum, "n")}, {p, q}, {}, "pq");
+    return rules::finish(g, g.add(Op::kAdd, {sum, multi}, {}, {}, "out"));
+  };
+  return r;
+}
+
+Rule add_norm_into_router() {
+  Rule r;
+  r.name = "add-norm-into-router";
+  r.definition = "(router_logits@r (rms_norm@norm (add ?a ?b))) => (add_norm_router_logits ?a ?b | norm.w r.W); on the extracted graph";
+  r.rewrite = [](const Graph& g, int id) -> std::optional<NodeRewrite> {
+    const Node& node = g.node(id);
+    if (node.op != Op::kRouterLogits) return std::nullopt;
+    const auto norm = norm_of_sum(g, node.inputs[0]);
+    if (!norm) return std::nullopt;
+    return NodeRewrite{Op::kAddNormRouterLogits, {norm->a, norm->b}, {norm->weight, node.weights[0]}, {{"eps", norm->eps}}};
+  };
+  r.instance = [](int64_t n) {  // the norm read by the experts too (here a projection), the sum by the residual
+    Graph g;
+    const int sum = g.add(Op::kAdd, {rules::input(g, n, "a"), rules::input(g, n, "b")}, {}, {}, "sum");
+    const int normed = rules::norm(g, sum, "post_attention");
+    const int logits = g.add(Op::kRouterLogits, {normed}, {rules::weight(g, "moe.gate.weight", {n, n})}, {}, "router_logits");
+    const int experts = g.add(Op::kAdd, {sum, rules::linear(g, normed, n, "experts")}, {}, {}, "residual");
+    return rules::finish(g, g.add(Op::kAdd, {experts, logits}, {}, {}, "out"));
+  };
+  return r;
+}
+
 // Not where h is a moe_down: routed-shared-combine folds that add into the routed experts' down
 // projection instead, so the shared expert's projection runs beside the routed experts (in the
 // top-k's shadow, schedule.h) and not one dependency hop after them.
@@ -141,7 +237,8 @@ Rule linear_residual(bool linear_first) {
 }  // namespace
 
 std::vector<Rule> linear_rules() {
-  return {norm_into_linear(), horizontal_linear(), norm_into_multi_linear(), linear_residual(false), linear_residual(true)};
+  return {norm_into_linear(),       horizontal_linear(),     norm_into_multi_linear(), add_norm_into_multi_linear(),
+          add_norm_into_router(),   linear_residual(false), linear_residual(true)};
 }
 
 }  // namespace plow

@@ -91,6 +91,8 @@ void cpu_attn_res_mix(OpContext&);
 void cpu_norm_linear(OpContext&);
 void cpu_multi_linear(OpContext&);
 void cpu_norm_multi_linear(OpContext&);
+void cpu_add_norm_multi_linear(OpContext&);
+void cpu_add_norm_router_logits(OpContext&);
 void cpu_slice(OpContext&);
 void cpu_linear_add(OpContext&);
 void cpu_linear_kda_gate(OpContext&);

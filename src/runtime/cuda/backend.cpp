@@ -41,6 +41,8 @@ void pack_attrs(const PlanOp& op, float* attr) {
       return;
     case Op::kNormLinear:
     case Op::kNormMultiLinear:
+    case Op::kAddNormMultiLinear:
+    case Op::kAddNormRouterLogits:
       attr[0] = get("eps");
       return;
     case Op::kGateUpAct:

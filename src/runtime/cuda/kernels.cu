@@ -32,6 +32,8 @@ __device__ void run_task(const TaskCtx& ctx, int32_t opcode) {
     case Op::kNormLinear: op_norm_linear<kCap>(ctx); return;
     case Op::kMultiLinear: op_multi_linear<kCap>(ctx); return;
     case Op::kNormMultiLinear: op_norm_multi_linear<kCap>(ctx); return;
+    case Op::kAddNormMultiLinear: op_add_norm_multi_linear<kCap>(ctx); return;
+    case Op::kAddNormRouterLogits: op_add_norm_router_logits<kCap>(ctx); return;
     case Op::kLinearAdd: op_linear_add<kCap>(ctx); return;
     case Op::kLinearKdaGate: op_linear_kda_gate<kCap>(ctx); return;
     case Op::kGateUpAct: op_gate_up_act<kCap>(ctx); return;
@@ -54,6 +56,8 @@ constexpr bool host_has_op(Op op) {
     case Op::kNormLinear:
     case Op::kMultiLinear:
     case Op::kNormMultiLinear:
+    case Op::kAddNormMultiLinear:
+    case Op::kAddNormRouterLogits:
     case Op::kLinearAdd:
     case Op::kLinearKdaGate:
     case Op::kGateUpAct:

@@ -78,6 +78,29 @@ void cpu_norm_multi_linear(OpContext& ctx) {
   multi_linear_into(ctx, {normed.data(), in}, ctx.weights.subspan(1));
 }
 
+namespace {
+
+// rms_norm(a + b; w) over whole rows, the sum rounded as kAdd rounds it: [rows, in].
+std::vector<float> add_then_norm(const OpContext& ctx) {
+  const int64_t in = ctx.inputs[0].width;
+  const auto sum = run_sub(ctx, Op::kAdd, {}, in, {ctx.inputs[0], ctx.inputs[1]}, {});
+  return run_sub(ctx, Op::kRmsNorm, eps_of(ctx), in, {{sum.data(), in}}, {ctx.weights[0]});
+}
+
+}  // namespace
+
+void cpu_add_norm_multi_linear(OpContext& ctx) {
+  const auto normed = add_then_norm(ctx);
+  multi_linear_into(ctx, {normed.data(), ctx.inputs[0].width}, ctx.weights.subspan(1));
+}
+
+void cpu_add_norm_router_logits(OpContext& ctx) {
+  const auto normed = add_then_norm(ctx);
+  const auto out = run_sub(ctx, Op::kRouterLogits, {}, ctx.node.width, {{normed.data(), ctx.inputs[0].width}}, {ctx.weights[1]}, ctx.begin(),
+                           ctx.end());
+  copy_columns(ctx, out, ctx.node.width, 0, ctx.begin(), ctx.end());
+}
+
 void cpu_slice(OpContext& ctx) {
   const int64_t offset = ctx.node.attrs.i("offset");
   for (int64_t t = 0; t < ctx.rows; ++t) {

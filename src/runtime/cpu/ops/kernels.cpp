@@ -39,6 +39,8 @@ CpuOpFn cpu_kernel(Op op) {
     case Op::kAddNorm: return cpu_add_norm;
     case Op::kAttnResNorm: return cpu_attn_res_norm;
     case Op::kAllReduce: return cpu_all_reduce;
+    case Op::kAddNormMultiLinear: return cpu_add_norm_multi_linear;
+    case Op::kAddNormRouterLogits: return cpu_add_norm_router_logits;
     case Op::kCount: break;
   }
   return nullptr;

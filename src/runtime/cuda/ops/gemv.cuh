@@ -163,15 +163,12 @@ __device__ __forceinline__ void stage_rows(const TaskCtx& ctx, int i, float* xs,
 
 __device__ __forceinline__ int padded(int count) { return count == 1 ? 1 : count == 2 ? 2 : count <= 4 ? 4 : kMaxGroup; }
 
-// RMSNorm (HF: cast back before the weight multiply): xs = round(w ⊙ round(x · rsqrt(mean x² + ε))),
-// the whole block on one row at a time, reduced as op_rms_norm reduces a decode step's rows (few
-// rows: the block; the same sums). One warp a row waited an L2 latency per 32 elements: ~30 µs a task
-// at 2,304 wide, half of a decode step's norm_multi_linear.
-__device__ __forceinline__ void stage_rms_norm(const TaskCtx& ctx, const DeviceWeight nw, float eps, float* xs, int ld, int t0, int count) {
-  const int n = static_cast<int>(ctx.in_width(0));
+// RMSNorm (HF: cast back before the weight multiply) of the staged rows in place: x = round(w ⊙
+// round(x · rsqrt(mean x² + ε))), the whole block on one row at a time, reduced as op_rms_norm reduces
+// a decode step's rows (few rows: the block; the same sums). One warp a row waited an L2 latency per 32
+// elements: ~30 µs a task at 2,304 wide, half of a decode step's norm_multi_linear.
+__device__ __forceinline__ void norm_staged_rows(const TaskCtx& ctx, const DeviceWeight nw, float eps, float* xs, int ld, int n, int count) {
   const int32_t act = ctx.op->act;
-  stage_rows(ctx, 0, xs, ld, t0, count, padded(count));
-  __syncthreads();
   float* red = stage_red(ctx);
   const int first = static_cast<int>(threadIdx.x);
   for (int g = 0; g < count; ++g) {
@@ -182,6 +179,27 @@ __device__ __forceinline__ void stage_rms_norm(const TaskCtx& ctx, const DeviceW
         first, n, kThreads, [&](int64_t k) { return Operands{x[k], weight_flat(nw, k)}; },
         [&](int64_t k, Operands v) { x[k] = round_act(act, v.b * round_act(act, v.a * inv)); });
   }
+}
+
+// rms_norm of input 0's rows [t0, t0+count) into the staged rows.
+__device__ __forceinline__ void stage_rms_norm(const TaskCtx& ctx, const DeviceWeight nw, float eps, float* xs, int ld, int t0, int count) {
+  stage_rows(ctx, 0, xs, ld, t0, count, padded(count));
+  __syncthreads();
+  norm_staged_rows(ctx, nw, eps, xs, ld, static_cast<int>(ctx.in_width(0)), count);
+}
+
+// rms_norm(a + b) of inputs 0 and 1's rows [t0, t0+count) into the staged rows, the sum rounded as
+// op_add rounds it: the norm of a residual sum read directly, without waiting for an add_norm's tasks.
+__device__ __forceinline__ void stage_add_rms_norm(const TaskCtx& ctx, const DeviceWeight nw, float eps, float* xs, int ld, int t0, int count) {
+  const int n = static_cast<int>(ctx.in_width(0));
+  const int32_t act = ctx.op->act;
+  const Rows<const float> a = ctx.in_rows(0), b = ctx.in_rows(1);
+  for_each_element(
+      0, padded(count), 0, ld,
+      [&](int g, int64_t k) { return g < count && k < n ? Operands{a[t0 + g][k], b[t0 + g][k]} : Operands{0.0f, 0.0f}; },
+      [&](int g, int64_t k, Operands v) { xs[g * ld + k] = g < count && k < n ? round_act(act, v.a + v.b) : 0.0f; });
+  __syncthreads();
+  norm_staged_rows(ctx, nw, eps, xs, ld, n, count);
 }
 
 // ---- op bodies --------------------------------------------------------------------------------------
@@ -240,6 +258,24 @@ __device__ __noinline__ void op_norm_multi_linear(const TaskCtx& ctx) {
       ctx, static_cast<int>(ctx.in_width(0)),
       [&ctx](float* xs, int ld, int t0, int count) { stage_rms_norm(ctx, ctx.weight(0), ctx.attr(0), xs, ld, t0, count); },
       [&ctx](int, int64_t c, int) { return multi_row(ctx, 1, c); }, store_rounded(ctx));
+}
+
+// kAddNormMultiLinear: multi_linear(rms_norm(a + b; w); W_1..W_n), inputs a, b. attr0 = ε.
+template <int kCap = kMaxGroup>
+__device__ __noinline__ void op_add_norm_multi_linear(const TaskCtx& ctx) {
+  gemv_task<1, false, kCap>(
+      ctx, static_cast<int>(ctx.in_width(0)),
+      [&ctx](float* xs, int ld, int t0, int count) { stage_add_rms_norm(ctx, ctx.weight(0), ctx.attr(0), xs, ld, t0, count); },
+      [&ctx](int, int64_t c, int) { return multi_row(ctx, 1, c); }, store_rounded(ctx));
+}
+
+// kAddNormRouterLogits: router_logits(rms_norm(a + b; w); W), fp32, inputs a, b. attr0 = ε.
+template <int kCap = kMaxGroup>
+__device__ __noinline__ void op_add_norm_router_logits(const TaskCtx& ctx) {
+  gemv_task<1, false, kCap>(
+      ctx, static_cast<int>(ctx.in_width(0)),
+      [&ctx](float* xs, int ld, int t0, int count) { stage_add_rms_norm(ctx, ctx.weight(0), ctx.attr(0), xs, ld, t0, count); },
+      [](int, int64_t c, int) { return RowRef{1, 0, c}; }, [&ctx](int t, int64_t c, const float* dots) { ctx.out(t)[c] = dots[0]; });
 }
 
 // kLinearAdd: r + linear(y; W), inputs y, r: round(r + round(y·Wᵀ)).
