@@ -155,10 +155,11 @@ bool is_light(Op op) {
 }
 
 // A router task's columns (experts), at least: the router is the one op of its layer's chain whose
-// weights are too few to need every worker (48B: 256 experts, 1.2 MB), so the workers past its tasks
-// take what the order puts after it at once (the add_norm the experts read, when the router reads the
-// residual sum's terms: add-norm-into-router). H200, 48B, 4 columns (64 tasks) against 2 (132):
-// batch 1 × 0 4.78 against 4.80 ms a step, batch 4 × 0 10.27 against 10.42 (docs/cuda.md).
+// weights are too few to need every worker (48B: 256 experts, 1.2 MB), so that the workers past its
+// tasks can take what the order puts after it at once (the add_norm the experts read, when the router
+// reads the residual sum's terms: add-norm-into-router). H200, 48B, 4 columns (64 tasks) against ~2
+// (132): batch 1 × 0 4.79 against 4.80 ms a step, batch 4 × 0 10.27 against 10.42 (docs/cuda.md; the
+// profile did not show that add_norm's readers waiting less, so the mechanism is not established).
 constexpr int64_t kRouterTaskColumns = 4;
 
 // Tasks of one op: min(workers, units) slices of near-equal whole units (unit = slice granularity);
