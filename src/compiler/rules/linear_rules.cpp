@@ -121,10 +121,11 @@ Rule norm_into_multi_linear() {
 // These run on the extracted graph (Rule::rewrite, compiler/rewrite.h): reading two rows where the
 // norm's reader read one, their right-hand sides never win the extraction's byte count.
 
-// The terms when node `id` is a + b: add(a, b), or the sum half of add_norm(a, b).
+// The terms when node `id` is a + b: add(a, b), or the sum half of add_norm(a, b). Not a
+// tensor-parallel partial sum (attr partial: fp32, unrounded), which the fused ops would round.
 std::optional<std::pair<int, int>> sum_terms(const Graph& g, int id) {
   const Node& node = g.node(id);
-  if (node.op == Op::kAdd) return std::pair{node.inputs[0], node.inputs[1]};
+  if (node.op == Op::kAdd && !(node.attrs.has("partial") && node.attrs.get("partial") != 0)) return std::pair{node.inputs[0], node.inputs[1]};
   if (node.op == Op::kSlice && node.attrs.i("offset") == 0) {
     const Node& fused = g.node(node.inputs[0]);
     if (fused.op == Op::kAddNorm && node.width == fused.width / 2) return std::pair{fused.inputs[0], fused.inputs[1]};
