@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <optional>
 
-#include "core/error.h"
+#include "compiler/schedule.h"
 
 namespace plow {
 
@@ -115,21 +115,7 @@ Graph rewrite_extracted(const Graph& graph, const std::vector<const Rule*>& rule
     }
     order.insert(order.begin() + static_cast<std::ptrdiff_t>(at), group.begin(), group.end());
   }
-  Graph out;
-  for (const WeightDecl& w : graph.weights()) out.add_weight(w);
-  for (const StateDecl& s : graph.states()) out.add_state(s);
-  std::vector<int> id(static_cast<size_t>(n), -1);
-  for (int old : order) {
-    const Node& node = nodes[static_cast<size_t>(old)];
-    std::vector<int> inputs;
-    for (int input : node.inputs) {
-      PLOW_CHECK(id[static_cast<size_t>(input)] >= 0, "rewrite: node {} ({}) placed before its input {}", old, node.label, input);
-      inputs.push_back(id[static_cast<size_t>(input)]);
-    }
-    id[static_cast<size_t>(old)] = out.add(node.op, std::move(inputs), node.weights, node.attrs, node.label, node.state);
-  }
-  out.set_output(id[static_cast<size_t>(alias[static_cast<size_t>(graph.output())])]);
-  return out;
+  return rebuilt_in_order(graph, nodes, order, alias[static_cast<size_t>(graph.output())]);
 }
 
 }  // namespace plow

@@ -15,26 +15,27 @@ bool is_serial(Op op) { return op == Op::kMoeTopK; }
 // every worker wait), not stateful, not a view (a slice has no tasks: moving it gains nothing).
 bool movable(const Node& node) { return node.op != Op::kAllReduce && node.op != Op::kSlice && node.state < 0; }
 
-// The graph's weights, states and nodes, the nodes in `order` (a topological order of all of them).
-Graph reordered(const Graph& graph, const std::vector<int>& order) {
+Graph reordered(const Graph& graph, const std::vector<int>& order) { return rebuilt_in_order(graph, graph.nodes(), order, graph.output()); }
+
+}  // namespace
+
+Graph rebuilt_in_order(const Graph& graph, const std::vector<Node>& nodes, const std::vector<int>& order, int output) {
   Graph out;
   for (const WeightDecl& w : graph.weights()) out.add_weight(w);
   for (const StateDecl& s : graph.states()) out.add_state(s);
-  std::vector<int> id(graph.nodes().size(), -1);
+  std::vector<int> id(nodes.size(), -1);
   for (int old : order) {
-    const Node& node = graph.node(old);
+    const Node& node = nodes[static_cast<size_t>(old)];
     std::vector<int> inputs;
     for (int input : node.inputs) {
-      PLOW_CHECK(id[static_cast<size_t>(input)] >= 0, "schedule: node {} ({}) placed before its input {}", old, node.label, input);
+      PLOW_CHECK(id[static_cast<size_t>(input)] >= 0, "node {} ({}) placed before its input {}", old, node.label, input);
       inputs.push_back(id[static_cast<size_t>(input)]);
     }
     id[static_cast<size_t>(old)] = out.add(node.op, std::move(inputs), node.weights, node.attrs, node.label, node.state);
   }
-  out.set_output(id[static_cast<size_t>(graph.output())]);
+  out.set_output(id[static_cast<size_t>(output)]);
   return out;
 }
-
-}  // namespace
 
 Graph schedule_serial_waits(const Graph& graph) {
   const auto n = static_cast<int>(graph.nodes().size());

@@ -15,6 +15,10 @@ namespace plow {
 // worker wait), so do stateful ops and views. On the MoE layers this puts the shared expert (it reads
 // the layer input, not the routes) between the top-k and the routed experts.
 inline constexpr int kSerialFillWindow = 16;
+
+// A graph with `graph`'s weights and states and `nodes` (indexed by old id, inputs old ids) in
+// `order`, a topological order of the ones kept; `output` is an old id.
+Graph rebuilt_in_order(const Graph& graph, const std::vector<Node>& nodes, const std::vector<int>& order, int output);
 Graph schedule_serial_waits(const Graph& graph);
 
 }  // namespace plow
