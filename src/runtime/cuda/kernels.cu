@@ -73,10 +73,27 @@ constexpr bool host_has_op(Op op) {
   }
 }
 
-__device__ __forceinline__ uint32_t load_acquire(const unsigned* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
+// The bodies that wait for their inputs themselves when the dispatcher lets them (TaskCtx::wait_counter):
+// gemv_task's callers without routed rows, which issue their first weight loads before wait_inputs.
+__device__ __forceinline__ bool waits_in_body(int32_t opcode) {
+  if (opcode == kOpRoundRows) return false;
+  switch (static_cast<Op>(opcode)) {
+    case Op::kLinear:
+    case Op::kRouterLogits:
+    case Op::kNormLinear:
+    case Op::kMultiLinear:
+    case Op::kNormMultiLinear:
+    case Op::kAddNormMultiLinear:
+    case Op::kAddNormRouterLogits:
+    case Op::kLinearAdd:
+    case Op::kLinearKdaGate:
+    case Op::kGateUpAct:
+    case Op::kActLinear:
+    case Op::kGatedNormLinear:
+      return true;
+    default:
+      return false;
+  }
 }
 
 __device__ __forceinline__ void add_release(unsigned* p, uint32_t v) {
@@ -144,9 +161,11 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
   float* scratch = p.scratch + static_cast<int64_t>(worker) * kScratchFloats;
   auto* slots = reinterpret_cast<TaskSlot*>(smem + kSharedBytes);
   auto* bars = reinterpret_cast<uint64_t*>(smem + kSlotBytes);
+  __shared__ long long body_wait;  // the cycles wait_inputs waited, for a task that waited in its body
   const long long started = clock64();
   unsigned long long wait_cycles = 0, run_cycles = 0;
   long long task_wait = 0;
+  bool in_body = false;
   if (threadIdx.x == 0 && begin < end) {
     for (int b = 0; b < 2; ++b) mbar_init(shared_address(bars + b), 1);
     mbar_init_fence();
@@ -163,10 +182,20 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
       const Instr& ins = slot->ins;
       // The other slot's task finished before the barrier that ended it: load the next one there.
       if (i + 1 < end) load_task(slots + ((k + 1) & 1), bars + ((k + 1) & 1), p.instrs + i + 1, p.descs + ins.next_desc, ins.next_desc_bytes);
-      build_task_ctx(slot->ctx, TaskCtx{reinterpret_cast<const OpDesc*>(slot->desc), p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task});
       const uint32_t target = ins.wait_threshold * p.epoch;
-      if (target != 0) {
-        while (load_acquire(p.counters + ins.wait_counter) < target) {
+      // One-row GEMV bodies stream their first weights, then wait (wait_inputs); the others start ready.
+      in_body = kCap == 1 && target != 0 && (p.stream & kStreamPipelined) != 0 && (p.stream & kStreamBeforeWait) != 0 && waits_in_body(ins.opcode);
+      TaskCtx ctx{reinterpret_cast<const OpDesc*>(slot->desc), p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task};
+      ctx.stream = p.stream;
+      if (in_body) {
+        ctx.wait_counter = p.counters + ins.wait_counter;
+        ctx.wait_target = target;
+        ctx.waited = &body_wait;
+        body_wait = 0;
+      }
+      build_task_ctx(slot->ctx, ctx);
+      if (target != 0 && !in_body) {
+        while (load_acquire_gpu(p.counters + ins.wait_counter) < target) {
         }
       }
       // No fence: the acquire load orders this thread's later accesses, and the barrier below extends
@@ -193,7 +222,12 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
       }
     }
     if (threadIdx.x == 0) {
-      const long long ran = clock64() - r0;
+      long long ran = clock64() - r0;
+      if (in_body) {  // the body's wait counts as waiting, not running
+        task_wait += body_wait;
+        wait_cycles += static_cast<unsigned long long>(body_wait);
+        ran -= body_wait;
+      }
       run_cycles += static_cast<unsigned long long>(ran);
       if (p.op_profile != nullptr) {
         unsigned long long* out = p.op_profile + 3 * profile_slot(opcode);
@@ -219,7 +253,9 @@ __global__ void __launch_bounds__(kThreads, 1) eager_kernel(const __grid_constan
   const Instr& ins = p.instrs[first + blockIdx.x];
   if (threadIdx.x == 0) {
     float* scratch = p.scratch + static_cast<int64_t>(blockIdx.x) * kScratchFloats;
-    build_task_ctx(ctx_mem, TaskCtx{p.ops + ins.op, p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task});
+    TaskCtx ctx{p.ops + ins.op, p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task};
+    ctx.stream = p.stream;
+    build_task_ctx(ctx_mem, ctx);
   }
   __syncthreads();
   run_task<kCap>(task_ctx(ctx_mem), ins.opcode);

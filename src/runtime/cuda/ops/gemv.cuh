@@ -117,6 +117,79 @@ __device__ __forceinline__ void gemv_pass(const TaskCtx& ctx, const float* xs, i
   }
 }
 
+// A one-row task streamed as segments (gemv_dot.cuh, issue_segment): item i of a warp is segment
+// i % segs of weight row j = i / segs % NDOT of its column first + i / (segs·NDOT)·kWarps, two items'
+// loads in flight. Rows that do not depend on the token (not PER_TOKEN) issue the first item before
+// wait_inputs: in the megakernel that is before the task's inputs are ready, so weights never wait on a
+// dependency; routed rows (PER_TOKEN) are known only after it. Rows use_segment cannot stream (not half
+// precision, unaligned, n not a multiple of 8) go through lane_dot with a light batch (the body's
+// registers hold two segments). Each row's dot is lane_dot's (and lane_dot2's) bit for bit.
+template <int NDOT, bool PER_TOKEN, class Stage, class Ref, class Epi>
+__device__ __forceinline__ void one_row_task(const TaskCtx& ctx, float* xs, int ld, int n, Stage stage, Ref ref, Epi epi) {
+  static_assert(NDOT == 1 || NDOT == 2, "one or two weight rows a column");
+  struct Item {
+    const uint8_t* row;  // null: lane_dot's path (or past the warp's items)
+    int32_t type;
+  };
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int chunks = n / 8;
+  const int segs = n % 8 == 0 && chunks > 0 ? (chunks + 32 * kSegLoads - 1) / (32 * kSegLoads) : 1;
+  const int per_col = segs * NDOT;
+  const int64_t first = ctx.col_begin + warp;
+  const int items = first < ctx.col_end ? static_cast<int>((ctx.col_end - first + kWarps - 1) / kWarps) * per_col : 0;
+  auto column = [&](int i) { return first + static_cast<int64_t>(i / per_col) * kWarps; };
+  auto locate = [&](int i) -> Item {
+    if (i >= items) return Item{nullptr, 0};
+    const RowRef r = ref(i / segs % NDOT, column(i), 0);
+    const DeviceWeight& w = ctx.op->weights[r.weight];
+    return Item{half_row(w, r.part, r.row, xs, n), w.type};
+  };
+  float acc[1] = {0.0f};
+  float dots[NDOT];
+  auto use = [&](int i, Item it, const uint4(&v)[kSegLoads]) {
+    const int seg = i % segs, j = i / segs % NDOT;
+    const int64_t c = column(i);
+    if (it.row != nullptr) {
+      use_segment(it.type, v, xs, chunks, seg, acc);
+    } else if (seg == 0) {
+      const RowRef r = ref(j, c, 0);
+      lane_dot<1, 4>(ctx.op->weights[r.weight], r.part, r.row, xs, ld, n, acc);
+    }
+    if (seg == segs - 1) {  // row j's dot
+      const float dot = warp_sum(acc[0]);
+      acc[0] = 0.0f;
+      if (NDOT == 1 || j == 0) {
+        dots[0] = dot;
+      } else {
+        dots[NDOT - 1] = dot;
+      }
+      if (j == NDOT - 1 && lane == 0) epi(0, c, dots);
+    }
+  };
+  uint4 a[kSegLoads], b[kSegLoads];
+  Item ia{nullptr, 0};
+  if constexpr (!PER_TOKEN) {
+    ia = locate(0);
+    if (ia.row != nullptr) issue_segment(ia.row, chunks, 0, a);
+  }
+  wait_inputs(ctx);
+  stage(xs, ld, 0, 1);
+  __syncthreads();
+  if constexpr (PER_TOKEN) {
+    ia = locate(0);
+    if (ia.row != nullptr) issue_segment(ia.row, chunks, 0, a);
+  }
+  for (int i = 0; i < items; i += 2) {
+    const Item ib = locate(i + 1);
+    if (ib.row != nullptr) issue_segment(ib.row, chunks, (i + 1) % segs, b);
+    use(i, ia, a);
+    if (i + 1 >= items) break;
+    ia = locate(i + 2);
+    if (ia.row != nullptr) issue_segment(ia.row, chunks, (i + 2) % segs, a);
+    use(i + 1, ib, b);
+  }
+}
+
 // kCap: the most token rows a pass serves, kMaxGroup or 1. The kernels of one-row plans (batch-1
 // decode) instantiate their bodies with 1: they then carry the one-row pass alone, not beside it the
 // passes of 2, 4 and 8 rows that such a plan never takes (a body was 14–35 K SASS instructions, of which
@@ -126,15 +199,26 @@ __device__ __forceinline__ void gemv_task(const TaskCtx& ctx, int n, Stage stage
   static_assert(kCap == 1 || kCap == kMaxGroup, "a pass serves 1 or kMaxGroup rows");
   int ld = 0, group = 0;
   float* xs = staging(ctx, n, ld, group);
-  if (group == 0) {  // a row wider than the block's scratch
-    if (threadIdx.x == 0) report_error(ctx, kErrWorkspace);
+  const int rows = ctx.rows();
+  if (group == 0 || rows <= 0) {  // a row wider than the block's scratch; a step without rows
+    wait_inputs(ctx);
+    if (group == 0 && threadIdx.x == 0) report_error(ctx, kErrWorkspace);
     return;
   }
   if (kCap == 1) group = 1;
-  const int rows = ctx.rows();
+  if constexpr (kCap == 1 || PER_TOKEN) {  // routed rows go token by token whatever the kernel
+    if (rows == 1 && (ctx.stream & kStreamPipelined) != 0) {
+      one_row_task<NDOT, PER_TOKEN>(ctx, xs, ld, n, stage, ref, epi);
+      return;
+    }
+  }
   for (int t0 = 0; t0 < rows; t0 += group) {
     const int count = rows - t0 < group ? rows - t0 : group;
-    __syncthreads();  // the previous group's readers are done with xs
+    if (t0 == 0) {
+      wait_inputs(ctx);  // the megakernel's wait when the dispatcher left it to the body
+    } else {
+      __syncthreads();  // the previous group's readers are done with xs
+    }
     stage(xs, ld, t0, count);
     __syncthreads();
     if (PER_TOKEN || kCap == 1 || count == 1) {
@@ -427,6 +511,56 @@ __device__ __noinline__ void op_moe_down_impl(const TaskCtx& ctx) {
   }
   float* dots = xs + static_cast<int64_t>(group) * ld;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (ctx.rows() == 1 && (ctx.stream & kStreamPipelined) != 0 && inter % 8 == 0 && inter / 8 <= 32 * kSegLoads) {
+    // One token: the (column, slot) pairs a warp's items, one weight row each, streamed as one_row_task
+    // streams (the next row's loads before the current one's use); the same dots as below.
+    __syncthreads();
+    stage_rows(ctx, 0, xs, ld, 0, 1, 1);
+    __syncthreads();
+    const float* route = ctx.in(1, 0);
+    const int chunks = inter / 8;
+    struct Item {
+      const uint8_t* row;  // null: lane_dot's path (or past the warp's pairs)
+      int64_t expert, o;
+    };
+    auto locate = [&](int p) -> Item {
+      if (p >= pairs) return Item{nullptr, 0, 0};
+      const int64_t e = static_cast<int64_t>(route[top_k + p % top_k]), o = ctx.col_begin + p / top_k;
+      return Item{half_row(w2, e, o, xs + (p % top_k) * inter, inter), e, o};
+    };
+    auto use = [&](int p, const Item& it, const uint4(&v)[kSegLoads]) {
+      const float* x = xs + (p % top_k) * inter;
+      float acc[1] = {0.0f};
+      if (it.row != nullptr) {
+        use_segment(w2.type, v, x, chunks, 0, acc);
+      } else {
+        lane_dot<1, 4>(w2, it.expert, it.o, x, ld, inter, acc);
+      }
+      const float d = warp_sum(acc[0]);
+      if (lane == 0) dots[p] = round_out(ctx, d);
+    };
+    uint4 a[kSegLoads], b[kSegLoads];
+    Item ia = locate(warp);
+    if (ia.row != nullptr) issue_segment(ia.row, chunks, 0, a);
+    for (int p = warp; p < pairs; p += 2 * kWarps) {
+      const Item ib = locate(p + kWarps);
+      if (ib.row != nullptr) issue_segment(ib.row, chunks, 0, b);
+      use(p, ia, a);
+      if (p + kWarps >= pairs) break;
+      ia = locate(p + 2 * kWarps);
+      if (ia.row != nullptr) issue_segment(ia.row, chunks, 0, a);
+      use(p + kWarps, ib, b);
+    }
+    __syncthreads();
+    for (int64_t c = threadIdx.x; c < cols; c += kThreads) {
+      float total = 0.0f;
+      for (int k = 0; k < top_k; ++k) total += route[k] * dots[c * top_k + k];
+      float v = round_out(ctx, total);
+      if (ADD) v = round_out(ctx, v + ctx.in(2, 0)[ctx.col_begin + c]);
+      ctx.out(0)[ctx.col_begin + c] = v;
+    }
+    return;
+  }
   for (int t0 = 0; t0 < ctx.rows(); t0 += group) {
     const int count = ctx.rows() - t0 < group ? ctx.rows() - t0 : group;
     __syncthreads();
