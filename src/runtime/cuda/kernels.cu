@@ -48,36 +48,10 @@ __device__ void run_task(const TaskCtx& ctx, int32_t opcode) {
   }
 }
 
-constexpr bool host_has_op(Op op) {
+// The dense GEMV bodies (gemv_task's callers without routed rows): they issue their first weight
+// loads before wait_inputs, so the megakernel's dispatcher leaves their inputs' wait to them.
+__host__ __device__ constexpr bool dense_gemv_op(Op op) {
   switch (op) {
-    case Op::kTokens:
-    case Op::kLinear:
-    case Op::kRouterLogits:
-    case Op::kNormLinear:
-    case Op::kMultiLinear:
-    case Op::kNormMultiLinear:
-    case Op::kAddNormMultiLinear:
-    case Op::kAddNormRouterLogits:
-    case Op::kLinearAdd:
-    case Op::kLinearKdaGate:
-    case Op::kGateUpAct:
-    case Op::kActLinear:
-    case Op::kGatedNormLinear:
-    case Op::kMoeGateUp:
-    case Op::kMoeDown:
-    case Op::kMoeDownAdd:
-    case Op::kSlice:  // a view: its readers read its source in place, and validate_plan gives it no tasks
-      return true;
-    default:
-      return is_misc_op(static_cast<uint8_t>(op));
-  }
-}
-
-// The bodies that wait for their inputs themselves when the dispatcher lets them (TaskCtx::wait_counter):
-// gemv_task's callers without routed rows, which issue their first weight loads before wait_inputs.
-__device__ __forceinline__ bool waits_in_body(int32_t opcode) {
-  if (opcode == kOpRoundRows) return false;
-  switch (static_cast<Op>(opcode)) {
     case Op::kLinear:
     case Op::kRouterLogits:
     case Op::kNormLinear:
@@ -95,6 +69,21 @@ __device__ __forceinline__ bool waits_in_body(int32_t opcode) {
       return false;
   }
 }
+
+constexpr bool host_has_op(Op op) {
+  switch (op) {
+    case Op::kTokens:
+    case Op::kMoeGateUp:
+    case Op::kMoeDown:
+    case Op::kMoeDownAdd:
+    case Op::kSlice:  // a view: its readers read its source in place, and validate_plan gives it no tasks
+      return true;
+    default:
+      return dense_gemv_op(op) || is_misc_op(static_cast<uint8_t>(op));
+  }
+}
+
+__device__ __forceinline__ bool waits_in_body(int32_t opcode) { return opcode != kOpRoundRows && dense_gemv_op(static_cast<Op>(opcode)); }
 
 __device__ __forceinline__ void add_release(unsigned* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");

@@ -169,7 +169,7 @@ __device__ __forceinline__ void lane_dot2(int32_t type, const uint8_t* a, const 
 // lane_dot waits a DRAM latency for every row it streams (its loads are issued, then used, then the
 // next row's issued); here a warp waits once a task, and its first segment can be in flight while the
 // task waits for its inputs. Two segments' loads are 72 registers a lane.
-inline constexpr int kSegLoads = 9;  // a 2,304-wide bf16 row is one segment
+inline constexpr int kSegLoads = 6;  // a 2,304-wide bf16 row is one segment
 
 // The lane's loads of segment `seg` of the half-precision row r of `chunks` 16-byte chunks.
 __device__ __forceinline__ void issue_segment(const uint8_t* r, int chunks, int seg, uint4 (&v)[kSegLoads]) {
