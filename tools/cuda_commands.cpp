@@ -146,8 +146,6 @@ void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--disable-rule", args.disabled_rules, "decode plans: compile without this compiler rule (docs/compiler.md; repeatable), to time a fusion against its absence");
   cmd->add_flag("--profile", args.profile, "per-opcode time, bytes and bandwidth; the megakernel's wait and run time");
-  cmd->add_flag("--gemv-stream-ab", args.gemv_stream_ab,
-                "also time the megakernel with one-row GEMV tasks' weights loaded after their inputs' wait, and without the segment pipeline (peers in the record)");
   cmd->add_flag_callback("--gemm-plans", [&args] { args.gemm_plans = true; },
                          "also time batches of at least --gemm-min-rows sequences on an unfused prefill plan (projections and experts as GEMMs, the rest on op "
                          "bodies), as `plow serve` runs them: peer cuda-gemm-plan, and the record's served_ms_per_step (default: on for one GPU, off with --tp)");
@@ -303,16 +301,6 @@ int run_bench_decode(const BenchDecodeArgs& args) {
           nccl = backend.timed_decode_steps(static_cast<int>(batch), args.steps);
           backend.set_peer_all_reduce(true);
         }
-        // The one-row GEMV stream's levers off, each against the default in the same run (CudaOptions).
-        json stream_peers = json::object();
-        if (args.gemv_stream_ab) {
-          backend.set_gemv_stream(true, false);
-          stream_peers["megakernel-weights-after-wait"] = {{"ms_per_step", backend.timed_decode_steps(static_cast<int>(batch), args.steps)}};
-          backend.set_gemv_stream(false, false);
-          stream_peers["megakernel-rows-unpipelined"] = {{"ms_per_step", backend.timed_decode_steps(static_cast<int>(batch), args.steps)}};
-          backend.set_gemv_stream(true, true);
-          stream_peers["megakernel-default-again"] = {{"ms_per_step", backend.timed_decode_steps(static_cast<int>(batch), args.steps)}};
-        }
         backend.set_eager(true);
         const double eager = backend.timed_decode_steps(static_cast<int>(batch), std::max(5, args.steps / 3));
         backend.set_eager(false);
@@ -343,7 +331,6 @@ int run_bench_decode(const BenchDecodeArgs& args) {
                        {"git_rev", rev},
                        {"command", args.command_line},
                        {"peers", {{"cuda-eager", {{"ms_per_step", eager}}}}}};
-        for (const auto& [name, peer] : stream_peers.items()) record["peers"][name] = peer;
         // What `plow serve` runs for this batch (choose_step: the GEMM path from gemm_min_rows rows),
         // where this run timed it.
         if (on_gemm || batch < gemm_min_rows) {
@@ -404,7 +391,6 @@ int run_bench_decode(const BenchDecodeArgs& args) {
                                                                    routing.reads > 0 ? fmt::format(" routing to {:.1f} experts an op", static_cast<double>(routing.experts) / static_cast<double>(routing.reads)) : "")
                                            : "",
                                    gbps, 100.0 * gbps / roofline_gbps, roofline_gbps);
-          for (const auto& [name, peer] : stream_peers.items()) std::cerr << fmt::format("  {}: {:8.3f} ms/step\n", name, peer["ms_per_step"].get<double>());
         }
         records.push_back(std::move(record));
       }

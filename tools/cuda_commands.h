@@ -85,7 +85,6 @@ struct BenchDecodeArgs {
   int64_t light_task_elements = LowerOptions::kLightTaskElements;  // the decode plans' (plan/lower.h)
   std::vector<std::string> disabled_rules;                         // compiler rules the decode plans are compiled without
   bool profile = false;
-  bool gemv_stream_ab = false;  // also time the megakernel with the one-row GEMV stream's levers off
   // Also time batches of ≥ gemm_min_rows on a prefill plan's GEMM path, as `serve` runs them (unset:
   // on for one GPU; a tensor-parallel run times it only when asked).
   std::optional<bool> gemm_plans;

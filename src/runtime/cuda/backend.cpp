@@ -618,11 +618,6 @@ void CudaBackend::set_eager(bool eager) { impl_->options.eager = eager; }
 
 void CudaBackend::set_peer_all_reduce(bool on) { impl_->options.peer_all_reduce = on; }
 
-void CudaBackend::set_gemv_stream(bool pipelined, bool weights_before_wait) {
-  impl_->options.gemv_pipelined = pipelined;
-  impl_->options.gemv_weights_before_wait = weights_before_wait;
-}
-
 bool CudaBackend::last_step_peer_all_reduce() const { return impl_->last_peer; }
 
 }  // namespace plow::cuda

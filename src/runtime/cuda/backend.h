@@ -75,11 +75,6 @@ struct CudaOptions {
   // The fp32 scores of one MLA GEMM block stay within this many bytes (tests make it small to force
   // blocks of few query rows and heads).
   int64_t mla_scores_bytes = int64_t{512} << 20;
-  // One-row plans (batch-1 decode): the GEMV bodies stream a warp's weight rows two segments ahead
-  // (gemv_pipelined), and in the megakernel issue their first loads before waiting for their inputs
-  // (gemv_weights_before_wait, with gemv_pipelined). Off: a row's loads issued, then used (for comparison).
-  bool gemv_pipelined = true;
-  bool gemv_weights_before_wait = true;
 };
 
 // Per-opcode time of one step (profile mode): measured by running the step's ops one launch each
@@ -131,8 +126,6 @@ class CudaBackend : public Backend {
   void set_eager(bool eager);  // switch between the megakernel and one launch per op (same weights and state)
   // Tensor parallelism: in-kernel all_reduces on or off from the next step (every rank alike).
   void set_peer_all_reduce(bool on);
-  // CudaOptions::gemv_pipelined and gemv_weights_before_wait from the next step (benchmarks' A/B).
-  void set_gemv_stream(bool pipelined, bool weights_before_wait);
   bool last_step_peer_all_reduce() const;
   // Diagnosis: runs one decode step's ops one launch at a time, each waited for with a host timeout;
   // prints each op's label, tasks and time to stderr, and returns the index of the first op that did

@@ -184,7 +184,6 @@ struct CudaBackend::Impl {
     p.scratch = scratch.as<float>();
     p.step = view;
     p.epoch = prepared.epoch;
-    p.stream = (options.gemv_pipelined ? kStreamPipelined : 0u) | (options.gemv_weights_before_wait ? kStreamBeforeWait : 0u);
     if (options.comm) {
       p.step.coll_epoch = ++coll_epoch;
       p.step.peers = peer_table(prepared);

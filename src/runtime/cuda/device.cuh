@@ -30,13 +30,6 @@ struct TaskCtx {
   unsigned char* smem;
   float* scratch;
   int32_t task = 0;
-  // Megakernel, a body that streams weights before its inputs are ready (wait_inputs): the counter
-  // thread 0 waits on until it reaches wait_target, and where the cycles it waited go (the profile).
-  // Null: the dispatcher waited before the task (every other body, the eager kernel).
-  const unsigned* wait_counter = nullptr;
-  uint32_t wait_target = 0;
-  long long* waited = nullptr;
-  uint32_t stream = 0;  // kStreamPipelined, kStreamBeforeWait
 
   // Row `row` of input i: in_width(i) floats (a view's rows keep its source's stride).
   __device__ const float* in(int i, int64_t row) const { return arena + op->in_offset[i] + row * op->in_stride[i]; }
@@ -71,31 +64,6 @@ __device__ __forceinline__ float kda_gate_value(float z, float a_log, bool bound
 __device__ __forceinline__ float situf_(float a, float b, float beta, float linear_beta) {
   const float up = linear_beta > 0 ? linear_beta * tanhf(b / linear_beta) : b;
   return beta * tanhf(a / beta) * sigmoidf_(a) * up;
-}
-
-#ifndef PLOW_CUDA_EMU
-__device__ __forceinline__ uint32_t load_acquire_gpu(const unsigned* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-#endif
-
-// The barrier after which a task may read its inputs. In the megakernel a body that issued weight
-// loads first calls this in place of its first barrier: thread 0 waits for the inputs' counter there
-// (the dispatcher did not), and the barrier extends its acquire to the block (the pattern of CUTLASS's
-// GenericBarrier). Elsewhere a plain barrier.
-// The emulator runs tasks in plan order: their inputs are always ready.
-__device__ __forceinline__ void wait_inputs(const TaskCtx& ctx) {
-#ifndef PLOW_CUDA_EMU
-  if (threadIdx.x == 0 && ctx.wait_counter != nullptr) {
-    const long long t0 = clock64();
-    while (load_acquire_gpu(ctx.wait_counter) < ctx.wait_target) {
-    }
-    if (ctx.waited != nullptr) *ctx.waited = clock64() - t0;
-  }
-#endif
-  __syncthreads();
 }
 
 __device__ __forceinline__ void report_error(const TaskCtx& ctx, int32_t code) { atomicCAS(ctx.step->error, 0, code); }

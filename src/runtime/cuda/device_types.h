@@ -16,12 +16,6 @@ inline constexpr int kSharedBytes = 144 * 1024;      // dynamic shared memory ev
 inline constexpr int64_t kScratchFloats = 1 << 18;   // per-block global scratch (1 MiB) for op bodies
 inline constexpr int kMaxAttrs = 16;
 
-// How the one-row GEMV tasks (plans of one row: batch-1 decode) stream their weights; both by default,
-// switchable for benchmarks (CudaOptions::gemv_stream, `bench decode --gemv-stream-ab`).
-inline constexpr uint32_t kStreamPipelined = 1;   // a warp's rows as segments, the next one's loads before the current one's use
-inline constexpr uint32_t kStreamBeforeWait = 2;  // megakernel: with kStreamPipelined, the first segment's loads before the inputs' wait
-inline constexpr uint32_t kStreamDefault = kStreamPipelined | kStreamBeforeWait;
-
 enum WeightType : int32_t { kWF32 = 0, kWBF16 = 1, kWF16 = 2, kWMXFP4 = 3 };
 enum ActType : int32_t { kAF32 = 0, kABF16 = 1, kAF16 = 2 };
 

@@ -48,10 +48,9 @@ __device__ void run_task(const TaskCtx& ctx, int32_t opcode) {
   }
 }
 
-// The dense GEMV bodies (gemv_task's callers without routed rows): they issue their first weight
-// loads before wait_inputs, so the megakernel's dispatcher leaves their inputs' wait to them.
-__host__ __device__ constexpr bool dense_gemv_op(Op op) {
+constexpr bool host_has_op(Op op) {
   switch (op) {
+    case Op::kTokens:
     case Op::kLinear:
     case Op::kRouterLogits:
     case Op::kNormLinear:
@@ -64,26 +63,21 @@ __host__ __device__ constexpr bool dense_gemv_op(Op op) {
     case Op::kGateUpAct:
     case Op::kActLinear:
     case Op::kGatedNormLinear:
-      return true;
-    default:
-      return false;
-  }
-}
-
-constexpr bool host_has_op(Op op) {
-  switch (op) {
-    case Op::kTokens:
     case Op::kMoeGateUp:
     case Op::kMoeDown:
     case Op::kMoeDownAdd:
     case Op::kSlice:  // a view: its readers read its source in place, and validate_plan gives it no tasks
       return true;
     default:
-      return dense_gemv_op(op) || is_misc_op(static_cast<uint8_t>(op));
+      return is_misc_op(static_cast<uint8_t>(op));
   }
 }
 
-__device__ __forceinline__ bool waits_in_body(int32_t opcode) { return opcode != kOpRoundRows && dense_gemv_op(static_cast<Op>(opcode)); }
+__device__ __forceinline__ uint32_t load_acquire(const unsigned* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 
 __device__ __forceinline__ void add_release(unsigned* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
@@ -142,71 +136,50 @@ __device__ __forceinline__ void point_at_arrays(TaskSlot* slot) {
   d->weights = reinterpret_cast<const DeviceWeight*>(in + 3 * d->num_inputs);
 }
 
-// Thread 0's bookkeeping, in shared memory (an attempt to leave the op bodies more registers; ptxas
-// still spilled the one-row stream's segments in megakernel<1>: any loop around a body does, see
-// docs/cuda.md, "Streaming a warp's rows ahead").
-struct Bookkeeping {
-  long long started, task_wait, run_start, body_wait;  // body_wait: the cycles wait_inputs waited (TaskCtx::waited)
-  unsigned long long wait_cycles, run_cycles;
-  int in_body;  // the task waits for its inputs in its body
-};
-
-__device__ __forceinline__ TaskSlot* task_slots(unsigned char* smem) { return reinterpret_cast<TaskSlot*>(smem + kSharedBytes); }
-__device__ __forceinline__ uint64_t* slot_bars(unsigned char* smem) { return reinterpret_cast<uint64_t*>(smem + kSlotBytes); }
-
 template <int kCap>
 __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant__ KernelParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ Bookkeeping book;
-  const int32_t begin = p.queue_begin[blockIdx.x], end = p.queue_begin[blockIdx.x + 1];
-  if (threadIdx.x == 0) {
-    book = Bookkeeping{};
-    book.started = clock64();
-    if (begin < end) {
-      for (int b = 0; b < 2; ++b) mbar_init(shared_address(slot_bars(smem) + b), 1);
-      mbar_init_fence();
-      const Instr& first = p.instrs[begin];
-      load_task(task_slots(smem), slot_bars(smem), &first, p.descs + first.desc, first.desc_bytes);
-    }
+  const int worker = blockIdx.x;
+  const int32_t begin = p.queue_begin[worker], end = p.queue_begin[worker + 1];
+  float* scratch = p.scratch + static_cast<int64_t>(worker) * kScratchFloats;
+  auto* slots = reinterpret_cast<TaskSlot*>(smem + kSharedBytes);
+  auto* bars = reinterpret_cast<uint64_t*>(smem + kSlotBytes);
+  const long long started = clock64();
+  unsigned long long wait_cycles = 0, run_cycles = 0;
+  long long task_wait = 0;
+  if (threadIdx.x == 0 && begin < end) {
+    for (int b = 0; b < 2; ++b) mbar_init(shared_address(bars + b), 1);
+    mbar_init_fence();
+    const Instr& first = p.instrs[begin];
+    load_task(slots, bars, &first, p.descs + first.desc, first.desc_bytes);
   }
   for (int32_t i = begin; i < end; ++i) {
     const int32_t k = i - begin;
+    TaskSlot* slot = slots + (k & 1);
     if (threadIdx.x == 0) {
-      TaskSlot* slot = task_slots(smem) + (k & 1);
       const long long t0 = clock64();
-      mbar_wait(shared_address(slot_bars(smem) + (k & 1)), static_cast<uint32_t>(k >> 1) & 1u);  // loaded while the task before ran
+      mbar_wait(shared_address(bars + (k & 1)), static_cast<uint32_t>(k >> 1) & 1u);  // loaded while the task before ran
       point_at_arrays(slot);
       const Instr& ins = slot->ins;
       // The other slot's task finished before the barrier that ended it: load the next one there.
-      if (i + 1 < end) load_task(task_slots(smem) + ((k + 1) & 1), slot_bars(smem) + ((k + 1) & 1), p.instrs + i + 1, p.descs + ins.next_desc, ins.next_desc_bytes);
+      if (i + 1 < end) load_task(slots + ((k + 1) & 1), bars + ((k + 1) & 1), p.instrs + i + 1, p.descs + ins.next_desc, ins.next_desc_bytes);
+      build_task_ctx(slot->ctx, TaskCtx{reinterpret_cast<const OpDesc*>(slot->desc), p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task});
       const uint32_t target = ins.wait_threshold * p.epoch;
-      // One-row GEMV bodies stream their first weights, then wait (wait_inputs); the others start ready.
-      const bool in_body = kCap == 1 && target != 0 && (p.stream & kStreamPipelined) != 0 && (p.stream & kStreamBeforeWait) != 0 && waits_in_body(ins.opcode);
-      TaskCtx ctx{reinterpret_cast<const OpDesc*>(slot->desc), p.arena, &p.step, ins.col_begin, ins.col_end, smem,
-                  p.scratch + static_cast<int64_t>(blockIdx.x) * kScratchFloats, ins.task};
-      ctx.stream = p.stream;
-      book.in_body = in_body;
-      book.body_wait = 0;
-      if (in_body) {
-        ctx.wait_counter = p.counters + ins.wait_counter;
-        ctx.wait_target = target;
-        ctx.waited = &book.body_wait;
-      }
-      build_task_ctx(slot->ctx, ctx);
-      if (target != 0 && !in_body) {
-        while (load_acquire_gpu(p.counters + ins.wait_counter) < target) {
+      if (target != 0) {
+        while (load_acquire(p.counters + ins.wait_counter) < target) {
         }
       }
       // No fence: the acquire load orders this thread's later accesses, and the barrier below extends
       // that to the block (the pattern of CUTLASS's GenericBarrier).
-      book.task_wait = clock64() - t0;
-      book.run_start = clock64();
+      task_wait = clock64() - t0;
+      wait_cycles += static_cast<unsigned long long>(task_wait);
     }
     __syncthreads();
-    run_task<kCap>(task_ctx(task_slots(smem)[k & 1].ctx), task_slots(smem)[k & 1].ins.opcode);
+    const long long r0 = clock64();
+    const Instr& ins = slot->ins;
+    run_task<kCap>(task_ctx(slot->ctx), ins.opcode);
     // The releasing thread reads its counters before the barrier: after it, thread 0 loads the task
     // after next into this slot.
-    const Instr& ins = task_slots(smem)[k & 1].ins;
     const int32_t signals = ins.num_signals, first_signal = ins.signal_begin, inline0 = ins.signal[0], inline1 = ins.signal[1];
     const int32_t opcode = ins.opcode;
     __syncthreads();
@@ -220,28 +193,22 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
       }
     }
     if (threadIdx.x == 0) {
-      long long ran = clock64() - book.run_start;
-      long long waited = book.task_wait;
-      if (book.in_body) {  // the body's wait counts as waiting, not running
-        waited += book.body_wait;
-        ran -= book.body_wait;
-      }
-      book.wait_cycles += static_cast<unsigned long long>(waited);
-      book.run_cycles += static_cast<unsigned long long>(ran);
+      const long long ran = clock64() - r0;
+      run_cycles += static_cast<unsigned long long>(ran);
       if (p.op_profile != nullptr) {
         unsigned long long* out = p.op_profile + 3 * profile_slot(opcode);
-        atomicAdd(out, static_cast<unsigned long long>(waited));
+        atomicAdd(out, static_cast<unsigned long long>(task_wait));
         atomicAdd(out + 1, static_cast<unsigned long long>(ran));
         atomicAdd(out + 2, 1ull);
       }
     }
   }
   if (threadIdx.x == 0 && p.profile != nullptr) {
-    unsigned long long* out = p.profile + 4 * blockIdx.x;
-    out[0] += book.wait_cycles;
-    out[1] += book.run_cycles;
+    unsigned long long* out = p.profile + 4 * worker;
+    out[0] += wait_cycles;
+    out[1] += run_cycles;
     out[2] += static_cast<unsigned long long>(end - begin);
-    out[3] += static_cast<unsigned long long>(clock64() - book.started);
+    out[3] += static_cast<unsigned long long>(clock64() - started);
   }
 }
 
@@ -252,9 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) eager_kernel(const __grid_constan
   const Instr& ins = p.instrs[first + blockIdx.x];
   if (threadIdx.x == 0) {
     float* scratch = p.scratch + static_cast<int64_t>(blockIdx.x) * kScratchFloats;
-    TaskCtx ctx{p.ops + ins.op, p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task};
-    ctx.stream = p.stream;
-    build_task_ctx(ctx_mem, ctx);
+    build_task_ctx(ctx_mem, TaskCtx{p.ops + ins.op, p.arena, &p.step, ins.col_begin, ins.col_end, smem, scratch, ins.task});
   }
   __syncthreads();
   run_task<kCap>(task_ctx(ctx_mem), ins.opcode);

@@ -67,7 +67,6 @@ struct KernelParams {
   unsigned long long* op_profile = nullptr;  // megakernel: per opcode slot (profile_slot) {wait cycles, run cycles, tasks}, or null
   StepView step;
   uint32_t epoch = 0;
-  uint32_t stream = kStreamDefault;  // how one-row GEMV tasks stream their weights (device_types.h)
 };
 
 bool device_has_op(int opcode);

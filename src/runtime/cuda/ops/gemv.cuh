@@ -117,94 +117,6 @@ __device__ __forceinline__ void gemv_pass(const TaskCtx& ctx, const float* xs, i
   }
 }
 
-// The one-row stream's work of a warp: item i is segment i % segs of weight row j = i / segs % NDOT of
-// the warp's column first + i / (segs·NDOT)·kWarps.
-struct StreamItems {
-  int64_t first;
-  int chunks, segs, per_col, items;
-};
-struct StreamItem {
-  const uint8_t* row;  // null: lane_dot's path (or past the warp's items)
-  int32_t type;
-};
-
-template <int NDOT>
-__device__ __forceinline__ StreamItems stream_items(const TaskCtx& ctx, int n) {
-  StreamItems s;
-  s.chunks = n / 8;
-  s.segs = n % 8 == 0 && s.chunks > 0 ? (s.chunks + 32 * kSegLoads - 1) / (32 * kSegLoads) : 1;
-  s.per_col = s.segs * NDOT;
-  s.first = ctx.col_begin + threadIdx.x / 32;
-  s.items = s.first < ctx.col_end ? static_cast<int>((ctx.col_end - s.first + kWarps - 1) / kWarps) * s.per_col : 0;
-  return s;
-}
-
-__device__ __forceinline__ int64_t stream_column(const StreamItems& s, int i) { return s.first + static_cast<int64_t>(i / s.per_col) * kWarps; }
-
-// Item i's row, its loads issued into v when use_segment can stream it.
-template <int NDOT, class Ref>
-__device__ __forceinline__ StreamItem issue_item(const TaskCtx& ctx, const StreamItems& s, Ref ref, const float* xs, int n, int i, uint4 (&v)[kSegLoads]) {
-  if (i >= s.items) return StreamItem{nullptr, 0};
-  const RowRef r = ref(i / s.segs % NDOT, stream_column(s, i), 0);
-  const DeviceWeight& w = ctx.op->weights[r.weight];
-  const StreamItem it{half_row(w, r.part, r.row, xs, n), w.type};
-  if (it.row != nullptr) issue_segment(it.row, s.chunks, i % s.segs, v);
-  return it;
-}
-
-// Item i's share of its row's dot into acc; at the row's last segment the warp's sum into dots[j], and
-// after the column's last row epi (lane 0).
-template <int NDOT, class Ref, class Epi>
-__device__ __forceinline__ void use_item(const TaskCtx& ctx, const StreamItems& s, Ref ref, Epi epi, const float* xs, int ld, int n, int i, StreamItem it,
-                                         const uint4 (&v)[kSegLoads], float (&acc)[1], float (&dots)[NDOT]) {
-  const int seg = i % s.segs, j = i / s.segs % NDOT;
-  const int64_t c = stream_column(s, i);
-  if (it.row != nullptr) {
-    use_segment(it.type, v, xs, s.chunks, seg, acc);
-  } else if (seg == 0) {
-    const RowRef r = ref(j, c, 0);
-    lane_dot<1, 4>(ctx.op->weights[r.weight], r.part, r.row, xs, ld, n, acc);
-  }
-  if (seg == s.segs - 1) {
-    const float dot = warp_sum(acc[0]);
-    acc[0] = 0.0f;
-    if (NDOT == 1 || j == 0) {
-      dots[0] = dot;
-    } else {
-      dots[NDOT - 1] = dot;
-    }
-    if (j == NDOT - 1 && (threadIdx.x & 31) == 0) epi(0, c, dots);
-  }
-}
-
-// A one-row task streamed as segments (gemv_dot.cuh, issue_segment), two items' loads in flight. Rows
-// that do not depend on the token (not PER_TOKEN) issue the first item before wait_inputs: in the
-// megakernel that is before the task's inputs are ready, so weights never wait on a dependency; routed
-// rows (PER_TOKEN) are known only after it. Rows use_segment cannot stream (not half precision,
-// unaligned, n not a multiple of 8) go through lane_dot with a light batch (the body's registers hold
-// two segments). Each row's dot is lane_dot's (and lane_dot2's) bit for bit.
-template <int NDOT, bool PER_TOKEN, class Stage, class Ref, class Epi>
-__device__ __forceinline__ void one_row_task(const TaskCtx& ctx, float* xs, int ld, int n, Stage stage, Ref ref, Epi epi) {
-  static_assert(NDOT == 1 || NDOT == 2, "one or two weight rows a column");
-  const StreamItems s = stream_items<NDOT>(ctx, n);
-  float acc[1] = {0.0f};
-  float dots[NDOT];
-  uint4 a[kSegLoads], b[kSegLoads];
-  StreamItem ia{nullptr, 0};
-  if constexpr (!PER_TOKEN) ia = issue_item<NDOT>(ctx, s, ref, xs, n, 0, a);
-  wait_inputs(ctx);
-  stage(xs, ld, 0, 1);
-  __syncthreads();
-  if constexpr (PER_TOKEN) ia = issue_item<NDOT>(ctx, s, ref, xs, n, 0, a);
-  for (int i = 0; i < s.items; i += 2) {
-    const StreamItem ib = issue_item<NDOT>(ctx, s, ref, xs, n, i + 1, b);
-    use_item<NDOT>(ctx, s, ref, epi, xs, ld, n, i, ia, a, acc, dots);
-    if (i + 1 >= s.items) break;
-    ia = issue_item<NDOT>(ctx, s, ref, xs, n, i + 2, a);
-    use_item<NDOT>(ctx, s, ref, epi, xs, ld, n, i + 1, ib, b, acc, dots);
-  }
-}
-
 // kCap: the most token rows a pass serves, kMaxGroup or 1. The kernels of one-row plans (batch-1
 // decode) instantiate their bodies with 1: they then carry the one-row pass alone, not beside it the
 // passes of 2, 4 and 8 rows that such a plan never takes (a body was 14–35 K SASS instructions, of which
@@ -214,26 +126,15 @@ __device__ __forceinline__ void gemv_task(const TaskCtx& ctx, int n, Stage stage
   static_assert(kCap == 1 || kCap == kMaxGroup, "a pass serves 1 or kMaxGroup rows");
   int ld = 0, group = 0;
   float* xs = staging(ctx, n, ld, group);
-  const int rows = ctx.rows();
-  if (group == 0 || rows <= 0) {  // a row wider than the block's scratch; a step without rows
-    wait_inputs(ctx);
-    if (group == 0 && threadIdx.x == 0) report_error(ctx, kErrWorkspace);
+  if (group == 0) {  // a row wider than the block's scratch
+    if (threadIdx.x == 0) report_error(ctx, kErrWorkspace);
     return;
   }
   if (kCap == 1) group = 1;
-  if constexpr (kCap == 1 || PER_TOKEN) {  // routed rows go token by token whatever the kernel
-    if (rows == 1 && (ctx.stream & kStreamPipelined) != 0) {
-      one_row_task<NDOT, PER_TOKEN>(ctx, xs, ld, n, stage, ref, epi);
-      return;
-    }
-  }
+  const int rows = ctx.rows();
   for (int t0 = 0; t0 < rows; t0 += group) {
     const int count = rows - t0 < group ? rows - t0 : group;
-    if (t0 == 0) {
-      wait_inputs(ctx);  // the megakernel's wait when the dispatcher left it to the body
-    } else {
-      __syncthreads();  // the previous group's readers are done with xs
-    }
+    __syncthreads();  // the previous group's readers are done with xs
     stage(xs, ld, t0, count);
     __syncthreads();
     if (PER_TOKEN || kCap == 1 || count == 1) {
@@ -503,35 +404,6 @@ __device__ __forceinline__ void moe_down_dots(const DeviceWeight& w2, const floa
   db = warp_sum(acc_b[0]);
 }
 
-// moe_down's one-token stream (op_moe_down_impl): pair p is (column col_begin + p / top_k, slot p % top_k),
-// one weight row of the slot's expert against the slot's I columns of the staged row.
-struct MoeDownPair {
-  const uint8_t* row;  // null: lane_dot's path (or past the task's pairs)
-  int64_t expert, o;
-};
-
-__device__ __forceinline__ MoeDownPair issue_moe_down_pair(const DeviceWeight& w2, const float* route, int top_k, int inter, int64_t col_begin, int pairs,
-                                                           const float* xs, int chunks, int p, uint4 (&v)[kSegLoads]) {
-  if (p >= pairs) return MoeDownPair{nullptr, 0, 0};
-  const int64_t e = static_cast<int64_t>(route[top_k + p % top_k]), o = col_begin + p / top_k;
-  const MoeDownPair it{half_row(w2, e, o, xs + (p % top_k) * inter, inter), e, o};
-  if (it.row != nullptr) issue_segment(it.row, chunks, 0, v);
-  return it;
-}
-
-__device__ __forceinline__ void use_moe_down_pair(const TaskCtx& ctx, const DeviceWeight& w2, int top_k, int inter, const float* xs, int ld, int chunks, int p,
-                                                  MoeDownPair it, const uint4 (&v)[kSegLoads], float* dots) {
-  const float* x = xs + (p % top_k) * inter;
-  float acc[1] = {0.0f};
-  if (it.row != nullptr) {
-    use_segment(w2.type, v, x, chunks, 0, acc);
-  } else {
-    lane_dot<1, 4>(w2, it.expert, it.o, x, ld, inter, acc);
-  }
-  const float d = warp_sum(acc[0]);
-  if ((threadIdx.x & 31) == 0) dots[p] = round_out(ctx, d);
-}
-
 // kMoeDown (and kMoeDownAdd with a third input `shared`): out[t, o] = round(Σ_k route_k ·
 // round(h_k · w2_{e_k}[o])) (+ shared, rounded again), k in order; a tensor-parallel partial sum
 // (round_out 0) rounds neither. attr0 = top_k.
@@ -555,33 +427,6 @@ __device__ __noinline__ void op_moe_down_impl(const TaskCtx& ctx) {
   }
   float* dots = xs + static_cast<int64_t>(group) * ld;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  if (ctx.rows() == 1 && (ctx.stream & kStreamPipelined) != 0 && inter % 8 == 0 && inter / 8 <= 32 * kSegLoads) {
-    // One token: the (column, slot) pairs a warp's items, one weight row each, streamed as one_row_task
-    // streams (the next row's loads before the current one's use); the same dots as below.
-    __syncthreads();
-    stage_rows(ctx, 0, xs, ld, 0, 1, 1);
-    __syncthreads();
-    const float* route = ctx.in(1, 0);
-    const int chunks = inter / 8;
-    uint4 a[kSegLoads], b[kSegLoads];
-    MoeDownPair pa = issue_moe_down_pair(w2, route, top_k, inter, ctx.col_begin, pairs, xs, chunks, warp, a);
-    for (int p = warp; p < pairs; p += 2 * kWarps) {
-      const MoeDownPair pb = issue_moe_down_pair(w2, route, top_k, inter, ctx.col_begin, pairs, xs, chunks, p + kWarps, b);
-      use_moe_down_pair(ctx, w2, top_k, inter, xs, ld, chunks, p, pa, a, dots);
-      if (p + kWarps >= pairs) break;
-      pa = issue_moe_down_pair(w2, route, top_k, inter, ctx.col_begin, pairs, xs, chunks, p + 2 * kWarps, a);
-      use_moe_down_pair(ctx, w2, top_k, inter, xs, ld, chunks, p + kWarps, pb, b, dots);
-    }
-    __syncthreads();
-    for (int64_t c = threadIdx.x; c < cols; c += kThreads) {
-      float total = 0.0f;
-      for (int k = 0; k < top_k; ++k) total += route[k] * dots[c * top_k + k];
-      float v = round_out(ctx, total);
-      if (ADD) v = round_out(ctx, v + ctx.in(2, 0)[ctx.col_begin + c]);
-      ctx.out(0)[ctx.col_begin + c] = v;
-    }
-    return;
-  }
   for (int t0 = 0; t0 < ctx.rows(); t0 += group) {
     const int count = ctx.rows() - t0 < group ? ctx.rows() - t0 : group;
     __syncthreads();

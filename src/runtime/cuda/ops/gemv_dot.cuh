@@ -164,35 +164,4 @@ __device__ __forceinline__ void lane_dot2(int32_t type, const uint8_t* a, const 
   }
 }
 
-// The one-row tasks' stream (gemv.cuh, one_row_task): a warp's weight rows cut into segments of at
-// most kSegLoads 16-byte loads a lane, the next segment's loads issued before the current one is used.
-// lane_dot waits a DRAM latency for every row it streams (its loads are issued, then used, then the
-// next row's issued); here a warp waits once a task, and its first segment can be in flight while the
-// task waits for its inputs. Two segments' loads are 72 registers a lane.
-inline constexpr int kSegLoads = 6;  // a 2,304-wide bf16 row is one segment
-
-// The lane's loads of segment `seg` of the half-precision row r of `chunks` 16-byte chunks.
-__device__ __forceinline__ void issue_segment(const uint8_t* r, int chunks, int seg, uint4 (&v)[kSegLoads]) {
-  const int first = seg * 32 * kSegLoads + (threadIdx.x & 31);
-#pragma unroll
-  for (int u = 0; u < kSegLoads; ++u) {
-    const int c = first + 32 * u;
-    v[u] = c < chunks ? load_stream(r + static_cast<size_t>(c) * 16) : uint4{};
-  }
-}
-
-// Adds the lane's share of segment `seg`'s dot against the staged row xs to acc: the chunks in
-// lane_dot's order (ascending, one fma8 each), so a row's sum is lane_dot's bit for bit.
-__device__ __forceinline__ void use_segment(int32_t type, const uint4 (&v)[kSegLoads], const float* xs, int chunks, int seg, float (&acc)[1]) {
-  const int first = seg * 32 * kSegLoads + (threadIdx.x & 31);
-#pragma unroll
-  for (int u = 0; u < kSegLoads; ++u) {
-    const int c = first + 32 * u;
-    if (c >= chunks) break;
-    float f[8];
-    unpack8(v[u], type, f);
-    fma8<1>(f, xs, 0, c * 8, acc);
-  }
-}
-
 }  // namespace plow::cuda
