@@ -253,8 +253,8 @@ std::vector<GemvCase> cases() {
                 Op::kActLinear, Op::kGatedNormLinear, Op::kLinearKdaGate}) {
     all.push_back({std::string(op_name(op)) + "_1024x300_bf16", op, 1024, 300, DType::BF16});
   }
-  // Wide rows: 4,104 and 7,176 columns (K3's hidden plus a chunk), 16-byte chunks one past a multiple
-  // of a warp's 32, and 4,100 (not a multiple of 8: the scalar tail).
+  // Wide rows: 4,104 and 7,176 columns (K3's hidden plus 8; in bf16 513 and 897 16-byte chunks, one
+  // past a multiple of a warp's 32), and 4,100 (not a multiple of 8: the scalar tail).
   for (Op op : {Op::kLinear, Op::kNormMultiLinear, Op::kGatedNormLinear, Op::kLinearAdd}) {
     for (int64_t hidden : {4104, 7176, 4100}) {
       for (DType dtype : {DType::F32, DType::BF16}) {
