@@ -149,6 +149,8 @@ struct float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 struct float2 { float x, y; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
+struct uint2 { unsigned x, y; };
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 inline unsigned __float_as_uint(float v) { return std::bit_cast<unsigned>(v); }
 inline float __uint_as_float(unsigned v) { return std::bit_cast<float>(v); }
 inline int min(int a, int b) { return a < b ? a : b; }

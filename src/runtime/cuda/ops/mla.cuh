@@ -567,9 +567,7 @@ __device__ __noinline__ void mla_combine_item(const TaskCtx& ctx, const MlaShape
 
 }  // namespace plow::cuda
 
-#ifndef PLOW_CUDA_EMU
 #include "runtime/cuda/ops/mla_mma.cuh"  // the B item on tensor cores (uses the schedule and workspace above)
-#endif
 
 namespace plow::cuda {
 
@@ -614,15 +612,11 @@ __device__ __noinline__ void op_mla_attention(const TaskCtx& ctx) {
       block_arrive(sync + 1);
     } else if (item < a_items + b_items) {
       block_wait(sync + 1, a_items);
-#ifndef PLOW_CUDA_EMU
       if (mla_mma_fits(ctx, sh)) {
         mla_split_item_mma(ctx, sh, sched, item - a_items, ws, smem);
       } else {
         mla_split_item(ctx, sh, sched, item - a_items, ws, smem);
       }
-#else
-      mla_split_item(ctx, sh, sched, item - a_items, ws, smem);
-#endif
       block_arrive(sync + 2);
     } else {
       block_wait(sync + 2, b_items);

@@ -4,66 +4,117 @@
 // to the activation dtype, k_r is a rounded kv_a output), and the fp32 operands q_abs and P are split
 // into bf16 hi + lo (x = hi + lo + O(2⁻¹⁶·x)), two products each, so scores and u keep ~16 bits of
 // mantissa where the SIMT body keeps 24: below the bf16 rounding of the op's output.
-// The SIMT body spent ~250 µs per MLA layer at batch 1 × 4096 positions (ncu: ~440K warp instructions
-// per item at IPC 1, stalled on its barriers); this item does a 32-row tile in 544 mma (288 for the
-// scores, 256 for P·C, hi and lo each), spread over the 16 warps.
+// A 32-row tile: 16 warps, each a quarter of the latent's k steps of one 8-row score n-tile (the four
+// quarters meet in shared memory), then one warp a query for the online softmax, which also splits P,
+// then each warp rank/16 value columns of u. Operands come from shared memory by ldmatrix (q and P as
+// A, the tile transposed as P·C's B). A warp loads two rows of a tile as whole 512-byte runs, and
+// thread 0 has the L2 fetch the rows two tiles ahead (one bulk prefetch), so a tile's loads wait on
+// L2, not DRAM. Holding the next tile's rows in registers through this one's products instead, ptxas
+// spilled every one of them (an STL right after each load, whatever the live range: ptxas -v, 320
+// bytes of spill stores). The first form of this item loaded a tile after the last one's products,
+// split P once per warp, built fragments from scalar shared loads and found each flattened index by a
+// division: ~7 µs a tile visit on the H200 at batch 32 × 32,768 (ncu at batch 32 × 4096: DRAM 10%
+// busy, 0.30 warps issued per scheduler cycle); this form ~4.3 (docs/cuda.md).
+// Emulator builds (tests/gpu/emu) run it with mla_flash.cuh's host stand-ins for ldmatrix and mma.
 #pragma once
 
+#include "runtime/cuda/mla_flash.cuh"  // flash_ldmatrix, flash_mma, flash_pack (and their emulator stand-ins)
 #include "runtime/cuda/ops/mla_common.cuh"
 
 namespace plow::cuda {
 
-inline constexpr int kMlaMmaRows = 32;               // cache rows per tile (4 n-tiles of the score)
-inline constexpr int kMlaMmaLd = kMlaMaxLatent + 8;  // bf16 row stride in shared memory (conflict-free fragments)
+inline constexpr int kMlaMmaRows = 32;                          // cache rows per tile (4 n-tiles of the score)
+inline constexpr int kMlaMmaLd = kMlaMaxLatent + 8;             // bf16 row stride (1,168 bytes: conflict-free ldmatrix rows)
+inline constexpr int kMlaMmaPLd = kMlaMmaRows + 8;              // P's bf16 row stride (80 bytes: likewise)
+inline constexpr int kMlaMmaRowsPerWarp = kMlaMmaRows / kWarps;  // tile rows a warp loads
+inline constexpr int kMlaMmaQuadRounds = (kMlaMaxLatent / 4 + 31) / 32;  // 16-byte loads a lane per row
 
 // Whether the op takes this item: bf16 activations, and a shape the warp split below covers.
 __device__ __forceinline__ bool mla_mma_fits(const TaskCtx& ctx, const MlaShape& sh) {
   return ctx.op->act == kABF16 && sh.latent % 16 == 0 && sh.latent <= kMlaMaxLatent && sh.rank % (8 * kWarps) == 0 && sh.rank <= kMlaMaxRank;
 }
 
-__device__ __forceinline__ uint32_t mla_pack_bf16(float low, float high) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(low, high);  // .x (low half) = low
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // x ≈ hi + lo, both bf16, packed two elements per register (element k low, k + 1 high).
 __device__ __forceinline__ void mla_split_pair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   const float h0 = __bfloat162float(__float2bfloat16_rn(x0)), h1 = __bfloat162float(__float2bfloat16_rn(x1));
-  hi = mla_pack_bf16(h0, h1);
-  lo = mla_pack_bf16(x0 - h0, x1 - h1);
-}
-
-// d += a·b: a 16×16 (row-major fragment), b 16×8 (column fragment), d 16×8 fp32.
-__device__ __forceinline__ void mla_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  hi = flash_pack<false>(h0, h1);
+  lo = flash_pack<false>(x0 - h0, x1 - h1);
 }
 
 // Shared memory of the item (bytes from `base`): q hi/lo [16][kMlaMmaLd] bf16 each, the tile
-// [kMlaMmaRows][kMlaMmaLd] bf16, score partials [4][16][kMlaMmaRows] fp32 (one per k quarter), P
-// [16][kMlaMmaRows] fp32, and per query the running max, sum and this tile's rescale.
+// [kMlaMmaRows][kMlaMmaLd] bf16, score partials [4][16][kMlaMmaRows] fp32 (one per k quarter), P hi/lo
+// [16][kMlaMmaPLd] bf16 each, and per query the running max, sum and this tile's rescale.
 struct MlaMmaSmem {
-  __nv_bfloat16 *qhi, *qlo, *tile;
-  float *part, *p, *m, *l, *alpha;
+  uint16_t *qhi, *qlo, *tile, *phi, *plo;
+  float *part, *m, *l, *alpha;
 };
 
 __device__ __forceinline__ MlaMmaSmem mla_mma_smem(float* base) {
   MlaMmaSmem s;
-  s.qhi = reinterpret_cast<__nv_bfloat16*>(base);
+  s.qhi = reinterpret_cast<uint16_t*>(base);
   s.qlo = s.qhi + kMlaGroup * kMlaMmaLd;
   s.tile = s.qlo + kMlaGroup * kMlaMmaLd;
   s.part = reinterpret_cast<float*>(s.tile + kMlaMmaRows * kMlaMmaLd);
-  s.p = s.part + 4 * kMlaGroup * kMlaMmaRows;
-  s.m = s.p + kMlaGroup * kMlaMmaRows;
+  s.phi = reinterpret_cast<uint16_t*>(s.part + 4 * kMlaGroup * kMlaMmaRows);
+  s.plo = s.phi + kMlaGroup * kMlaMmaPLd;
+  s.m = reinterpret_cast<float*>(s.plo + kMlaGroup * kMlaMmaPLd);
   s.l = s.m + kMlaGroup;
   s.alpha = s.l + kMlaGroup;
   return s;
 }
-static_assert((2 * kMlaGroup + kMlaMmaRows) * kMlaMmaLd * 2 + (5 * kMlaGroup * kMlaMmaRows + 3 * kMlaGroup) * 4 + 128 <= kSharedBytes,
+static_assert((2 * kMlaGroup + kMlaMmaRows) * kMlaMmaLd * 2 % 16 == 0 && kMlaGroup * kMlaMmaPLd * 2 % 16 == 0, "16-byte aligned ldmatrix rows");
+static_assert((2 * kMlaGroup + kMlaMmaRows) * kMlaMmaLd * 2 + 4 * kMlaGroup * kMlaMmaRows * 4 + 2 * kMlaGroup * kMlaMmaPLd * 2 + 3 * kMlaGroup * 4 + 128 <=
+                  kSharedBytes,
               "the MLA mma item's shared memory");
-static_assert(kMlaMmaRows * (kMlaMaxLatent / 4) % kThreads == 0, "the tile load: whole float4 rounds");
-static_assert(kMlaGroup == 16 && kWarps == 16, "one m16 tile of queries; four score n-tiles × four k quarters over 16 warps");
+static_assert(kMlaMmaRows % kWarps == 0 && kMlaMaxLatent / 4 <= 32 * kMlaMmaQuadRounds, "the tile load: whole rows a warp");
+static_assert(kMlaGroup == 16 && kWarps == 16 && kMlaMmaRows == 32, "one m16 tile of queries; four score n-tiles × four k quarters over 16 warps");
+
+// Has the L2 fetch cache rows [r0, r0 + n) (one bulk prefetch: the rows are contiguous, 16-byte
+// multiples since latent % 16 == 0). A hint: nothing waits for it.
+__device__ __forceinline__ void mla_mma_prefetch_rows(const float* cache, int latent, int r0, int n) {
+#ifndef PLOW_CUDA_EMU
+  if (n > 0) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(cache + static_cast<int64_t>(r0) * latent), "r"(static_cast<uint32_t>(n * latent * 4))
+                 : "memory");
+  }
+#else
+  (void)cache, (void)latent, (void)r0, (void)n;
+#endif
+}
+
+// This lane's share of tile rows [r0, r0 + n) (zeros past n): rows warp·2 and warp·2 + 1, 16-byte loads
+// at lane + 32i of each row's latent/4.
+struct MlaMmaRows {
+  float4 v[kMlaMmaRowsPerWarp][kMlaMmaQuadRounds];
+};
+
+__device__ __forceinline__ void mla_mma_load_rows(const float* cache, int latent, int r0, int n, MlaMmaRows& rows) {
+  const int lane = lane_id(), quads = latent / 4;
+#pragma unroll
+  for (int k = 0; k < kMlaMmaRowsPerWarp; ++k) {
+    const int row = warp_id() * kMlaMmaRowsPerWarp + k;
+    const float4* src = reinterpret_cast<const float4*>(cache + static_cast<int64_t>(r0 + row) * latent);
+#pragma unroll
+    for (int i = 0; i < kMlaMmaQuadRounds; ++i) {
+      const int q = lane + 32 * i;
+      rows.v[k][i] = row < n && q < quads ? __ldcg(src + q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  }
+}
+
+__device__ __forceinline__ void mla_mma_store_rows(const MlaMmaSmem& sm, int latent, const MlaMmaRows& rows) {
+  const int lane = lane_id(), quads = latent / 4;
+#pragma unroll
+  for (int k = 0; k < kMlaMmaRowsPerWarp; ++k) {
+    uint16_t* dst = sm.tile + (warp_id() * kMlaMmaRowsPerWarp + k) * kMlaMmaLd;
+#pragma unroll
+    for (int i = 0; i < kMlaMmaQuadRounds; ++i) {
+      const int q = lane + 32 * i;
+      const float4 x = rows.v[k][i];
+      if (q < quads) *reinterpret_cast<uint2*>(dst + 4 * q) = make_uint2(flash_pack<false>(x.x, x.y), flash_pack<false>(x.z, x.w));
+    }
+  }
+}
 
 // B item ib on tensor cores: as mla_split_item (mla.cuh), same records.
 __device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaShape sh, const MlaSchedule sched, int ib, const MlaWorkspace ws,
@@ -74,11 +125,13 @@ __device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaSha
   const MlaMmaSmem sm = mla_mma_smem(smem);
   const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
   const int g = lane >> 2, c2 = (lane & 3) * 2;  // fragment row (group) and column pair
-  const int quads = sh.latent / 4;
+  const float* cache = state_of(ctx, step.seq_slot[s]);
+  if (tid == 0) mla_mma_prefetch_rows(cache, sh.latent, begin, stop - begin < 2 * kMlaMmaRows ? stop - begin : 2 * kMlaMmaRows);
   // The group's q_abs rows as bf16 hi/lo (zero rows past nq): every load in flight, then the stores.
   // Slots past nq load query nq − 1's row and drop it: a load under a branch was issued alone (SASS:
   // five dependent L2 latencies for the five loads a thread).
   {
+    const int quads = sh.latent / 4;
     constexpr int kPer = (kMlaGroup * (kMlaMaxLatent / 4) + kThreads - 1) / kThreads;
     float4 v[kPer];
 #pragma unroll
@@ -100,7 +153,6 @@ __device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaSha
     }
   }
   if (tid < kMlaGroup) sm.m[tid] = -INFINITY, sm.l[tid] = 0.0f;
-  const float* cache = state_of(ctx, step.seq_slot[s]);
   // u [16 queries][rank]: warp w owns columns [w·rank/16, …) as rank/128 n-tiles of 8.
   constexpr int kMaxTiles = kMlaMaxRank / (8 * kWarps);
   const int ntiles = sh.rank / (8 * kWarps), e_base = warp * ntiles * 8;
@@ -109,53 +161,40 @@ __device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaSha
   for (int t = 0; t < kMaxTiles; ++t) u[t][0] = u[t][1] = u[t][2] = u[t][3] = 0.0f;
   const int ksteps = sh.latent / 16, kq = warp >> 2, nt = warp & 3;
   const int ks_begin = kq * ksteps / 4, ks_end = (kq + 1) * ksteps / 4;
+  // ldmatrix addresses: an A fragment's lane gives row (lane & 7) + 8·bit 3 and column 8·bit 4 of its
+  // 16×16 block (matrices rows 0–7 / 8–15 × columns 0–7 / 8–15, as a0..a3); a transposed B pair's lane
+  // gives row k (lane & 7) + 8·bit 3 and column 8·bit 4 (two 8-column n-tiles, b0 b1 each).
+  const int ld_row = (lane & 7) + 8 * ((lane >> 3) & 1), ld_col = 8 * (lane >> 4);
   for (int r0 = begin; r0 < stop; r0 += kMlaMmaRows) {
     const int n = stop - r0 < kMlaMmaRows ? stop - r0 : kMlaMmaRows;
-    // The tile: rows [r0, r0 + n) as bf16 (exact), zero past n; every load in flight, then the stores.
     {
-      constexpr int kPer = kMlaMmaRows * (kMlaMaxLatent / 4) / kThreads;
-      const float* src = cache + static_cast<int64_t>(r0) * sh.latent;
-      float4 v[kPer];
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int idx = tid + i * kThreads, row = idx / quads, e = (idx % quads) * 4;
-        v[i] = row < n ? __ldcg(reinterpret_cast<const float4*>(src + static_cast<int64_t>(row) * sh.latent + e)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int idx = tid + i * kThreads, row = idx / quads, e = (idx % quads) * 4;
-        if (row < kMlaMmaRows) *reinterpret_cast<uint2*>(sm.tile + row * kMlaMmaLd + e) = make_uint2(mla_pack_bf16(v[i].x, v[i].y), mla_pack_bf16(v[i].z, v[i].w));
-      }
+      MlaMmaRows rows;
+      mla_mma_load_rows(cache, sh.latent, r0, n, rows);
+      const int ahead = r0 + 2 * kMlaMmaRows;
+      if (tid == 0 && ahead < stop) mla_mma_prefetch_rows(cache, sh.latent, ahead, stop - ahead < kMlaMmaRows ? stop - ahead : kMlaMmaRows);
+      mla_mma_store_rows(sm, sh.latent, rows);  // the last tile's readers are past the barrier that ended it
     }
     __syncthreads();  // the tile (and, the first time, q and the stats) are in place
-    // Scores: warp (kq, nt) sums k steps [ks_begin, ks_end) of n-tile nt (rows nt·8 …).
+    // Scores: warp (kq, nt) sums k steps [ks_begin, ks_end) of n-tile nt (rows nt·8 …); the hi and lo
+    // products in two chains.
     {
-      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      const __nv_bfloat16* brow = sm.tile + (nt * 8 + g) * kMlaMmaLd + c2;
+      float dh[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const uint16_t* brow = sm.tile + (nt * 8 + g) * kMlaMmaLd + c2;
       for (int ks = ks_begin; ks < ks_end; ++ks) {
-        const int kc = ks * 16 + c2;
         uint32_t ahi[4], alo[4];
-        ahi[0] = *reinterpret_cast<const uint32_t*>(sm.qhi + g * kMlaMmaLd + kc);
-        ahi[1] = *reinterpret_cast<const uint32_t*>(sm.qhi + (g + 8) * kMlaMmaLd + kc);
-        ahi[2] = *reinterpret_cast<const uint32_t*>(sm.qhi + g * kMlaMmaLd + kc + 8);
-        ahi[3] = *reinterpret_cast<const uint32_t*>(sm.qhi + (g + 8) * kMlaMmaLd + kc + 8);
-        alo[0] = *reinterpret_cast<const uint32_t*>(sm.qlo + g * kMlaMmaLd + kc);
-        alo[1] = *reinterpret_cast<const uint32_t*>(sm.qlo + (g + 8) * kMlaMmaLd + kc);
-        alo[2] = *reinterpret_cast<const uint32_t*>(sm.qlo + g * kMlaMmaLd + kc + 8);
-        alo[3] = *reinterpret_cast<const uint32_t*>(sm.qlo + (g + 8) * kMlaMmaLd + kc + 8);
+        flash_ldmatrix<false>(ahi, sm.qhi + ld_row * kMlaMmaLd + ks * 16 + ld_col);
+        flash_ldmatrix<false>(alo, sm.qlo + ld_row * kMlaMmaLd + ks * 16 + ld_col);
         const uint32_t b0 = *reinterpret_cast<const uint32_t*>(brow + ks * 16);
         const uint32_t b1 = *reinterpret_cast<const uint32_t*>(brow + ks * 16 + 8);
-        mla_mma(d, ahi, b0, b1);
-        mla_mma(d, alo, b0, b1);
+        flash_mma<false>(dh, ahi, b0, b1);
+        flash_mma<false>(dl, alo, b0, b1);
       }
       float* part = sm.part + kq * kMlaGroup * kMlaMmaRows;
-      part[g * kMlaMmaRows + nt * 8 + c2] = d[0];
-      part[g * kMlaMmaRows + nt * 8 + c2 + 1] = d[1];
-      part[(g + 8) * kMlaMmaRows + nt * 8 + c2] = d[2];
-      part[(g + 8) * kMlaMmaRows + nt * 8 + c2 + 1] = d[3];
+      *reinterpret_cast<float2*>(part + g * kMlaMmaRows + nt * 8 + c2) = make_float2(dh[0] + dl[0], dh[1] + dl[1]);
+      *reinterpret_cast<float2*>(part + (g + 8) * kMlaMmaRows + nt * 8 + c2) = make_float2(dh[2] + dl[2], dh[3] + dl[3]);
     }
     __syncthreads();
-    // Online softmax: warp j, query j, lane = tile row (kMlaMmaRows == 32).
+    // Online softmax: warp j, query j, lane = tile row (kMlaMmaRows == 32); P split into bf16 hi/lo once.
     {
       const int j = warp, r = lane;
       float score = -INFINITY;
@@ -169,7 +208,10 @@ __device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaSha
         alpha = expf(m_old - m_new);  // 0 while m was −∞
         p = expf(score - m_new);      // 0 for hidden rows
       }
-      sm.p[j * kMlaMmaRows + r] = p;
+      const __nv_bfloat16 hi = __float2bfloat16_rn(p);
+      sm.phi[j * kMlaMmaPLd + r] = *reinterpret_cast<const uint16_t*>(&hi);
+      const __nv_bfloat16 lo = __float2bfloat16_rn(p - __bfloat162float(hi));
+      sm.plo[j * kMlaMmaPLd + r] = *reinterpret_cast<const uint16_t*>(&lo);
       const float sum = warp_sum(p);
       __syncwarp();  // every lane has read m[j] before lane 0 rewrites it (racecheck)
       if (lane == 0) {
@@ -178,7 +220,8 @@ __device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaSha
       }
     }
     __syncthreads();
-    // u ← alpha·u + P·C over the tile's rows (two k steps of 16).
+    // u ← alpha·u + P·C over the tile's rows (two k steps of 16); C's fragments by transposed ldmatrix,
+    // two n-tiles at a time.
     {
       const float a_lo = sm.alpha[g], a_hi = sm.alpha[g + 8];
 #pragma unroll
@@ -188,22 +231,22 @@ __device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaSha
       }
 #pragma unroll
       for (int ks = 0; ks < kMlaMmaRows / 16; ++ks) {
-        const int kr = ks * 16 + c2;
         uint32_t ahi[4], alo[4];
-        mla_split_pair(sm.p[g * kMlaMmaRows + kr], sm.p[g * kMlaMmaRows + kr + 1], ahi[0], alo[0]);
-        mla_split_pair(sm.p[(g + 8) * kMlaMmaRows + kr], sm.p[(g + 8) * kMlaMmaRows + kr + 1], ahi[1], alo[1]);
-        mla_split_pair(sm.p[g * kMlaMmaRows + kr + 8], sm.p[g * kMlaMmaRows + kr + 9], ahi[2], alo[2]);
-        mla_split_pair(sm.p[(g + 8) * kMlaMmaRows + kr + 8], sm.p[(g + 8) * kMlaMmaRows + kr + 9], ahi[3], alo[3]);
+        flash_ldmatrix<false>(ahi, sm.phi + ld_row * kMlaMmaPLd + ks * 16 + ld_col);
+        flash_ldmatrix<false>(alo, sm.plo + ld_row * kMlaMmaPLd + ks * 16 + ld_col);
 #pragma unroll
-        for (int t = 0; t < kMaxTiles; ++t) {
+        for (int t = 0; t < kMaxTiles; t += 2) {
           if (t >= ntiles) break;
-          const int e = e_base + t * 8 + g;
-          const __nv_bfloat16* col = sm.tile + e;
-          const __nv_bfloat162 b0 = __halves2bfloat162(col[kr * kMlaMmaLd], col[(kr + 1) * kMlaMmaLd]);
-          const __nv_bfloat162 b1 = __halves2bfloat162(col[(kr + 8) * kMlaMmaLd], col[(kr + 9) * kMlaMmaLd]);
-          const uint32_t b0r = *reinterpret_cast<const uint32_t*>(&b0), b1r = *reinterpret_cast<const uint32_t*>(&b1);
-          mla_mma(u[t], ahi, b0r, b1r);
-          mla_mma(u[t], alo, b0r, b1r);
+          // Columns e_base + t·8 … + 15 (the second n-tile's past rank/16 when ntiles is odd: read, unused;
+          // inside the row since e_base + ntiles·8 + 8 ≤ rank + 8 ≤ kMlaMmaLd).
+          uint32_t b[4];
+          flash_ldmatrix<true>(b, sm.tile + (ks * 16 + ld_row) * kMlaMmaLd + e_base + t * 8 + ld_col);
+          flash_mma<false>(u[t], ahi, b[0], b[1]);
+          flash_mma<false>(u[t], alo, b[0], b[1]);
+          if (t + 1 < ntiles) {
+            flash_mma<false>(u[t + 1], ahi, b[2], b[3]);
+            flash_mma<false>(u[t + 1], alo, b[2], b[3]);
+          }
         }
       }
     }
