@@ -45,7 +45,8 @@ using nlohmann::json;
 
 // Bytes one decode step of `batch` sequences at `context` must read at least: every dense weight once,
 // the expected number of distinct experts under uniform routing (E·(1 − (1 − k/E)^B)) per expert
-// stack, B embedding rows, the MLA latent caches (fp32 rows) and the KDA/conv state read and written.
+// stack, B embedding rows, the MLA latent caches (rows of the activation dtype, `dtype` here: the cuda
+// backend's DeviceState) and the fp32 KDA/conv state read and written.
 double decode_bytes(const LoadedModel& model, int64_t batch, int64_t context, DType dtype) {
   const Graph& graph = model.graph;
   double bytes = 0;
@@ -70,7 +71,7 @@ double decode_bytes(const LoadedModel& model, int64_t batch, int64_t context, DT
   }
   for (const StateDecl& state : graph.states()) {
     switch (state.kind) {
-      case StateKind::kMlaLatent: bytes += static_cast<double>(batch * context * state.width) * 4.0; break;
+      case StateKind::kMlaLatent: bytes += static_cast<double>(batch * context * state.width * static_cast<int64_t>(dtype_size(dtype))); break;
       case StateKind::kKdaRecurrent: bytes += 2.0 * static_cast<double>(batch * state.width * (state.width / state.depth)) * 4.0; break;
       case StateKind::kConvWindow: bytes += 2.0 * static_cast<double>(batch * state.width * state.depth) * 4.0; break;
     }

@@ -662,7 +662,22 @@ TEST_P(CudaMlaLongTest, MatchesReference) {
     }
     std::printf("  mla ctx %lld batch %d workers %d %s: max error %.3g (bound %.3g)\n", static_cast<long long>(lc.context), lc.batch, lc.workers,
                 eager ? "eager" : "megakernel", worst_error, bound);
-    for (int s = 0; s < lc.batch; ++s) EXPECT_EQ(gpu.context_tokens(s), ref.context_tokens(s));
+    for (int s = 0; s < lc.batch; ++s) {
+      EXPECT_EQ(gpu.context_tokens(s), ref.context_tokens(s));
+      // The cache holds the activation dtype (16 bits for bf16/f16): the restored rows read back bit for
+      // bit, the rows the steps appended (the device's norm sums in another order) within a few ulps.
+      const SlotSnapshot got = gpu.save_slot(s, 0), expected = ref.save_slot(s, 0);
+      ASSERT_EQ(got.rows.size(), 1u);
+      ASSERT_EQ(got.rows[0].size(), expected.rows[0].size());
+      const size_t restored = static_cast<size_t>(contexts[s] * (lc.rank + lc.rope));
+      int differing = 0;
+      for (size_t k = 0; k < got.rows[0].size(); ++k) {
+        const float a = got.rows[0][k], b = expected.rows[0][k];
+        const bool ok = k < restored ? a == b : std::abs(a - b) <= 8 * eps * std::max(std::abs(b), 1.0f);
+        if (!ok && differing++ < 3) ADD_FAILURE() << "slot " << s << " latent element " << k << ": " << a << ", reference " << b;
+      }
+      EXPECT_EQ(differing, 0) << "slot " << s;
+    }
   }
 }
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "graph/op_table.h"
 #include "plan/validate.h"
@@ -24,6 +25,9 @@
 namespace plow::cuda {
 
 namespace {
+
+// Slot `slot`'s buffer of a state.
+uint8_t* slot_bytes(const DeviceState& s, int64_t slot) { return static_cast<uint8_t*>(s.base) + slot * s.slot_elems * state_elem_bytes(s.elem); }
 
 // OpDesc::attr for the weight-streaming ops (gemv.cuh documents each layout); the others come from
 // pack_misc_attrs.
@@ -151,13 +155,13 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
     DeviceState s;
     s.width = decl.width;
     switch (decl.kind) {
-      case StateKind::kConvWindow: s.depth = decl.depth; s.slot_floats = decl.width * decl.depth; break;
-      case StateKind::kKdaRecurrent: s.depth = decl.depth; s.slot_floats = decl.width * (decl.width / decl.depth); break;
-      case StateKind::kMlaLatent: s.depth = options.max_context_tokens; s.slot_floats = options.max_context_tokens * decl.width; break;
+      case StateKind::kConvWindow: s.depth = decl.depth; s.slot_elems = decl.width * decl.depth; break;
+      case StateKind::kKdaRecurrent: s.depth = decl.depth; s.slot_elems = decl.width * (decl.width / decl.depth); break;
+      case StateKind::kMlaLatent: s.depth = options.max_context_tokens; s.slot_elems = options.max_context_tokens * decl.width; s.elem = act; break;
     }
-    DeviceBuffer buffer(static_cast<size_t>(s.slot_floats * options.num_slots) * sizeof(float), decl.label.c_str());
+    DeviceBuffer buffer(static_cast<size_t>(s.slot_elems * options.num_slots * state_elem_bytes(s.elem)), decl.label.c_str());
     check(cudaMemset(buffer.ptr, 0, buffer.bytes), "state");
-    s.base = buffer.as<float>();
+    s.base = buffer.ptr;
     m.states.push_back(s);
     m.state_buffers.push_back(std::move(buffer));
   }
@@ -381,7 +385,7 @@ void CudaBackend::reset_slot(int slot) {
   for (size_t i = 0; i < m.states.size(); ++i) {
     const DeviceState& s = m.states[i];
     if (m.plans.front()->plan.states[i].kind == StateKind::kMlaLatent) continue;  // rows past the context are never read
-    check(cudaMemsetAsync(s.base + slot * s.slot_floats, 0, static_cast<size_t>(s.slot_floats) * sizeof(float), m.stream), "state reset");
+    check(cudaMemsetAsync(slot_bytes(s, slot), 0, static_cast<size_t>(s.slot_elems * state_elem_bytes(s.elem)), m.stream), "state reset");
   }
   check(cudaStreamSynchronize(m.stream), "state reset");
   m.contexts[static_cast<size_t>(slot)] = 0;
@@ -396,23 +400,36 @@ SlotSnapshot CudaBackend::save_slot(int slot, int64_t rows_begin) const {
   snap.tokens = tokens;
   snap.rows_begin = rows_begin;
   const std::vector<StateDecl>& decls = m.plans.front()->plan.states;
+  std::vector<std::vector<uint16_t>> halves(m.states.size());  // 16-bit states, converted after the copies
   for (size_t i = 0; i < m.states.size(); ++i) {
     const DeviceState& s = m.states[i];
-    const float* base = s.base + slot * s.slot_floats;
-    std::vector<float> host;
-    if (decls[i].kind == StateKind::kMlaLatent) {
-      host.resize(static_cast<size_t>((tokens - rows_begin) * s.width));
-      base += rows_begin * s.width;
-    } else {
-      host.resize(static_cast<size_t>(s.slot_floats));
-    }
-    if (!host.empty()) check(cudaMemcpyAsync(host.data(), base, host.size() * sizeof(float), cudaMemcpyDeviceToHost, m.stream), "slot snapshot");
     const bool rows = decls[i].kind == StateKind::kMlaLatent;
+    const int64_t first = rows ? rows_begin * s.width : 0, count = rows ? (tokens - rows_begin) * s.width : s.slot_elems;
+    const uint8_t* base = slot_bytes(s, slot) + first * state_elem_bytes(s.elem);
+    std::vector<float> host;
+    if (s.elem == kAF32) {
+      host.resize(static_cast<size_t>(count));
+      if (count > 0) check(cudaMemcpyAsync(host.data(), base, host.size() * sizeof(float), cudaMemcpyDeviceToHost, m.stream), "slot snapshot");
+    } else {
+      halves[i].resize(static_cast<size_t>(count));
+      if (count > 0) check(cudaMemcpyAsync(halves[i].data(), base, halves[i].size() * 2, cudaMemcpyDeviceToHost, m.stream), "slot snapshot");
+    }
     snap.row_floats.push_back(rows ? s.width : 0);
     snap.fixed.push_back(rows ? std::vector<float>{} : std::move(host));
     snap.rows.push_back(rows ? std::move(host) : std::vector<float>{});
   }
   check(cudaStreamSynchronize(m.stream), "slot snapshot");
+  for (size_t i = 0; i < m.states.size(); ++i) {
+    if (m.states[i].elem == kAF32) continue;
+    std::vector<float>& out = decls[i].kind == StateKind::kMlaLatent ? snap.rows[i] : snap.fixed[i];
+    out.resize(halves[i].size());
+    const std::vector<uint16_t>& h = halves[i];
+    if (m.states[i].elem == kABF16) {  // a shift a value: vectorized (a 32K-token cache is ~10⁸ of them)
+      for (size_t k = 0; k < out.size(); ++k) out[k] = bf16_to_f32(h[k]);
+    } else {
+      for (size_t k = 0; k < out.size(); ++k) out[k] = f16_to_f32(h[k]);
+    }
+  }
   return snap;
 }
 
@@ -432,15 +449,26 @@ void CudaBackend::restore_slot(int slot, const SlotSnapshot& snapshot) {
     const DeviceState& s = m.states[i];
     const bool rows = decls[i].kind == StateKind::kMlaLatent;
     const std::vector<float>& source = rows ? snapshot.rows[i] : snapshot.fixed[i];
-    const auto expected = static_cast<size_t>(rows ? snapshot.tokens * s.width : s.slot_floats);
+    const auto expected = static_cast<size_t>(rows ? snapshot.tokens * s.width : s.slot_elems);
     if (source.size() != expected) fail("restore_slot: state '{}' has {} floats in the snapshot, expected {}", decls[i].label, source.size(), expected);
   }
+  std::vector<std::vector<uint16_t>> halves(m.states.size());  // 16-bit states: the copies' sources until the sync
   for (size_t i = 0; i < m.states.size(); ++i) {
     const DeviceState& s = m.states[i];
     const bool rows = decls[i].kind == StateKind::kMlaLatent;
     const std::vector<float>& source = rows ? snapshot.rows[i] : snapshot.fixed[i];
-    if (!source.empty()) {
-      check(cudaMemcpyAsync(s.base + slot * s.slot_floats, source.data(), source.size() * sizeof(float), cudaMemcpyHostToDevice, m.stream), "slot restore");
+    if (source.empty()) continue;
+    if (s.elem == kAF32) {
+      check(cudaMemcpyAsync(slot_bytes(s, slot), source.data(), source.size() * sizeof(float), cudaMemcpyHostToDevice, m.stream), "slot restore");
+    } else {  // the rows a 16-bit state saved: exact in it again
+      std::vector<uint16_t>& h = halves[i];
+      h.resize(source.size());
+      if (s.elem == kABF16) {
+        for (size_t k = 0; k < h.size(); ++k) h[k] = f32_to_bf16(source[k]);
+      } else {
+        for (size_t k = 0; k < h.size(); ++k) h[k] = f32_to_f16(source[k]);
+      }
+      check(cudaMemcpyAsync(slot_bytes(s, slot), halves[i].data(), halves[i].size() * 2, cudaMemcpyHostToDevice, m.stream), "slot restore");
     }
   }
   check(cudaStreamSynchronize(m.stream), "slot restore");

@@ -32,14 +32,20 @@ struct DeviceWeight {
   int32_t parts = 1;
 };
 
-// Per-sequence state of one StateDecl for every slot: slot s at base + s·slot_floats (fp32).
-// Conv window [width, depth] (oldest column first, as on the CPU); KDA recurrent [heads, d, d];
-// MLA latent cache [max_context, width] rows in position order.
+// Per-sequence state of one StateDecl for every slot: slot s at base + s·slot_elems elements of `elem`
+// (an ActType: kAF32, or the 16-bit activation dtype). Conv window [width, depth] (oldest column first,
+// as on the CPU) and KDA recurrent [heads, d, d] are fp32; the MLA latent cache [max_context, width],
+// rows in position order, holds the activation dtype: its rows are rounded to it (the normed latent,
+// and k_r from kv_a's rounded output), so 16 bits store them exactly at half the bytes.
 struct DeviceState {
-  float* base = nullptr;
-  int64_t slot_floats = 0;
+  void* base = nullptr;
+  int64_t slot_elems = 0;
   int64_t width = 0, depth = 0;
+  int32_t elem = kAF32;
 };
+
+// Bytes of one state element.
+inline constexpr int64_t state_elem_bytes(int32_t elem) { return elem == kAF32 ? 4 : 2; }
 
 // One op of the plan. Activations live in one fp32 arena (values already rounded to their dtype, as on
 // the CPU); an input i is rows of in_width[i] floats, row r at arena + in_offset[i] + r·in_stride[i]

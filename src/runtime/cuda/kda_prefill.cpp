@@ -114,8 +114,8 @@ void KdaPrefillRunner::new_step(const std::vector<MlaSequence>& seqs) {
 
 void KdaPrefillRunner::run(const KdaPrefillOp& op, float* arena, const DeviceState& state) {
   if (op.heads > capacity_.heads) fail("cuda: a KDA op of {} heads outgrows the KDA prefill records of {} (a sizing bug)", op.heads, capacity_.heads);
-  if (state.width != op.width || state.slot_floats != op.width * op.d) {
-    fail("cuda: KDA state slots of {} floats, the op's heads × d × d is {}", state.slot_floats, op.width * op.d);
+  if (state.elem != kAF32 || state.width != op.width || state.slot_elems != op.width * op.d) {
+    fail("cuda: KDA state slots of {} elements, the op's heads × d × d is {} floats", state.slot_elems, op.width * op.d);
   }
   calls_ += 1;
   const bool timed = timing_;
@@ -141,8 +141,8 @@ void KdaPrefillRunner::run(const KdaPrefillOp& op, float* arena, const DeviceSta
     a.seq_chunk0 = tables + 2 * total_chunks_ + b.first_seq;
     a.seq_chunks = tables + 2 * total_chunks_ + total_seqs_ + b.first_seq;
     a.seq_slot = tables + 2 * total_chunks_ + 2 * total_seqs_ + b.first_seq;
-    a.state = state.base;
-    a.state_slot_floats = state.slot_floats;
+    a.state = static_cast<float*>(state.base);
+    a.state_slot_floats = state.slot_elems;
     a.chunks = b.chunks;
     a.seqs = b.seqs;
     a.heads = static_cast<int32_t>(op.heads);

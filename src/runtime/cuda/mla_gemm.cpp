@@ -202,9 +202,9 @@ void gemm(cublasHandle_t handle, cublasOperation_t ta, int64_t m, int64_t n, int
 // h read as column-major [rank, n] (lda rank, head stride per_head·rank), B = the latents (ldb ld_c,
 // stride 0: one for all heads). Each head's output is its own contiguous block. Half outputs are
 // rounded by cuBLAS (nearest even) where the CPU rounds the dot; fp32 ones need no rounding.
-void MlaGemmRunner::expand(const MlaGemmOp& op, const float* slot, int64_t visible) {
+void MlaGemmRunner::expand(const MlaGemmOp& op, const uint8_t* slot, int32_t cache_elem, int64_t visible) {
   const int64_t ld_c = padded(op.rank), ld_k = padded(op.qk()), ld_v = padded(op.dv), e = type_bytes(op.type);
-  launch_mla_inputs(slot, visible, op.rank, op.rope, op.heads, op.nope, latents_.ptr, ld_c, keys_.ptr, ld_k, op.type, stream_);
+  launch_mla_inputs(slot, cache_elem, visible, op.rank, op.rope, op.heads, op.nope, latents_.ptr, ld_c, keys_.ptr, ld_k, op.type, stream_);
   const cudaDataType t = data_type(op.type);
   const Operand latents{latents_.ptr, t, ld_c, 0};
   const int64_t head_rows = op.per_head() * op.rank;
@@ -297,7 +297,7 @@ void MlaGemmRunner::attend(const MlaGemmOp& op, float* arena, const MlaSequence&
 }
 
 void MlaGemmRunner::run(const MlaGemmOp& op, float* arena, const DeviceState& cache, const std::vector<MlaSequence>& seqs) {
-  if (cache.width != op.latent()) fail("cuda: MLA latent cache rows of {} floats, the op's rank + rope is {}", cache.width, op.latent());
+  if (cache.width != op.latent()) fail("cuda: MLA latent cache rows of {} elements, the op's rank + rope is {}", cache.width, op.latent());
   if (op.heads > capacity_.heads || padded(op.qk()) > capacity_.qk || padded(op.dv) > capacity_.dv || padded(op.rank) > capacity_.rank ||
       type_bytes(op.type) > capacity_.elem_bytes) {
     fail("cuda: an MLA op of {} heads outgrows the MLA GEMM buffers (a sizing bug)", op.heads);
@@ -312,10 +312,11 @@ void MlaGemmRunner::run(const MlaGemmOp& op, float* arena, const DeviceState& ca
       fail("cuda: MLA over {} positions ({} new) in slot {} outgrows the MLA GEMM buffers of {} positions, {} rows", visible, seq.tokens, seq.slot,
            std::min(max_context_, cache.depth), capacity_.rows);
     }
-    float* slot = cache.base + seq.slot * cache.slot_floats;
+    const int64_t elem_bytes = state_elem_bytes(cache.elem);
+    uint8_t* slot = static_cast<uint8_t*>(cache.base) + seq.slot * cache.slot_elems * elem_bytes;
     launch_mla_append(arena + op.kv_a_offset + seq.first_row * op.kv_a_stride, op.kv_a_stride, seq.tokens, op.norm, op.eps, op.rank, op.rope, op.act,
-                      slot + seq.context * op.latent(), stream_);
-    expand(op, slot, visible);
+                      slot + seq.context * op.latent() * elem_bytes, cache.elem, stream_);
+    expand(op, slot, cache.elem, visible);
     if (timed) attend_timer_.start();
     attend(op, arena, seq);
     if (timed) attend_timer_.stop();

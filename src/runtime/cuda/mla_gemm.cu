@@ -53,7 +53,7 @@ __device__ __forceinline__ float block_reduce_max(float v, float* red) {
 }
 
 __global__ void append_kernel(const float* kv_a, int64_t kv_stride, int64_t tokens, DeviceWeight norm, float eps, int64_t rank, int64_t rope, int32_t act,
-                              float* cache) {
+                              uint8_t* cache, int32_t cache_elem) {
   __shared__ float red[kBlockWarps];
   const int64_t latent = rank + rope;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
@@ -61,22 +61,23 @@ __global__ void append_kernel(const float* kv_a, int64_t kv_stride, int64_t toke
     float sum = 0.0f;
     for (int64_t i = threadIdx.x; i < rank; i += kBlock) sum += kv[i] * kv[i];
     const float inv = inv_rms(block_reduce_sum(sum, red), rank, eps);
-    float* row = cache + t * latent;
-    for (int64_t i = threadIdx.x; i < latent; i += kBlock) row[i] = i < rank ? round_act(act, weight_flat(norm, i) * round_act(act, kv[i] * inv)) : kv[i];
+    for (int64_t i = threadIdx.x; i < latent; i += kBlock) {
+      store_state_elem(cache, cache_elem, t * latent + i, i < rank ? round_act(act, weight_flat(norm, i) * round_act(act, kv[i] * inv)) : kv[i]);
+    }
   }
 }
 
 template <typename T>
-__global__ void inputs_kernel(const float* cache, int64_t visible, int64_t rank, int64_t rope, int64_t heads, int64_t nope, T* latents, int64_t ld_c, T* keys,
+__global__ void inputs_kernel(const uint8_t* cache, int32_t cache_elem, int64_t visible, int64_t rank, int64_t rope, int64_t heads, int64_t nope, T* latents, int64_t ld_c, T* keys,
                               int64_t ld_k) {
   const int64_t latent = rank + rope;
   for (int64_t tau = blockIdx.x; tau < visible; tau += gridDim.x) {
-    const float* row = cache + tau * latent;
-    for (int64_t i = threadIdx.x; i < rank; i += kBlock) store_f(latents + tau * ld_c + i, row[i]);
+    const int64_t row = tau * latent;
+    for (int64_t i = threadIdx.x; i < rank; i += kBlock) store_f(latents + tau * ld_c + i, load_state_elem(cache, cache_elem, row + i));
     const int64_t tail = ld_k - nope;  // k_r, then the row's padding
     for (int64_t i = threadIdx.x; i < heads * tail; i += kBlock) {
       const int64_t h = i / tail, j = i % tail;
-      store_f(keys + (h * visible + tau) * ld_k + nope + j, j < rope ? row[rank + j] : 0.0f);
+      store_f(keys + (h * visible + tau) * ld_k + nope + j, j < rope ? load_state_elem(cache, cache_elem, row + rank + j) : 0.0f);
     }
   }
 }
@@ -153,23 +154,23 @@ void launch_mla_flash(const MlaFlashArgs& args, int32_t type, cudaStream_t strea
 }
 
 void launch_mla_append(const float* kv_a, int64_t kv_stride, int64_t tokens, const DeviceWeight& norm, float eps, int64_t rank, int64_t rope, int32_t act,
-                       float* cache, cudaStream_t stream) {
+                       uint8_t* cache, int32_t cache_elem, cudaStream_t stream) {
   if (tokens == 0) return;
-  append_kernel<<<grid_for(tokens), kBlock, 0, stream>>>(kv_a, kv_stride, tokens, norm, eps, rank, rope, act, cache);
+  append_kernel<<<grid_for(tokens), kBlock, 0, stream>>>(kv_a, kv_stride, tokens, norm, eps, rank, rope, act, cache, cache_elem);
   check_launch("MLA latent append");
 }
 
-void launch_mla_inputs(const float* cache, int64_t visible, int64_t rank, int64_t rope, int64_t heads, int64_t nope, void* latents, int64_t ld_c, void* keys,
+void launch_mla_inputs(const uint8_t* cache, int32_t cache_elem, int64_t visible, int64_t rank, int64_t rope, int64_t heads, int64_t nope, void* latents, int64_t ld_c, void* keys,
                        int64_t ld_k, int32_t type, cudaStream_t stream) {
   if (visible == 0) return;
   if (type == kWBF16) {
-    inputs_kernel<<<grid_for(visible), kBlock, 0, stream>>>(cache, visible, rank, rope, heads, nope, static_cast<__nv_bfloat16*>(latents), ld_c,
+    inputs_kernel<<<grid_for(visible), kBlock, 0, stream>>>(cache, cache_elem, visible, rank, rope, heads, nope, static_cast<__nv_bfloat16*>(latents), ld_c,
                                                             static_cast<__nv_bfloat16*>(keys), ld_k);
   } else if (type == kWF16) {
-    inputs_kernel<<<grid_for(visible), kBlock, 0, stream>>>(cache, visible, rank, rope, heads, nope, static_cast<__half*>(latents), ld_c,
+    inputs_kernel<<<grid_for(visible), kBlock, 0, stream>>>(cache, cache_elem, visible, rank, rope, heads, nope, static_cast<__half*>(latents), ld_c,
                                                             static_cast<__half*>(keys), ld_k);
   } else {
-    inputs_kernel<<<grid_for(visible), kBlock, 0, stream>>>(cache, visible, rank, rope, heads, nope, static_cast<float*>(latents), ld_c,
+    inputs_kernel<<<grid_for(visible), kBlock, 0, stream>>>(cache, cache_elem, visible, rank, rope, heads, nope, static_cast<float*>(latents), ld_c,
                                                             static_cast<float*>(keys), ld_k);
   }
   check_launch("MLA GEMM inputs");

@@ -5,8 +5,10 @@
 // Only the ops of the op test graphs exist here: kTokens and the bodies of run_misc_op (kEmbedding among them).
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <map>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "runtime/cuda/backend.h"
 #include "runtime/cuda/device.cuh"  // the emulation copy made by tests/CMakeLists.txt
@@ -23,9 +25,13 @@ struct CudaBackend::Impl {
   CudaOptions opt;
   std::vector<std::vector<float>> states;
   std::vector<DeviceState> dstates;
+  std::vector<bool> per_token;  // per state: one row per token (the MLA latent cache)
   std::vector<int64_t> context;
   std::map<std::pair<const Plan*, size_t>, std::array<unsigned, kOpSyncCounters>> sync;  // per plan op, kept across steps
 };
+
+// Bytes of one slot of a state.
+static int64_t slot_bytes(const DeviceState& s) { return s.slot_elems * state_elem_bytes(s.elem); }
 
 static DeviceWeight device_weight(const DeviceWeightSet& set, const WeightDecl& decl) {
   for (size_t i = 0; i < set.graph->weights().size(); ++i) {
@@ -48,34 +54,69 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
   impl_->weights = weights;
   impl_->plans = std::move(plans);
   impl_->opt = o;
+  const int32_t act = o.act_dtype == DType::BF16 ? kABF16 : o.act_dtype == DType::F16 ? kAF16 : kAF32;
   for (const StateDecl& d : graph.states()) {
     DeviceState s;
     s.width = d.width;
-    if (d.kind == StateKind::kConvWindow) s.depth = d.depth, s.slot_floats = d.width * d.depth;
-    if (d.kind == StateKind::kKdaRecurrent) s.depth = d.depth, s.slot_floats = d.width * (d.width / d.depth);
-    if (d.kind == StateKind::kMlaLatent) s.depth = o.max_context_tokens, s.slot_floats = o.max_context_tokens * d.width;
-    impl_->states.emplace_back(static_cast<size_t>(s.slot_floats * o.num_slots), 0.0f);
+    if (d.kind == StateKind::kConvWindow) s.depth = d.depth, s.slot_elems = d.width * d.depth;
+    if (d.kind == StateKind::kKdaRecurrent) s.depth = d.depth, s.slot_elems = d.width * (d.width / d.depth);
+    if (d.kind == StateKind::kMlaLatent) s.depth = o.max_context_tokens, s.slot_elems = o.max_context_tokens * d.width, s.elem = act;  // as CudaBackend
+    impl_->states.emplace_back(static_cast<size_t>((slot_bytes(s) * o.num_slots + 3) / 4), 0.0f);  // 16-byte aligned bytes
     impl_->dstates.push_back(s);
+    impl_->per_token.push_back(d.kind == StateKind::kMlaLatent);
   }
   impl_->context.assign(static_cast<size_t>(o.num_slots), 0);
 }
 CudaBackend::~CudaBackend() = default;
 void CudaBackend::reset_slot(int slot) {
   for (size_t i = 0; i < impl_->states.size(); ++i) {
-    auto& s = impl_->dstates[i];
-    std::fill(impl_->states[i].begin() + slot * s.slot_floats, impl_->states[i].begin() + (slot + 1) * s.slot_floats, 0.0f);
+    const int64_t bytes = slot_bytes(impl_->dstates[i]);
+    std::memset(reinterpret_cast<uint8_t*>(impl_->states[i].data()) + slot * bytes, 0, static_cast<size_t>(bytes));
   }
   impl_->context[static_cast<size_t>(slot)] = 0;
 }
 int CudaBackend::sm_count(int) { return 132; }  // an H200's, so the 132-worker cases run here too
-SlotSnapshot CudaBackend::save_slot(int, int64_t) const { fail("emu: no slot snapshots"); }
+// As CudaBackend's: the whole fixed states, per-token rows from rows_begin, 16-bit elements as fp32.
+SlotSnapshot CudaBackend::save_slot(int slot, int64_t rows_begin) const {
+  SlotSnapshot snap;
+  snap.tokens = context_tokens(slot);
+  snap.rows_begin = rows_begin;
+  for (size_t i = 0; i < impl_->states.size(); ++i) {
+    const DeviceState& s = impl_->dstates[i];
+    const bool latent = impl_->per_token[i];
+    const int64_t first = latent ? rows_begin * s.width : 0, count = latent ? (snap.tokens - rows_begin) * s.width : s.slot_elems;
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(impl_->states[i].data()) + slot * slot_bytes(s) + first * state_elem_bytes(s.elem);
+    std::vector<float> out(static_cast<size_t>(count));
+    for (size_t k = 0; k < out.size(); ++k) {
+      if (s.elem == kAF32) {
+        std::memcpy(&out[k], src + 4 * k, 4);
+      } else {
+        uint16_t bits;
+        std::memcpy(&bits, src + 2 * k, 2);
+        out[k] = s.elem == kABF16 ? bf16_to_f32(bits) : f16_to_f32(bits);
+      }
+    }
+    snap.row_floats.push_back(latent ? s.width : 0);
+    snap.fixed.push_back(latent ? std::vector<float>{} : std::move(out));
+    snap.rows.push_back(latent ? std::move(out) : std::vector<float>{});
+  }
+  return snap;
+}
 void CudaBackend::restore_slot(int slot, const SlotSnapshot& snap) {
   reset_slot(slot);
   for (size_t i = 0; i < impl_->states.size(); ++i) {
     const auto& s = impl_->dstates[i];
     const std::vector<float>& src = snap.rows.at(i).empty() ? snap.fixed.at(i) : snap.rows.at(i);
-    if (int64_t(src.size()) > s.slot_floats) fail("emu: snapshot too large");
-    std::copy(src.begin(), src.end(), impl_->states[i].begin() + slot * s.slot_floats);
+    if (int64_t(src.size()) > s.slot_elems) fail("emu: snapshot too large");
+    uint8_t* dst = reinterpret_cast<uint8_t*>(impl_->states[i].data()) + slot * slot_bytes(s);
+    for (size_t k = 0; k < src.size(); ++k) {
+      if (s.elem == kAF32) {
+        std::memcpy(dst + 4 * k, &src[k], 4);
+      } else {
+        const uint16_t bits = s.elem == kABF16 ? f32_to_bf16(src[k]) : f32_to_f16(src[k]);
+        std::memcpy(dst + 2 * k, &bits, 2);
+      }
+    }
   }
   impl_->context[static_cast<size_t>(slot)] = snap.tokens;
 }

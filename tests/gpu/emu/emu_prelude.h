@@ -159,6 +159,7 @@ inline int __popc(unsigned x) { return std::popcount(x); }
 inline int __ffs(int x) { return x == 0 ? 0 : std::countr_zero(static_cast<unsigned>(x)) + 1; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline float __ldcg(const float* p) { return *p; }
+inline unsigned short __ldcg(const unsigned short* p) { return *p; }
 // cp.async: each fiber's copies stay pending in their commit group until a wait covers them (as late as
 // a device may land them), or land at issue with `eager` (as early); `src_bytes` < 16 zero-fills the
 // rest. Blocks run one after another, so a block must wait for all its copies before it ends (the

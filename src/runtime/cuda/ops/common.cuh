@@ -205,10 +205,33 @@ __device__ __forceinline__ Sum strided_sum(int64_t first, int64_t end, int strid
   return sum;
 }
 
-// The slot's buffer of a stateful op's state (fp32).
+// The slot's buffer of a stateful op's fp32 state (conv windows, KDA recurrent state).
 __device__ __forceinline__ float* state_of(const TaskCtx& ctx, int slot) {
   const DeviceState& state = ctx.step->states[ctx.op->state];
-  return state.base + static_cast<int64_t>(slot) * state.slot_floats;
+  return static_cast<float*>(state.base) + static_cast<int64_t>(slot) * state.slot_elems;
+}
+
+// The slot's buffer of a state of any element type (the MLA latent cache), as bytes.
+__device__ __forceinline__ uint8_t* state_bytes_of(const TaskCtx& ctx, int slot) {
+  const DeviceState& state = ctx.step->states[ctx.op->state];
+  return static_cast<uint8_t*>(state.base) + static_cast<int64_t>(slot) * state.slot_elems * state_elem_bytes(state.elem);
+}
+
+// Element i of a state buffer of element type `elem` as fp32, and its store (exact: what a state holds
+// is already rounded to its type). 16-bit loads go through L2 (`ld.global.cg`) as the fp32 ones do.
+__device__ __forceinline__ float load_state_elem(const uint8_t* base, int32_t elem, int64_t i) {
+  if (elem == kAF32) return __ldcg(reinterpret_cast<const float*>(base) + i);
+  const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(base) + i);
+  return elem == kABF16 ? __uint_as_float(static_cast<unsigned>(bits) << 16) : __half2float(__ushort_as_half(bits));
+}
+__device__ __forceinline__ void store_state_elem(uint8_t* base, int32_t elem, int64_t i, float v) {
+  if (elem == kAF32) {
+    reinterpret_cast<float*>(base)[i] = v;
+  } else if (elem == kABF16) {
+    reinterpret_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(v);
+  } else {
+    reinterpret_cast<__half*>(base)[i] = __float2half_rn(v);
+  }
 }
 
 __device__ __forceinline__ float* smem_floats(const TaskCtx& ctx) { return reinterpret_cast<float*>(ctx.smem); }
@@ -271,6 +294,15 @@ __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;" ::: "memory");
 #else
   emu_cp_commit();
+#endif
+}
+// The same copy, or 16 zero bytes into `smem` when !valid (`global` is then not read).
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* global, bool valid) {
+#ifndef PLOW_CUDA_EMU
+  const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(global), "r"(valid ? 16 : 0) : "memory");
+#else
+  emu_cp_async(smem, global, valid ? 16 : 0);
 #endif
 }
 template <int N>

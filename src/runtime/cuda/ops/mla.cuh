@@ -9,7 +9,7 @@
 // ticket counter (OpDesc::sync[0]) in three phases, every item of a phase before any of the next:
 //  A (block of kMlaRowBlock query rows × head × part, ≤ kMlaSplitAC parts): q_abs into the workspace, the
 //    part's share of its latent columns; the (head 0, part 0) item also appends those rows' fresh latents
-//    to the cache.
+//    to the cache (rows of the activation dtype: DeviceState::elem).
 //  B (sequence × split of cache positions × group of kMlaGroup queries (token, head)): rows staged in
 //    shared memory once serve the group's queries; writes each query's partial (max, sum, u).
 //  C (row block × head × part): merges a query's partials with log-sum-exp rescaling (every part of a
@@ -141,12 +141,13 @@ __device__ __forceinline__ float mla_block_max(float v, float* red) {
   return warp_max(lane_id() < kWarps ? red[lane_id()] : -INFINITY);
 }
 
-// Step rows [r0, r0 + n) into the cache: c = act(w ⊙ act(c̃·rsqrt(mean(c̃²)+ε))), k_r raw, at each
-// row's position in its sequence's slot.
+// Step rows [r0, r0 + n) into the cache: c = act(w ⊙ act(c̃·rsqrt(mean(c̃²)+ε))), k_r raw (kv_a's
+// output, already rounded to act), at each row's position in its sequence's slot, in the cache's type.
 __device__ inline void mla_append_latents(const TaskCtx& ctx, const MlaShape& sh, int r0, int n, float* red) {
   const DeviceWeight& norm = ctx.weight(0);
   const int32_t act = ctx.op->act;
   const StepView& step = *ctx.step;
+  const int32_t elem = step.states[ctx.op->state].elem;
   for_each_row_sum(
       n, red,
       [&](int t, int begin, int stride) {
@@ -158,8 +159,11 @@ __device__ inline void mla_append_latents(const TaskCtx& ctx, const MlaShape& sh
       [&](int t, float total, int begin, int stride) {
         const float inv = inv_rms(total, sh.rank, sh.eps);
         const float* kv = ctx.in(1, r0 + t);
-        float* row = state_of(ctx, step.seq_slot[step.row_seq[r0 + t]]) + static_cast<int64_t>(step.row_pos[r0 + t]) * sh.latent;
-        for (int i = begin; i < sh.latent; i += stride) row[i] = i < sh.rank ? round_act(act, weight_flat(norm, i) * round_act(act, kv[i] * inv)) : kv[i];
+        uint8_t* slot = state_bytes_of(ctx, step.seq_slot[step.row_seq[r0 + t]]);
+        const int64_t row = static_cast<int64_t>(step.row_pos[r0 + t]) * sh.latent;
+        for (int i = begin; i < sh.latent; i += stride) {
+          store_state_elem(slot, elem, row + i, i < sh.rank ? round_act(act, weight_flat(norm, i) * round_act(act, kv[i] * inv)) : kv[i]);
+        }
       });
 }
 
@@ -293,13 +297,14 @@ __device__ __noinline__ void mla_absorb_item(const TaskCtx& ctx, const MlaShape 
   if (h == 0 && it.part == 0) mla_append_latents(ctx, sh, r0, n, red);  // ends with __syncthreads
 }
 
-// Cache rows [r0, r0 + n) (contiguous) into registers, kMlaStagePerThread floats per thread.
-__device__ __forceinline__ void mla_fetch_tile(const float* cache, int r0, int n, int latent, float (&pre)[kMlaStagePerThread]) {
-  const float* src = cache + static_cast<int64_t>(r0) * latent;
+// Cache rows [r0, r0 + n) (contiguous, elements of type elem) into registers as fp32,
+// kMlaStagePerThread per thread.
+__device__ __forceinline__ void mla_fetch_tile(const uint8_t* cache, int32_t elem, int r0, int n, int latent, float (&pre)[kMlaStagePerThread]) {
+  const int64_t first = static_cast<int64_t>(r0) * latent;
 #pragma unroll
   for (int i = 0; i < kMlaStagePerThread; ++i) {
     const int idx = static_cast<int>(threadIdx.x) + i * kThreads;
-    pre[i] = idx < n * latent ? __ldcg(src + idx) : 0.0f;
+    pre[i] = idx < n * latent ? load_state_elem(cache, elem, first + idx) : 0.0f;
   }
 }
 
@@ -371,13 +376,14 @@ __device__ __noinline__ void mla_split_item(const TaskCtx& ctx, const MlaShape s
     st.qvec[idx] = __ldcg(ws.qabs + (static_cast<int64_t>(first + qi / sh.heads) * sh.heads + qi % sh.heads) * sh.latent + idx % sh.latent);
   }
   if (threadIdx.x < kMlaGroup) st.m[threadIdx.x] = -INFINITY, st.l[threadIdx.x] = 0.0f;
-  const float* cache = state_of(ctx, step.seq_slot[s]);
+  const uint8_t* cache = state_bytes_of(ctx, step.seq_slot[s]);
+  const int32_t elem = step.states[ctx.op->state].elem;
   const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
   float u[kMlaGroup];
 #pragma unroll
   for (int j = 0; j < kMlaGroup; ++j) u[j] = 0.0f;
   float pre[kMlaStagePerThread];
-  if (begin < stop) mla_fetch_tile(cache, begin, stop - begin < kMlaTileRows ? stop - begin : kMlaTileRows, sh.latent, pre);
+  if (begin < stop) mla_fetch_tile(cache, elem, begin, stop - begin < kMlaTileRows ? stop - begin : kMlaTileRows, sh.latent, pre);
   for (int r0 = begin; r0 < stop; r0 += kMlaTileRows) {
     const int n = stop - r0 < kMlaTileRows ? stop - r0 : kMlaTileRows;
 #pragma unroll
@@ -386,7 +392,7 @@ __device__ __noinline__ void mla_split_item(const TaskCtx& ctx, const MlaShape s
     }
     __syncthreads();  // the tile (and, the first time, qvec and the stats) are in place
     const int next = r0 + kMlaTileRows;
-    if (next < stop) mla_fetch_tile(cache, next, stop - next < kMlaTileRows ? stop - next : kMlaTileRows, sh.latent, pre);  // in flight meanwhile
+    if (next < stop) mla_fetch_tile(cache, elem, next, stop - next < kMlaTileRows ? stop - next : kMlaTileRows, sh.latent, pre);  // in flight meanwhile
     if (warp < n) {  // warp w scores row r0 + w against every query
       float x[kMlaLatentPerLane];
       mla_load_row(st.tile + warp * sh.latent, sh.latent, lane, x);

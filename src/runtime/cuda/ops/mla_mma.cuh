@@ -1,20 +1,19 @@
 // The split-KV B item of MLA (mla.cuh) on tensor cores: scores S = Q·Cᵀ and u += P·C with
 // mma.sync m16n8k16 (bf16 in, fp32 accumulate) for bf16-activation models.
-// Why it keeps the SIMT body's results: the cache rows are bf16-exact there (the latents are rounded
-// to the activation dtype, k_r is a rounded kv_a output), and the fp32 operands q_abs and P are split
-// into bf16 hi + lo (x = hi + lo + O(2⁻¹⁶·x)), two products each, so scores and u keep ~16 bits of
-// mantissa where the SIMT body keeps 24: below the bf16 rounding of the op's output.
+// Why it keeps the SIMT body's results: the cache holds bf16 rows (the latents are rounded to the
+// activation dtype, k_r is a rounded kv_a output, so 16 bits hold them exactly), and the fp32 operands
+// q_abs and P are split into bf16 hi + lo (x = hi + lo + O(2⁻¹⁶·x)), two products each, so scores and
+// u keep ~16 bits of mantissa where the SIMT body keeps 24: below the bf16 rounding of the op's output.
 // A 32-row tile: 16 warps, each a quarter of the latent's k steps of one 8-row score n-tile (the four
 // quarters meet in shared memory), then one warp a query for the online softmax, which also splits P,
 // then each warp rank/16 value columns of u. Operands come from shared memory by ldmatrix (q and P as
-// A, the tile transposed as P·C's B). A warp loads two rows of a tile as whole 512-byte runs, and
-// thread 0 has the L2 fetch the rows two tiles ahead (one bulk prefetch), so a tile's loads wait on
-// L2, not DRAM. Holding the next tile's rows in registers through this one's products instead, ptxas
-// spilled every one of them (an STL right after each load, whatever the live range: ptxas -v, 320
-// bytes of spill stores). The first form of this item loaded a tile after the last one's products,
-// split P once per warp, built fragments from scalar shared loads and found each flattened index by a
-// division: ~7 µs a tile visit on the H200 at batch 32 × 32,768 (ncu at batch 32 × 4096: DRAM 10%
-// busy, 0.30 warps issued per scheduler cycle); this form ~4.3 (docs/cuda.md).
+// A, the tile transposed as P·C's B). Tiles come by cp.async straight into one of two shared buffers,
+// the next tile landing while this one is used, and thread 0 has the L2 fetch the rows two tiles
+// ahead (one bulk prefetch). With the fp32 cache of before, a tile went through registers (loaded,
+// converted, stored): holding the next tile's rows in registers through this one's products, ptxas
+// spilled every one of them (ptxas -v, 320 bytes of spill stores), so a tile's loads were not
+// overlapped with the products before it (~4.3 µs a tile visit on the H200 at batch 32 × 32,768;
+// docs/cuda.md).
 // Emulator builds (tests/gpu/emu) run it with mla_flash.cuh's host stand-ins for ldmatrix and mma.
 #pragma once
 
@@ -27,11 +26,13 @@ inline constexpr int kMlaMmaRows = 32;                          // cache rows pe
 inline constexpr int kMlaMmaLd = kMlaMaxLatent + 8;             // bf16 row stride (1,168 bytes: conflict-free ldmatrix rows)
 inline constexpr int kMlaMmaPLd = kMlaMmaRows + 8;              // P's bf16 row stride (80 bytes: likewise)
 inline constexpr int kMlaMmaRowsPerWarp = kMlaMmaRows / kWarps;  // tile rows a warp loads
-inline constexpr int kMlaMmaQuadRounds = (kMlaMaxLatent / 4 + 31) / 32;  // 16-byte loads a lane per row
+inline constexpr int kMlaMmaTileElems = kMlaMmaRows * kMlaMmaLd;  // one tile buffer (bf16 elements)
+inline constexpr int kMlaMmaChunkRounds = (kMlaMaxLatent / 8 + 31) / 32;  // 16-byte copies a lane per bf16 row
 
-// Whether the op takes this item: bf16 activations, and a shape the warp split below covers.
+// Whether the op takes this item: bf16 activations and cache rows, and a shape the warp split below covers.
 __device__ __forceinline__ bool mla_mma_fits(const TaskCtx& ctx, const MlaShape& sh) {
-  return ctx.op->act == kABF16 && sh.latent % 16 == 0 && sh.latent <= kMlaMaxLatent && sh.rank % (8 * kWarps) == 0 && sh.rank <= kMlaMaxRank;
+  return ctx.op->act == kABF16 && ctx.step->states[ctx.op->state].elem == kABF16 && sh.latent % 16 == 0 && sh.latent <= kMlaMaxLatent &&
+         sh.rank % (8 * kWarps) == 0 && sh.rank <= kMlaMaxRank;
 }
 
 // x ≈ hi + lo, both bf16, packed two elements per register (element k low, k + 1 high).
@@ -41,9 +42,10 @@ __device__ __forceinline__ void mla_split_pair(float x0, float x1, uint32_t& hi,
   lo = flash_pack<false>(x0 - h0, x1 - h1);
 }
 
-// Shared memory of the item (bytes from `base`): q hi/lo [16][kMlaMmaLd] bf16 each, the tile
-// [kMlaMmaRows][kMlaMmaLd] bf16, score partials [4][16][kMlaMmaRows] fp32 (one per k quarter), P hi/lo
-// [16][kMlaMmaPLd] bf16 each, and per query the running max, sum and this tile's rescale.
+// Shared memory of the item (bytes from `base`): q hi/lo [16][kMlaMmaLd] bf16 each, two tiles
+// [kMlaMmaRows][kMlaMmaLd] bf16 (this one, and the next one landing), score partials
+// [4][16][kMlaMmaRows] fp32 (one per k quarter), P hi/lo [16][kMlaMmaPLd] bf16 each, and per query the
+// running max, sum and this tile's rescale.
 struct MlaMmaSmem {
   uint16_t *qhi, *qlo, *tile, *phi, *plo;
   float *part, *m, *l, *alpha;
@@ -54,7 +56,7 @@ __device__ __forceinline__ MlaMmaSmem mla_mma_smem(float* base) {
   s.qhi = reinterpret_cast<uint16_t*>(base);
   s.qlo = s.qhi + kMlaGroup * kMlaMmaLd;
   s.tile = s.qlo + kMlaGroup * kMlaMmaLd;
-  s.part = reinterpret_cast<float*>(s.tile + kMlaMmaRows * kMlaMmaLd);
+  s.part = reinterpret_cast<float*>(s.tile + 2 * kMlaMmaTileElems);
   s.phi = reinterpret_cast<uint16_t*>(s.part + 4 * kMlaGroup * kMlaMmaRows);
   s.plo = s.phi + kMlaGroup * kMlaMmaPLd;
   s.m = reinterpret_cast<float*>(s.plo + kMlaGroup * kMlaMmaPLd);
@@ -62,19 +64,19 @@ __device__ __forceinline__ MlaMmaSmem mla_mma_smem(float* base) {
   s.alpha = s.l + kMlaGroup;
   return s;
 }
-static_assert((2 * kMlaGroup + kMlaMmaRows) * kMlaMmaLd * 2 % 16 == 0 && kMlaGroup * kMlaMmaPLd * 2 % 16 == 0, "16-byte aligned ldmatrix rows");
-static_assert((2 * kMlaGroup + kMlaMmaRows) * kMlaMmaLd * 2 + 4 * kMlaGroup * kMlaMmaRows * 4 + 2 * kMlaGroup * kMlaMmaPLd * 2 + 3 * kMlaGroup * 4 + 128 <=
+static_assert((2 * kMlaGroup + 2 * kMlaMmaRows) * kMlaMmaLd * 2 % 16 == 0 && kMlaGroup * kMlaMmaPLd * 2 % 16 == 0, "16-byte aligned ldmatrix rows");
+static_assert((2 * kMlaGroup + 2 * kMlaMmaRows) * kMlaMmaLd * 2 + 4 * kMlaGroup * kMlaMmaRows * 4 + 2 * kMlaGroup * kMlaMmaPLd * 2 + 3 * kMlaGroup * 4 + 128 <=
                   kSharedBytes,
               "the MLA mma item's shared memory");
-static_assert(kMlaMmaRows % kWarps == 0 && kMlaMaxLatent / 4 <= 32 * kMlaMmaQuadRounds, "the tile load: whole rows a warp");
+static_assert(kMlaMmaRows % kWarps == 0 && kMlaMaxLatent / 8 <= 32 * kMlaMmaChunkRounds, "the tile copy: whole rows a warp");
 static_assert(kMlaGroup == 16 && kWarps == 16 && kMlaMmaRows == 32, "one m16 tile of queries; four score n-tiles × four k quarters over 16 warps");
 
 // Has the L2 fetch cache rows [r0, r0 + n) (one bulk prefetch: the rows are contiguous, 16-byte
 // multiples since latent % 16 == 0). A hint: nothing waits for it.
-__device__ __forceinline__ void mla_mma_prefetch_rows(const float* cache, int latent, int r0, int n) {
+__device__ __forceinline__ void mla_mma_prefetch_rows(const uint8_t* cache, int latent, int r0, int n) {
 #ifndef PLOW_CUDA_EMU
   if (n > 0) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(cache + static_cast<int64_t>(r0) * latent), "r"(static_cast<uint32_t>(n * latent * 4))
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(cache + static_cast<int64_t>(r0) * latent * 2), "r"(static_cast<uint32_t>(n * latent * 2))
                  : "memory");
   }
 #else
@@ -82,36 +84,19 @@ __device__ __forceinline__ void mla_mma_prefetch_rows(const float* cache, int la
 #endif
 }
 
-// This lane's share of tile rows [r0, r0 + n) (zeros past n): rows warp·2 and warp·2 + 1, 16-byte loads
-// at lane + 32i of each row's latent/4.
-struct MlaMmaRows {
-  float4 v[kMlaMmaRowsPerWarp][kMlaMmaQuadRounds];
-};
-
-__device__ __forceinline__ void mla_mma_load_rows(const float* cache, int latent, int r0, int n, MlaMmaRows& rows) {
-  const int lane = lane_id(), quads = latent / 4;
+// Tile rows [r0, r0 + n) of the bf16 cache into `tile` ([kMlaMmaRows][kMlaMmaLd]) by cp.async, rows past
+// n zero-filled (their P is 0, and 0·NaN would not be): warp w copies rows 2w and 2w + 1, lane the
+// 16-byte chunks lane + 32i of each. Committed by the caller.
+__device__ __forceinline__ void mla_mma_copy_tile(const uint8_t* cache, int latent, int r0, int n, uint16_t* tile) {
+  const int lane = lane_id(), chunks = latent / 8;
 #pragma unroll
   for (int k = 0; k < kMlaMmaRowsPerWarp; ++k) {
     const int row = warp_id() * kMlaMmaRowsPerWarp + k;
-    const float4* src = reinterpret_cast<const float4*>(cache + static_cast<int64_t>(r0 + row) * latent);
+    const uint8_t* src = cache + static_cast<int64_t>(r0 + (row < n ? row : 0)) * latent * 2;
 #pragma unroll
-    for (int i = 0; i < kMlaMmaQuadRounds; ++i) {
+    for (int i = 0; i < kMlaMmaChunkRounds; ++i) {
       const int q = lane + 32 * i;
-      rows.v[k][i] = row < n && q < quads ? __ldcg(src + q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-  }
-}
-
-__device__ __forceinline__ void mla_mma_store_rows(const MlaMmaSmem& sm, int latent, const MlaMmaRows& rows) {
-  const int lane = lane_id(), quads = latent / 4;
-#pragma unroll
-  for (int k = 0; k < kMlaMmaRowsPerWarp; ++k) {
-    uint16_t* dst = sm.tile + (warp_id() * kMlaMmaRowsPerWarp + k) * kMlaMmaLd;
-#pragma unroll
-    for (int i = 0; i < kMlaMmaQuadRounds; ++i) {
-      const int q = lane + 32 * i;
-      const float4 x = rows.v[k][i];
-      if (q < quads) *reinterpret_cast<uint2*>(dst + 4 * q) = make_uint2(flash_pack<false>(x.x, x.y), flash_pack<false>(x.z, x.w));
+      if (q < chunks) cp_async16_zfill(tile + row * kMlaMmaLd + 8 * q, src + 16 * q, row < n);
     }
   }
 }
@@ -125,8 +110,10 @@ __device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaSha
   const MlaMmaSmem sm = mla_mma_smem(smem);
   const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
   const int g = lane >> 2, c2 = (lane & 3) * 2;  // fragment row (group) and column pair
-  const float* cache = state_of(ctx, step.seq_slot[s]);
+  const uint8_t* cache = state_bytes_of(ctx, step.seq_slot[s]);
   if (tid == 0) mla_mma_prefetch_rows(cache, sh.latent, begin, stop - begin < 2 * kMlaMmaRows ? stop - begin : 2 * kMlaMmaRows);
+  if (begin < stop) mla_mma_copy_tile(cache, sh.latent, begin, stop - begin < kMlaMmaRows ? stop - begin : kMlaMmaRows, sm.tile);
+  cp_async_commit();
   // The group's q_abs rows as bf16 hi/lo (zero rows past nq): every load in flight, then the stores.
   // Slots past nq load query nq − 1's row and drop it: a load under a branch was issued alone (SASS:
   // five dependent L2 latencies for the five loads a thread).
@@ -165,21 +152,24 @@ __device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaSha
   // 16×16 block (matrices rows 0–7 / 8–15 × columns 0–7 / 8–15, as a0..a3); a transposed B pair's lane
   // gives row k (lane & 7) + 8·bit 3 and column 8·bit 4 (two 8-column n-tiles, b0 b1 each).
   const int ld_row = (lane & 7) + 8 * ((lane >> 3) & 1), ld_col = 8 * (lane >> 4);
-  for (int r0 = begin; r0 < stop; r0 += kMlaMmaRows) {
+  for (int r0 = begin, buf = 0; r0 < stop; r0 += kMlaMmaRows, buf ^= 1) {
     const int n = stop - r0 < kMlaMmaRows ? stop - r0 : kMlaMmaRows;
+    const uint16_t* tile = sm.tile + buf * kMlaMmaTileElems;
     {
-      MlaMmaRows rows;
-      mla_mma_load_rows(cache, sh.latent, r0, n, rows);
-      const int ahead = r0 + 2 * kMlaMmaRows;
+      // The next tile lands in the other buffer while this one is used (its last readers are past the
+      // barrier that ended the tile before); the L2 fetches the one after it.
+      const int next = r0 + kMlaMmaRows, ahead = r0 + 2 * kMlaMmaRows;
+      if (next < stop) mla_mma_copy_tile(cache, sh.latent, next, stop - next < kMlaMmaRows ? stop - next : kMlaMmaRows, sm.tile + (buf ^ 1) * kMlaMmaTileElems);
+      cp_async_commit();
       if (tid == 0 && ahead < stop) mla_mma_prefetch_rows(cache, sh.latent, ahead, stop - ahead < kMlaMmaRows ? stop - ahead : kMlaMmaRows);
-      mla_mma_store_rows(sm, sh.latent, rows);  // the last tile's readers are past the barrier that ended it
+      cp_async_wait<1>();  // this thread's copies of this tile
     }
     __syncthreads();  // the tile (and, the first time, q and the stats) are in place
     // Scores: warp (kq, nt) sums k steps [ks_begin, ks_end) of n-tile nt (rows nt·8 …); the hi and lo
     // products in two chains.
     {
       float dh[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      const uint16_t* brow = sm.tile + (nt * 8 + g) * kMlaMmaLd + c2;
+      const uint16_t* brow = tile + (nt * 8 + g) * kMlaMmaLd + c2;
       for (int ks = ks_begin; ks < ks_end; ++ks) {
         uint32_t ahi[4], alo[4];
         flash_ldmatrix<false>(ahi, sm.qhi + ld_row * kMlaMmaLd + ks * 16 + ld_col);
@@ -240,7 +230,7 @@ __device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaSha
           // Columns e_base + t·8 … + 15 (the second n-tile's past rank/16 when ntiles is odd: read, unused;
           // inside the row since e_base + ntiles·8 + 8 ≤ rank + 8 ≤ kMlaMmaLd).
           uint32_t b[4];
-          flash_ldmatrix<true>(b, sm.tile + (ks * 16 + ld_row) * kMlaMmaLd + e_base + t * 8 + ld_col);
+          flash_ldmatrix<true>(b, tile + (ks * 16 + ld_row) * kMlaMmaLd + e_base + t * 8 + ld_col);
           flash_mma<false>(u[t], ahi, b[0], b[1]);
           flash_mma<false>(u[t], alo, b[0], b[1]);
           if (t + 1 < ntiles) {
