@@ -155,16 +155,19 @@ __device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaSha
   for (int r0 = begin, buf = 0; r0 < stop; r0 += kMlaMmaRows, buf ^= 1) {
     const int n = stop - r0 < kMlaMmaRows ? stop - r0 : kMlaMmaRows;
     const uint16_t* tile = sm.tile + buf * kMlaMmaTileElems;
+    cp_async_wait<0>();  // this thread's copies of this tile (the only ones in flight)
+    // The tile (and, the first time, q and the stats) are in place, and every warp is past the last
+    // tile's products: so the tile ends without a barrier of its own (its shared data, P, alpha and the
+    // score partials, are next written after this one).
+    __syncthreads();
     {
-      // The next tile lands in the other buffer while this one is used (its last readers are past the
-      // barrier that ended the tile before); the L2 fetches the one after it.
+      // The next tile lands in the other buffer (last read by the tile before) while this one is used;
+      // the L2 fetches the one after it.
       const int next = r0 + kMlaMmaRows, ahead = r0 + 2 * kMlaMmaRows;
       if (next < stop) mla_mma_copy_tile(cache, sh.latent, next, stop - next < kMlaMmaRows ? stop - next : kMlaMmaRows, sm.tile + (buf ^ 1) * kMlaMmaTileElems);
       cp_async_commit();
       if (tid == 0 && ahead < stop) mla_mma_prefetch_rows(cache, sh.latent, ahead, stop - ahead < kMlaMmaRows ? stop - ahead : kMlaMmaRows);
-      cp_async_wait<1>();  // this thread's copies of this tile
     }
-    __syncthreads();  // the tile (and, the first time, q and the stats) are in place
     // Scores: warp (kq, nt) sums k steps [ks_begin, ks_end) of n-tile nt (rows nt·8 …); the hi and lo
     // products in two chains.
     {
@@ -240,9 +243,8 @@ __device__ __noinline__ void mla_split_item_mma(const TaskCtx& ctx, const MlaSha
         }
       }
     }
-    __syncthreads();  // tile and P are rewritten by the next tile
   }
-  __syncthreads();  // the stats, when no tile ran
+  __syncthreads();  // the stats (and when no tile ran, their initial values)
   const int64_t rec = static_cast<int64_t>(ib) * kMlaGroup;
   if (tid < nq) ws.part_ml[(rec + tid) * 2] = sm.m[tid], ws.part_ml[(rec + tid) * 2 + 1] = sm.l[tid];
 #pragma unroll
