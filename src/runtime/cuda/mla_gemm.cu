@@ -68,8 +68,8 @@ __global__ void append_kernel(const float* kv_a, int64_t kv_stride, int64_t toke
 }
 
 template <typename T>
-__global__ void inputs_kernel(const uint8_t* cache, int32_t cache_elem, int64_t visible, int64_t rank, int64_t rope, int64_t heads, int64_t nope, T* latents, int64_t ld_c, T* keys,
-                              int64_t ld_k) {
+__global__ void inputs_kernel(const uint8_t* cache, int32_t cache_elem, int64_t visible, int64_t rank, int64_t rope, int64_t heads, int64_t nope, T* latents,
+                              int64_t ld_c, T* keys, int64_t ld_k) {
   const int64_t latent = rank + rope;
   for (int64_t tau = blockIdx.x; tau < visible; tau += gridDim.x) {
     const int64_t row = tau * latent;
@@ -160,8 +160,8 @@ void launch_mla_append(const float* kv_a, int64_t kv_stride, int64_t tokens, con
   check_launch("MLA latent append");
 }
 
-void launch_mla_inputs(const uint8_t* cache, int32_t cache_elem, int64_t visible, int64_t rank, int64_t rope, int64_t heads, int64_t nope, void* latents, int64_t ld_c, void* keys,
-                       int64_t ld_k, int32_t type, cudaStream_t stream) {
+void launch_mla_inputs(const uint8_t* cache, int32_t cache_elem, int64_t visible, int64_t rank, int64_t rope, int64_t heads, int64_t nope, void* latents,
+                       int64_t ld_c, void* keys, int64_t ld_k, int32_t type, cudaStream_t stream) {
   if (visible == 0) return;
   if (type == kWBF16) {
     inputs_kernel<<<grid_for(visible), kBlock, 0, stream>>>(cache, cache_elem, visible, rank, rope, heads, nope, static_cast<__nv_bfloat16*>(latents), ld_c,

@@ -146,11 +146,12 @@ class MlaGemmRunner {
 // the op body (ops/mla.cuh mla_append_latents).
 void launch_mla_append(const float* kv_a, int64_t kv_stride, int64_t tokens, const DeviceWeight& norm, float eps, int64_t rank, int64_t rope, int32_t act,
                        uint8_t* cache, int32_t cache_elem, cudaStream_t stream);
-// Cache rows [0, visible) (elements of type cache_elem) into the GEMM inputs of type `type`: latents [visible, ld_c] (the rank
-// part), and k_r into columns [nope, nope + rope) of every head's key rows keys[h][τ][ld_k] (head h at
-// h·visible·ld_k), zeros into their columns [nope + rope, ld_k) (the fused kernel reads whole rows).
-void launch_mla_inputs(const uint8_t* cache, int32_t cache_elem, int64_t visible, int64_t rank, int64_t rope, int64_t heads, int64_t nope, void* latents, int64_t ld_c, void* keys,
-                       int64_t ld_k, int32_t type, cudaStream_t stream);
+// Cache rows [0, visible) (elements of type cache_elem) into the GEMM inputs of type `type`: latents
+// [visible, ld_c] (the rank part), and k_r into columns [nope, nope + rope) of every head's key rows
+// keys[h][τ][ld_k] (head h at h·visible·ld_k), zeros into their columns [nope + rope, ld_k) (the fused
+// kernel reads whole rows).
+void launch_mla_inputs(const uint8_t* cache, int32_t cache_elem, int64_t visible, int64_t rank, int64_t rope, int64_t heads, int64_t nope, void* latents,
+                       int64_t ld_c, void* keys, int64_t ld_k, int32_t type, cudaStream_t stream);
 // q rows [0, tokens) (row stride q_stride; head h at h·qk) into queries[t][h·ld_q + i] of type `type`.
 void launch_mla_queries(const float* q, int64_t q_stride, int64_t tokens, int64_t heads, int64_t qk, void* queries, int64_t ld_q, int32_t type,
                         cudaStream_t stream);
