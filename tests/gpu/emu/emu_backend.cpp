@@ -61,7 +61,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
     if (d.kind == StateKind::kConvWindow) s.depth = d.depth, s.slot_elems = d.width * d.depth;
     if (d.kind == StateKind::kKdaRecurrent) s.depth = d.depth, s.slot_elems = d.width * (d.width / d.depth);
     if (d.kind == StateKind::kMlaLatent) s.depth = o.max_context_tokens, s.slot_elems = o.max_context_tokens * d.width, s.elem = act;  // as CudaBackend
-    impl_->states.emplace_back(static_cast<size_t>((slot_bytes(s) * o.num_slots + 3) / 4), 0.0f);  // 16-byte aligned bytes
+    impl_->states.emplace_back(static_cast<size_t>((slot_bytes(s) * o.num_slots + 3) / 4), 0.0f);  // the slots' bytes, in whole floats
     impl_->dstates.push_back(s);
     impl_->per_token.push_back(d.kind == StateKind::kMlaLatent);
   }
