@@ -132,10 +132,9 @@ double median(std::vector<double> v) {
 
 // A backend over `weights` with a decode plan (a one-token tail) and one prefill plan per chunk size;
 // `gemm`: the GEMM path (else fused plans on the GEMV bodies); `mla_gemm`: MLA on it as GEMMs too;
-// `kda_planned`: KDA on it as planned launches; `kda_bf16x3`: their scan in bf16x3 (bf16 models).
+// `kda_planned`: KDA on it as planned launches.
 std::unique_ptr<cuda::CudaBackend> make_backend(const LoadedModel& model, std::shared_ptr<cuda::DeviceWeightSet> weights, const std::set<int64_t>& chunks,
-                                                int workers, int64_t max_context, DType dtype, bool gemm, bool mla_gemm = true, bool kda_planned = true,
-                                                bool kda_bf16x3 = true) {
+                                                int workers, int64_t max_context, DType dtype, bool gemm, bool mla_gemm = true, bool kda_planned = true) {
   std::vector<Plan> plans;
   plans.push_back(compile_plan(model, PlanPhase::kDecode, 1, workers, max_context));
   // The GEMM path runs plain linears: prefill plans are compiled without fusion. The GEMV path keeps
@@ -148,7 +147,6 @@ std::unique_ptr<cuda::CudaBackend> make_backend(const LoadedModel& model, std::s
   options.prefill_gemm = gemm;
   options.prefill_mla_gemm = mla_gemm;
   options.prefill_kda_planned = kda_planned;
-  options.prefill_kda_bf16x3 = kda_bf16x3;
   return std::make_unique<cuda::CudaBackend>(model.graph, std::move(weights), std::move(plans), options);
 }
 
@@ -196,7 +194,6 @@ void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
   cmd->add_flag("--gemv-peer", args.gemv_peer, "also time today's path (fused prefill plans, GEMV bodies) on the same weights");
   cmd->add_flag("--mla-body-peer", args.mla_body_peer, "also time the GEMM path with mla_attention on its op body (split-KV, absorbed) instead of GEMMs");
   cmd->add_flag("--kda-body-peer", args.kda_body_peer, "also time the GEMM path with kda_delta_rule on its op body instead of planned launches");
-  cmd->add_flag("--kda-tf32-peer", args.kda_tf32_peer, "also time the GEMM path with the planned KDA scan in 3xTF32 instead of bf16x3 (bf16 models)");
   cmd->add_flag("--mla-flash-peer", args.mla_flash_peer,
                 "also time each prompt with MLA's fused attention on the mma.sync kernel instead of the wgmma one (same weights and plans)");
   cmd->add_flag("--expert-peer", args.expert_peer,
@@ -278,9 +275,6 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
   auto mla_body = args.mla_body_peer ? make_backend(*model, weights, chunks, workers, max_context, dtype, true, false) : nullptr;
   // And with KDA on its op body (prep and scan inside the megakernel), to see what the planned launches changed.
   auto kda_body = args.kda_body_peer ? make_backend(*model, weights, chunks, workers, max_context, dtype, true, true, false) : nullptr;
-  // And with the planned scan's products in 3xTF32 (what fp32 models run) instead of bf16x3.
-  auto kda_tf32 = args.kda_tf32_peer ? make_backend(*model, weights, chunks, workers, max_context, dtype, true, true, true, false) : nullptr;
-  if (kda_tf32) kda_tf32->set_kda_timing(true);
   for (int64_t p : args.prompts) {
     const int64_t chunk = chunk_of(p);
     const int64_t mla_ops_before = backend->prefill_mla_ops(), kda_ops_before = backend->prefill_kda_ops();
@@ -371,7 +365,6 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"mla_gemm", mla_gemm},
                    {"kda_ops_ms", kda_planned ? json(kda_ms) : json(nullptr)},  // null: the op body ran (timed under --profile only)
                    {"kda_parts_ms", kda_planned ? json{{"prep", kda_prep_ms}, {"scan", kda_ms - kda_prep_ms}} : json(nullptr)},
-                   {"kda_products", kda_planned ? json(dtype == DType::BF16 ? "bf16x3" : "3xTF32") : json(nullptr)},  // the planned scan's
                    {"workers", workers},
                    {"plan", {{"max_tokens", plan->max_tokens}, {"ops", plan->ops.size()}, {"tasks", plan->tasks.size()}, {"fusion", false}}},
                    {"device", device},
@@ -439,20 +432,6 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                                      {"plans", "the same GEMM path with kda_delta_rule on its op body (one run after a one-chunk warm-up)"}};
       std::cerr << fmt::format("  KDA on its op body: TTFT {:9.1f} ms (planned: {:.1f} ms of KDA ops, {:.2f} ms a layer)\n", ms, kda_ms,
                                kda_ms / static_cast<double>(std::max<int64_t>(kda_layers, 1)));
-    }
-    if (kda_tf32) {
-      double sum = 0, prep_sum = 0;
-      const double ms = median(time_prompt(*kda_tf32, prefix, ids, chunk, args.reps, [&](bool start) {
-        sum += start ? -kda_tf32->kda_ms() : kda_tf32->kda_ms();
-        prep_sum += start ? -kda_tf32->kda_prep_ms() : kda_tf32->kda_prep_ms();
-      }));
-      const double ops = sum / args.reps, prep = prep_sum / args.reps;
-      record["peers"]["kda_3xtf32"] = {{"ttft_ms", ms},
-                                       {"kda_ops_ms", ops},
-                                       {"kda_parts_ms", {{"prep", prep}, {"scan", ops - prep}}},
-                                       {"plans", "the same GEMM path with the planned KDA scan's products in 3xTF32 instead of bf16x3"}};
-      std::cerr << fmt::format("  KDA scan in 3xTF32: TTFT {:9.1f} ms, KDA ops {:.1f} ms (prep {:.1f}, scan {:.1f}); ours {:.1f} ms (prep {:.1f}, scan {:.1f})\n", ms, ops,
-                               prep, ops - prep, kda_ms, kda_prep_ms, kda_ms - kda_prep_ms);
     }
     if (args.profile) {
       // One more run, every op its own launch between events: where the time goes (slower than the

@@ -1,14 +1,13 @@
 // KDA's delta rule as planned launches (kda_prefill.h) vs cpu/reference (label gpu): partial chunks,
 // cached states, several sequences, Kimi's and K3's bounded gate, steps that fall back to the op body
-// and a step split into batches; fp32 and bf16 (its scan in bf16x3 and in 3xTF32), megakernel and
-// eager, logits within a per-dtype bound and bf16 outputs rounded. Split from cuda_prefill_test.cpp (the GEMM, expert and MLA paths).
+// and a step split into batches; fp32 and bf16, megakernel and eager, logits within a per-dtype bound
+// and bf16 outputs rounded. Split from cuda_prefill_test.cpp (the GEMM, expert and MLA paths).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "graph/random_weights.h"
@@ -62,21 +61,16 @@ struct KdaStep {
 // op body (prefill_kda_planned off) and cpu/reference, fp32 and bf16, megakernel and eager. Bounds as
 // cuda_ops_test's kda cases: fp32 within 128 units of 2⁻²³ of the step's scale (chunked forms, fp32
 // rounding and the 3xTF32 products); bf16 within two output ulps of max(|ref|, 1% of the scale), every
-// output a bf16 value (the planned scan in bf16x3 and in 3xTF32: the emulator test has bf16x3 ~1e-5 of
-// the scale from the exact recurrence, 3xTF32 ~1e-6; two ulps at 1% of the scale are ~1.6e-4). The plan holds `plan_rows` rows; `slots` sequences.
+// output a bf16 value. The plan holds `plan_rows` rows; `slots` sequences.
 void expect_kda_matches_cpu(const KdaCase& c, const std::vector<KdaStep>& steps, int64_t plan_rows, int slots, bool expect_batches) {
   const Graph graph = kda_graph(c);
   for (DType dtype : {DType::F32, DType::BF16}) {
     const Checkpoint checkpoint = random_checkpoint(graph, 31, dtype, "prefill-kda");
     const BoundWeights bound_weights(graph, checkpoint);
     auto weights = cuda::upload_weights(graph, bound_weights);
-    // bf16: the planned scan in bf16x3 (its default), and in 3xTF32 as fp32 models run it.
-    std::vector<std::pair<bool, bool>> paths = {{true, true}, {false, true}};  // (planned, bf16x3)
-    if (dtype == DType::BF16) paths.insert(paths.begin() + 1, {true, false});
-    for (const auto& [planned, bf16x3] : paths) {
+    for (bool planned : {true, false}) {
       for (bool eager : {false, true}) {
-        const std::string where = std::string(c.name) + " " + std::string(dtype_name(dtype)) + (eager ? " eager" : " megakernel") +
-                                  (planned ? (dtype == DType::BF16 ? (bf16x3 ? ", bf16x3" : ", 3xTF32") : "") : ", op body");
+        const std::string where = std::string(c.name) + " " + std::string(dtype_name(dtype)) + (eager ? " eager" : " megakernel") + (planned ? "" : ", op body");
         std::vector<Plan> plans = {lower_to_plan(graph, {PlanPhase::kDecode, 4, 132, 0, 0}), lower_to_plan(graph, {PlanPhase::kPrefill, plan_rows, 132, 0, 0})};
         cuda::CudaOptions options;
         options.act_dtype = dtype;
@@ -85,7 +79,6 @@ void expect_kda_matches_cpu(const KdaCase& c, const std::vector<KdaStep>& steps,
         options.eager = eager;
         options.poison_arena = true;
         options.prefill_kda_planned = planned;
-        options.prefill_kda_bf16x3 = bf16x3;
         cuda::CudaBackend gpu(graph, weights, std::move(plans), options);
         ReferenceBackend cpu(graph, bound_weights, dtype, slots);
         float worst_units = 0;

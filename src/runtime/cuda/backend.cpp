@@ -341,10 +341,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
     if (options.mla_scores_bytes < 1) fail("cuda: an MLA scores budget of {} bytes, expected at least 1", options.mla_scores_bytes);
     m.mla_runner = std::make_unique<MlaGemmRunner>(mla_capacity, options.max_context_tokens, options.mla_scores_bytes, m.stream);
   }
-  if (kda_capacity.rows > 0) {
-    m.kda_runner = std::make_unique<KdaPrefillRunner>(kda_capacity, m.stream);
-    m.kda_runner->set_bf16x3(options.prefill_kda_bf16x3);
-  }
+  if (kda_capacity.rows > 0) m.kda_runner = std::make_unique<KdaPrefillRunner>(kda_capacity, m.stream);
   if (peer_ops > 0 && options.comm->size() <= kMaxPeerRanks) m.peer_area = std::make_unique<PeerReduceArea>(options.device, options.comm->size(), peer_ops, peer_slot);
 }
 

@@ -72,9 +72,6 @@ struct CudaOptions {
   // And kda_delta_rule ops run chunked as planned launches (kda_prefill.h), in steps where every sequence
   // brings ≥ 16 tokens; false: their op body (prep and scan inside the megakernel), for comparison.
   bool prefill_kda_planned = true;
-  // Their scan's products in bf16x3 when the activations are bf16 (kda_prefill.cuh); false: 3xTF32, as
-  // fp32 and f16 models always take (tests and benchmarks compare the two).
-  bool prefill_kda_bf16x3 = true;
   // The fp32 scores of one MLA GEMM block stay within this many bytes (tests make it small to force
   // blocks of few query rows and heads).
   int64_t mla_scores_bytes = int64_t{512} << 20;

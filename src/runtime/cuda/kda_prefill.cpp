@@ -148,7 +148,6 @@ void KdaPrefillRunner::run(const KdaPrefillOp& op, float* arena, const DeviceSta
     a.heads = static_cast<int32_t>(op.heads);
     a.d = static_cast<int32_t>(op.d);
     a.out_act = op.out_act;
-    a.bf16x3 = bf16x3_ && op.out_act == kABF16;
     if (timed) prep_timer_.start();
     launch_kda_prep(a, stream_);
     if (timed) prep_timer_.stop();

@@ -1,5 +1,5 @@
 // The launches of kda_prefill.cuh's blocks: a prep block per (chunk, head), three an SM; a scan block per
-// (32 value columns, head, sequence), sixteen warps, one an SM, its products in 3xTF32 or bf16x3.
+// (32 value columns, head, sequence), sixteen warps, one an SM.
 #include "runtime/cuda/kda_prefill.cuh"
 #include "runtime/cuda/kernels.h"  // cuda_failure; the launches are declared in kda_prefill.h
 
@@ -23,11 +23,6 @@ __global__ void __launch_bounds__(kKdaScanThreads, 1) kda_scan_kernel(KdaPrefill
   kda_scan_block(a, sm, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z));
 }
 
-__global__ void __launch_bounds__(kKdaScanThreads, 1) kda_scan_x3_kernel(KdaPrefillArgs a) {
-  extern __shared__ __align__(16) unsigned char sm16[];
-  kda_scan_block_x3(a, sm16, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z));
-}
-
 }  // namespace
 
 void launch_kda_prep(const KdaPrefillArgs& a, cudaStream_t stream) {
@@ -41,14 +36,8 @@ void launch_kda_prep(const KdaPrefillArgs& a, cudaStream_t stream) {
 void launch_kda_scan(const KdaPrefillArgs& a, cudaStream_t stream) {
   if (a.chunks < 1 || a.seqs < 1) return;
   if (a.d < 1 || a.d > kD) cuda_failure("KDA prefill head dim", cudaErrorInvalidValue);
-  const dim3 grid((a.d + kCols - 1) / kCols, a.heads, a.seqs);
-  if (a.bf16x3) {
-    check_cuda(cudaFuncSetAttribute(kda_scan_x3_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kKdaScan16Bytes), "KDA scan shared memory");
-    kda_scan_x3_kernel<<<grid, kKdaScanThreads, kKdaScan16Bytes, stream>>>(a);
-  } else {
-    check_cuda(cudaFuncSetAttribute(kda_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kKdaScanBytes), "KDA scan shared memory");
-    kda_scan_kernel<<<grid, kKdaScanThreads, kKdaScanBytes, stream>>>(a);
-  }
+  check_cuda(cudaFuncSetAttribute(kda_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kKdaScanBytes), "KDA scan shared memory");
+  kda_scan_kernel<<<dim3((a.d + kCols - 1) / kCols, a.heads, a.seqs), kKdaScanThreads, kKdaScanBytes, stream>>>(a);
   check_cuda(cudaGetLastError(), "KDA prefill scan");
 }
 

@@ -19,7 +19,6 @@
 #pragma once
 
 #include "runtime/cuda/kda_prefill_kernels.h"
-#include "runtime/cuda/mla_flash.cuh"  // ldmatrix, mma.sync m16n8k16, bf16 packing (emulated too)
 #include "runtime/cuda/ops/common.cuh"
 
 namespace plow::cuda::kda_planned {
@@ -209,36 +208,6 @@ __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
 #endif
 }
 
-// bf16x3 (a.bf16x3): two values as bf16 heads (rounded to nearest even) and bf16 rests (x − head is
-// exact in fp32, then rounded): |x − head − rest| ≤ 2⁻¹⁸|x| in the normal range. Packed low value first.
-__device__ __forceinline__ void bf16_split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  hi = flash_pack<false>(x0, x1);
-  lo = flash_pack<false>(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
-}
-// Eight bytes at p (8-byte aligned) in one st.global.v2.
-__device__ __forceinline__ void store2u(void* p, uint32_t x, uint32_t y) {
-#ifndef PLOW_CUDA_EMU
-  asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(x), "r"(y) : "memory");
-#else
-  static_cast<uint32_t*>(p)[0] = x;
-  static_cast<uint32_t*>(p)[1] = y;
-#endif
-}
-// v[0…3] at element `at` (a multiple of 4) of a record region: fp32 as it is, or with a.bf16x3 as its
-// two 16-bit planes of `plane` elements each (heads, then rests; kda_prefill_kernels.h).
-__device__ __forceinline__ void store_operand4(float* region, int64_t plane, int64_t at, const float (&v)[4], bool split) {
-  if (!split) {
-    store4(region + at, v);
-    return;
-  }
-  uint32_t h01, l01, h23, l23;
-  bf16_split2(v[0], v[1], h01, l01);
-  bf16_split2(v[2], v[3], h23, l23);
-  uint16_t* heads = reinterpret_cast<uint16_t*>(region);
-  store2u(heads + at, h01, h23);
-  store2u(heads + plane + at, l01, l23);
-}
-
 // A diagonal 16×16 block goes through the tensor cores, factored through its first position, when
 // every channel's γ falls by at most this much across the block: the row factors e^{γ_r−γ_16R} stay ≥
 // e^−60 (their TF32 rests normal) and the column factors e^{γ_16R−γ_j} ≤ e^60 (no overflow, products
@@ -271,10 +240,9 @@ __device__ __forceinline__ void product_tiles(int warp, int& R, int& nt0, int& c
   count = warp < 2 || warp == 3 || warp == 4 ? 3 : 2;
 }
 
-// out = T'·B over [C][kD] (T' at kTp, B at kB), to rec + at (with `split`, as its two bf16 planes):
-// warp w takes row tiles w mod 2 and 3 − w mod 2 (balanced: T' is lower triangular) and 32 columns,
-// four n8 tiles sharing each A fragment.
-__device__ __forceinline__ void prep_product(const float* sm, float* rec_out, bool split) {
+// out = T'·B over [C][kD] (T' at kTp, B at kB), to rec + at: warp w takes row tiles w mod 2 and
+// 3 − w mod 2 (balanced: T' is lower triangular) and 32 columns, four n8 tiles sharing each A fragment.
+__device__ __forceinline__ void prep_product(const float* sm, float* rec_out) {
   using P = PrepSmem;
   const int lane = lane_id(), g = lane / 4, t4 = lane % 4, warp = warp_id();
   const float *tp = sm + P::kTp, *b = sm + P::kB;
@@ -287,19 +255,6 @@ __device__ __forceinline__ void prep_product(const float* sm, float* rec_out, bo
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int col = n_base + 8 * nt + 2 * t4;
-      if (split) {
-        uint32_t* heads = reinterpret_cast<uint32_t*>(rec_out);  // pairs of 16-bit elements
-        constexpr int kRests = kC * kD / 2;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          uint32_t hi, lo;
-          bf16_split2(acc[nt][2 * half], acc[nt][2 * half + 1], hi, lo);
-          const int at = ((m0 + g + 8 * half) * kD + col) / 2;
-          heads[at] = hi;
-          heads[kRests + at] = lo;
-        }
-        continue;
-      }
       reinterpret_cast<float2*>(rec_out + (m0 + g) * kD + col)[0] = make_float2(acc[nt][0], acc[nt][1]);
       reinterpret_cast<float2*>(rec_out + (m0 + g + 8) * kD + col)[0] = make_float2(acc[nt][2], acc[nt][3]);
     }
@@ -517,9 +472,9 @@ __device__ __forceinline__ void kda_prep_block(const KdaPrefillArgs& a, float* s
         kv[e] = k * decayed;
       }
       const int64_t at = static_cast<int64_t>(t) * kD + c0 + c;
-      store_operand4(rec + kKdaRecQg, kC * kD, at, qv, a.bf16x3);
-      store_operand4(rec + kKdaRecKe, kC * kD, at, ev, a.bf16x3);
-      store4(rec + kKdaRecW + at, kv);  // fp32 in either form: this block's own product reads it back
+      store4(rec + kKdaRecQg + at, qv);
+      store4(rec + kKdaRecKe + at, ev);
+      store4(rec + kKdaRecW + at, kv);
     }
     if (tid < kHalf) rec[kKdaRecDecay + c0 + tid] = c0 + tid < d ? exp_ftz(sg[tid * P::kLd + n - 1]) : 0.0f;
     __syncthreads();  // the next half restages the channels
@@ -595,7 +550,7 @@ __device__ __forceinline__ void kda_prep_block(const KdaPrefillArgs& a, float* s
       mv[e] = lower ? am[r * P::kAld + j] : 0.0f;
     }
     *reinterpret_cast<float4*>(T + r * P::kTpld + j0) = make_float4(tv[0], tv[1], tv[2], tv[3]);
-    store_operand4(rec + kKdaRecM, kC * kC, r * kC + j0, mv, a.bf16x3);
+    *reinterpret_cast<float4*>(rec + kKdaRecM + r * kC + j0) = make_float4(mv[0], mv[1], mv[2], mv[3]);
   }
   // W = T'·(K⊙e^γ): the rows written above, back from global memory (this block's own stores: visible
   // after the barrier), every load of the thread in flight before its stores.
@@ -614,7 +569,7 @@ __device__ __forceinline__ void kda_prep_block(const KdaPrefillArgs& a, float* s
     }
   }
   __syncthreads();
-  prep_product(sm, rec + kKdaRecW, a.bf16x3);
+  prep_product(sm, rec + kKdaRecW);
   __syncthreads();
   // U = T'·V (zero past n and d): lanes over a row's channels (thread i: channel i mod 128 of rows
   // i / 128, i / 128 + 2, …), 32 loads of the thread in flight.
@@ -632,7 +587,7 @@ __device__ __forceinline__ void kda_prep_block(const KdaPrefillArgs& a, float* s
     for (int e = 0; e < kPer; ++e) sm[P::kB + (t0 + kStep * e) * P::kBld + c] = vals[e];
   }
   __syncthreads();
-  prep_product(sm, rec + kKdaRecU, false);
+  prep_product(sm, rec + kKdaRecU);
 }
 
 // ---- scan --------------------------------------------------------------------------------------------
@@ -770,220 +725,6 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
           const int at = (j0 + g + 8 * (q / 2)) * S::kSld + 8 * nt + 2 * t4 + q % 2;
           st[at] = upd[nt][q];
           store_split(s_hi, s_lo, at, upd[nt][q]);
-        }
-      }
-    }
-    __syncthreads();  // S updated; K⊙e^{γ_n−γ}, M, V_new and e^{γ_n} free
-    if (k + 1 < chunks) load_level2(k + 1);
-    cp_async_commit();
-  }
-  cp_async_wait<0>();  // the trailing (empty) groups
-  for (int i = tid; i < kD * kCols; i += kScanThreads) {
-    const int j = i / kCols, c = i % kCols;
-    if (j < d && c < cols) state[static_cast<int64_t>(j) * d + c0 + c] = st[j * S::kSld + c];
-  }
-}
-
-
-// ---- scan in bf16x3 ---------------------------------------------------------------------------------
-
-// The same scan with its products in bf16x3 (a.bf16x3: the record's W, Q⊙e^γ, K⊙e^{γ_n−γ} and M stored
-// by the prep as bf16 heads and rests; S₀ and V_new split here): d += a_hi·b_hi + a_hi·b_lo + a_lo·b_hi
-// on mma.sync m16n8k16, fp32 accumulation, the cross terms on chains of their own. An operand is held
-// to 2⁻¹⁸ of itself and the dropped a_lo·b_lo is below 2⁻¹⁸ of the product: three HMMAs cover 16 of k
-// where 3xTF32 covers 8, the fragments come by ldmatrix with nothing to split, and each accumulator's
-// chain is half as deep. Shared memory, bytes: fp32 S₀, U and e^{γ_n} as ScanSmem; 16-bit arrays in
-// rows of 8 elements past their width (16 bytes past a multiple of 128: an ldmatrix's eight rows hit
-// distinct bank groups), each array's rests right after its heads. 180.5 KiB.
-struct ScanSmem16 {
-  static constexpr int kSld = kCols + 8;  // fp32 S₀ [kD][kSld], U's columns [C][kSld]
-  static constexpr int kAld = kD + 8;     // 16-bit W, Q⊙e^γ, K⊙e^{γ_n−γ} [C][kAld]
-  static constexpr int kMld = kC + 8;     // 16-bit M [C][kMld]
-  static constexpr int kVld = kCols + 8;  // 16-bit S₀ [kD][kVld] and V_new [C][kVld]
-  static constexpr int kS = 0;
-  static constexpr int kU = kS + kD * kSld * 4;
-  static constexpr int kDecay = kU + kC * kSld * 4;
-  static constexpr int kS16 = kDecay + kD * 4;
-  static constexpr int kV16 = kS16 + 2 * kD * kVld * 2;
-  static constexpr int kW16 = kV16 + 2 * kC * kVld * 2;
-  static constexpr int kQ16 = kW16 + 2 * kC * kAld * 2;
-  static constexpr int kKe16 = kQ16 + 2 * kC * kAld * 2;
-  static constexpr int kM16 = kKe16 + 2 * kC * kAld * 2;
-  static constexpr int kBytes = kM16 + 2 * kC * kMld * 2;
-  static_assert(kAld * 2 % 128 == 16 && kMld * 2 % 128 == 16 && kVld * 2 % 128 == 80, "ldmatrix rows on distinct bank groups");
-  static_assert(kU % 16 == 0 && kDecay % 16 == 0 && kS16 % 16 == 0 && kV16 % 16 == 0 && kW16 % 16 == 0 && kQ16 % 16 == 0 && kKe16 % 16 == 0 &&
-                    kM16 % 16 == 0 && kC * kAld * 2 % 16 == 0 && kC * kMld * 2 % 16 == 0,
-                "16-byte rows");
-};
-constexpr int kKdaScan16Bytes = ScanSmem16::kBytes;
-
-// Starts copying a record region's two 16-bit planes [C][kWidth] (heads, then rests) into shared rows of
-// stride ld elements, the rests C·ld after the heads: thread i 16 bytes of row i / (kWidth/8) of the
-// 2C, then every kScanThreads / (kWidth/8) rows.
-template <int kWidth>
-__device__ __forceinline__ void copy_planes(uint16_t* dst, int ld, const uint16_t* src) {
-  constexpr int kVec = kWidth / 8, kPer = 2 * kC * kVec / kScanThreads, kRowStep = kScanThreads / kVec;
-  static_assert(kScanThreads % kVec == 0 && 2 * kC * kVec % kScanThreads == 0, "whole rows a round");
-  const int tid = static_cast<int>(threadIdx.x), row = tid / kVec, col = 8 * (tid % kVec);
-  dst += row * ld + col;
-  src += row * kWidth + col;
-#pragma unroll
-  for (int e = 0; e < kPer; ++e) cp_async16(reinterpret_cast<float*>(dst + e * kRowStep * ld), reinterpret_cast<const float*>(src + e * kRowStep * kWidth));
-}
-
-// This lane's ldmatrix address (flash_ldmatrix's four 8×8 matrices) within a 16-bit array of row stride
-// ld: the A fragment of rows [m0, m0 + 16) of a row-major [m][k] array (add k0), or of a [k][m] array
-// read transposed (add k0·ld); the B fragments of columns [n0, n0 + 16) (two n8 tiles) of a [k][n] array
-// read transposed (add k0·ld).
-__device__ __forceinline__ int lane_a_rows(int ld, int m0) {
-  const int lane = lane_id();
-  return (m0 + (lane / 8 % 2) * 8 + lane % 8) * ld + (lane / 16) * 8;
-}
-__device__ __forceinline__ int lane_a_cols(int ld, int m0) {
-  const int lane = lane_id();
-  return ((lane / 16) * 8 + lane % 8) * ld + m0 + (lane / 8 % 2) * 8;
-}
-__device__ __forceinline__ int lane_b_cols(int ld, int n0) {
-  const int lane = lane_id();
-  return ((lane / 8 % 2) * 8 + lane % 8) * ld + n0 + (lane / 16) * 8;
-}
-
-// acc[nt] += A·B over k in [0, k_end) (a multiple of 16) for NT n8 tiles (pairs from one ldmatrix each):
-// A's heads at a (this lane's address, k steps of a_step elements), its rests a_rests further; B's at b
-// (b_step, b_rests; pair p at b + 16p). The cross terms go to chains of their own, added at the end.
-template <int NT, bool kATrans>
-__device__ __forceinline__ void mma_x3(float (&acc)[NT][4], int k_end, const uint16_t* a, int a_step, int a_rests, const uint16_t* b, int b_step,
-                                       int b_rests) {
-  static_assert(NT % 2 == 0, "n8 tiles in pairs");
-  float cross_a[NT][4] = {}, cross_b[NT][4] = {};
-  for (int k0 = 0; k0 < k_end; k0 += 16) {
-    uint32_t ah[4], al[4];
-    flash_ldmatrix<kATrans>(ah, a + k0 * a_step);
-    flash_ldmatrix<kATrans>(al, a + a_rests + k0 * a_step);
-#pragma unroll
-    for (int p = 0; p < NT / 2; ++p) {
-      uint32_t bh[4], bl[4];
-      flash_ldmatrix<true>(bh, b + 16 * p + k0 * b_step);
-      flash_ldmatrix<true>(bl, b + b_rests + 16 * p + k0 * b_step);
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float(&d)[4] = acc[2 * p + e];
-        flash_mma<false>(cross_a[2 * p + e], al, bh[2 * e], bh[2 * e + 1]);
-        flash_mma<false>(cross_b[2 * p + e], ah, bl[2 * e], bl[2 * e + 1]);
-        flash_mma<false>(d, ah, bh[2 * e], bh[2 * e + 1]);
-      }
-    }
-  }
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) acc[nt][q] += cross_a[nt][q] + cross_b[nt][q];
-  }
-}
-
-// Stores x0, x1 (columns c, c + 1 of row r) split into a 16-bit array of row stride ld whose rests sit
-// `rests` elements after its heads.
-__device__ __forceinline__ void store_split16(uint16_t* arr, int rests, int at, float x0, float x1) {
-  uint32_t hi, lo;
-  bf16_split2(x0, x1, hi, lo);
-  *reinterpret_cast<uint32_t*>(arr + at) = hi;
-  *reinterpret_cast<uint32_t*>(arr + rests + at) = lo;
-}
-
-// kda_scan_block with bf16x3 products (the same warps, levels, copies and barriers); sm: kKdaScan16Bytes.
-__device__ __forceinline__ void kda_scan_block_x3(const KdaPrefillArgs& a, unsigned char* sm, int group, int h, int seq) {
-  using S = ScanSmem16;
-  const int c0 = kCols * group, d = a.d;
-  const int cols = d - c0 < kCols ? d - c0 : kCols;
-  const int chunk0 = a.seq_chunk0[seq], chunks = a.seq_chunks[seq];
-  float* state = a.state + a.seq_slot[seq] * a.state_slot_floats + static_cast<int64_t>(h) * d * d;
-  const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id(), g = lane / 4, t4 = lane % 4;
-  float *st = reinterpret_cast<float*>(sm + S::kS), *ub = reinterpret_cast<float*>(sm + S::kU), *decay = reinterpret_cast<float*>(sm + S::kDecay);
-  uint16_t *s16 = reinterpret_cast<uint16_t*>(sm + S::kS16), *v16 = reinterpret_cast<uint16_t*>(sm + S::kV16);
-  uint16_t *w16 = reinterpret_cast<uint16_t*>(sm + S::kW16), *q16 = reinterpret_cast<uint16_t*>(sm + S::kQ16);
-  uint16_t *k16 = reinterpret_cast<uint16_t*>(sm + S::kKe16), *m16 = reinterpret_cast<uint16_t*>(sm + S::kM16);
-  constexpr int kSRests = kD * S::kVld, kVRests = kC * S::kVld, kARests = kC * S::kAld, kMRests = kC * S::kMld;
-  const auto record = [&](int k) { return a.records + (static_cast<int64_t>(chunk0 + k) * a.heads + h) * kKdaRecFloats; };
-  const auto planes = [](const float* region) { return reinterpret_cast<const uint16_t*>(region); };
-  const auto load_level1 = [&](int k) {  // W and Q⊙e^γ
-    copy_planes<kD>(w16, S::kAld, planes(record(k) + kKdaRecW));
-    copy_planes<kD>(q16, S::kAld, planes(record(k) + kKdaRecQg));
-  };
-  const auto load_level2 = [&](int k) {  // K⊙e^{γ_n−γ}, M, U's columns, e^{γ_n}
-    const float* rec = record(k);
-    copy_planes<kD>(k16, S::kAld, planes(rec + kKdaRecKe));
-    copy_planes<kC>(m16, S::kMld, planes(rec + kKdaRecM));
-    copy_rows<kCols>(ub, S::kSld, rec + kKdaRecU + c0, kD);
-    if (tid < kD / 4) cp_async16(decay + 4 * tid, rec + kKdaRecDecay + 4 * tid);
-  };
-  for (int i = tid; i < kD * kCols / 2; i += kScanThreads) {
-    const int j = i / (kCols / 2), c = 2 * (i % (kCols / 2));
-    const float* row = state + static_cast<int64_t>(j) * d + c0;
-    const float x0 = j < d && c < cols ? row[c] : 0.0f, x1 = j < d && c + 1 < cols ? row[c + 1] : 0.0f;
-    st[j * S::kSld + c] = x0;
-    st[j * S::kSld + c + 1] = x1;
-    store_split16(s16, kSRests, j * S::kVld + c, x0, x1);
-  }
-  load_level1(0);
-  cp_async_commit();
-  load_level2(0);
-  cp_async_commit();
-
-  const bool outputs = warp >= 8;                            // warps 8–15: Q⊙e^γ and M, the output
-  const int m0 = 16 * (warp % 4), n0 = 16 * (warp / 4 % 2);  // their level-1 tile: 16 positions × 16 columns
-  const int j0 = 16 * (warp % 8);                            // warps 0–7: the update's key rows
-  for (int k = 0; k < chunks; ++k) {
-    const int row0 = a.chunk_row0[chunk0 + k], n = a.chunk_len[chunk0 + k];
-    cp_async_wait<1>();  // W, Q⊙e^γ (the newest group, level 2's rows, may still be in flight)
-    __syncthreads();
-    float acc[2][4] = {};
-    mma_x3<2, false>(acc, kD, (outputs ? q16 : w16) + lane_a_rows(S::kAld, m0), 1, kARests, s16 + lane_b_cols(S::kVld, n0), S::kVld, kSRests);
-    cp_async_wait<0>();  // level 2's rows
-    __syncthreads();     // and every warp done with W and Q⊙e^γ
-    if (!outputs) {  // V_new = U − W·S₀, split for level 2
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = m0 + g + 8 * half, c = n0 + 8 * nt + 2 * t4;
-          store_split16(v16, kVRests, r * S::kVld + c, ub[r * S::kSld + c] - acc[nt][2 * half], ub[r * S::kSld + c + 1] - acc[nt][2 * half + 1]);
-        }
-      }
-    }
-    __syncthreads();
-    if (k + 1 < chunks) load_level1(k + 1);
-    cp_async_commit();  // possibly empty: the waits count groups
-    if (outputs) {
-      mma_x3<2, false>(acc, m0 + 16, m16 + lane_a_rows(S::kMld, m0), 1, kMRests, v16 + lane_b_cols(S::kVld, n0), S::kVld, kVRests);  // M is lower triangular
-      float* out = a.out + static_cast<int64_t>(row0 + m0 + g) * a.out_stride + static_cast<int64_t>(h) * d + c0;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int t = m0 + g + 8 * (q / 2), c = n0 + 8 * nt + 2 * t4 + q % 2;
-          if (t < n && c < cols) out[(q / 2) * 8 * a.out_stride + c] = round_act(a.out_act, acc[nt][q]);
-        }
-      }
-    } else {
-      float upd[4][4];
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int j = j0 + g + 8 * (q / 2);
-          upd[nt][q] = st[j * S::kSld + 8 * nt + 2 * t4 + q % 2] * decay[j];
-        }
-      }
-      // (K⊙e^{γ_n−γ})ᵀ·V_new: A(j, p) = Ke[p][j], read transposed.
-      mma_x3<4, true>(upd, kC, k16 + lane_a_cols(S::kAld, j0), S::kAld, kARests, v16 + lane_b_cols(S::kVld, 0), S::kVld, kVRests);
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int j = j0 + g + 8 * half, c = 8 * nt + 2 * t4;
-          st[j * S::kSld + c] = upd[nt][2 * half];
-          st[j * S::kSld + c + 1] = upd[nt][2 * half + 1];
-          store_split16(s16, kSRests, j * S::kVld + c, upd[nt][2 * half], upd[nt][2 * half + 1]);
         }
       }
     }

@@ -54,9 +54,6 @@ class KdaPrefillRunner {
   // The op over the step: its output rows written, the sequences' states advanced.
   void run(const KdaPrefillOp& op, float* arena, const DeviceState& state);
 
-  // Whether bf16-activation ops run their scan in bf16x3 (KdaPrefillArgs::bf16x3; on by default).
-  void set_bf16x3(bool on) { bf16x3_ = on; }
-
   int64_t calls() const { return calls_; }
   int64_t batches() const { return batches_run_; }  // launch pairs (tests: that a step was split)
   // Timing (benchmarks): with it on, each op's stream time is added up, and apart its prep launches'
@@ -81,7 +78,6 @@ class KdaPrefillRunner {
   std::vector<Batch> batches_;
   int64_t total_chunks_ = 0, total_seqs_ = 0;
   int64_t calls_ = 0, batches_run_ = 0;
-  bool bf16x3_ = true;
   bool timing_ = false;
   StreamTimer timer_, prep_timer_;
 };

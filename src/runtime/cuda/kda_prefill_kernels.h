@@ -11,9 +11,7 @@ namespace plow::cuda {
 
 // The workspace record of one (chunk, head), floats: Q⊙e^γ, K⊙e^{γ_n−γ}, W = T'·(K⊙e^γ), U = T'·V
 // ([C][128] each, row-major: position, channel), M [C][C], e^{γ_n} [128]. Rows past the chunk's length,
-// channels past the head dim and M above its diagonal are zero. With KdaPrefillArgs::bf16x3 the regions
-// of Q⊙e^γ, K⊙e^{γ_n−γ}, W and M each hold two 16-bit planes in the same bytes: the values' bf16 heads
-// ([C][128] or [C][C], the same order), then their bf16 rests.
+// channels past the head dim and M above its diagonal are zero.
 inline constexpr int64_t kKdaRecQg = 0;
 inline constexpr int64_t kKdaRecKe = kKdaRecQg + int64_t{kKdaChunk} * kKdaMaxHeadDim;
 inline constexpr int64_t kKdaRecW = kKdaRecKe + int64_t{kKdaChunk} * kKdaMaxHeadDim;
@@ -37,9 +35,6 @@ struct KdaPrefillArgs {
   int64_t state_slot_floats = 0;
   int32_t chunks = 0, seqs = 0, heads = 0, d = 0;
   int32_t out_act = 0;  // ActType the output is rounded to (kAF32: not rounded)
-  // The scan's products in bf16x3 (kda_prefill.cuh: the record's operands split by the prep) instead of
-  // 3xTF32: the launches of bf16 models, whose outputs are rounded to bf16.
-  bool bf16x3 = false;
 };
 
 }  // namespace plow::cuda

@@ -3,9 +3,9 @@
 // stand-ins) against the recurrent delta rule of spec/MODEL.md K5–K6 in double: several sequences in
 // one batch, partial chunks, cached states, head dims on and off the 32-column groups, gates from weak
 // to K3's strong bounded one (γ to −320 in a chunk) and steeper (diagonal blocks on both of the prep's
-// paths), the scan in 3xTF32 and in bf16x3. Shared memory starts NaN before every block; outputs start
-// NaN. Checks the kernels' logic (fragment layouts, the record, the triangular inverse, the scan's two
-// levels and its copies landing as late or as early as a device may land them) without a GPU.
+// paths). Shared memory starts NaN before every block; outputs start NaN. Checks the kernels' logic
+// (fragment layouts, the record, the triangular inverse, the scan's two levels and its copies landing
+// as late or as early as a device may land them) without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -107,7 +107,7 @@ std::vector<double> reference(const KdaEmuCase& c, const KdaEmuData& x, std::vec
 
 // The batch's blocks one after another on the emulator, as launch_kda_prep and launch_kda_scan run
 // them: every prep block, then every scan block.
-std::vector<float> run_blocks(const KdaEmuCase& c, const KdaEmuData& x, std::vector<float>& state, bool bf16x3) {
+std::vector<float> run_blocks(const KdaEmuCase& c, const KdaEmuData& x, std::vector<float>& state) {
   static EmuBlock block;  // fiber stacks: once
   std::vector<int32_t> chunk_row0, chunk_len, seq_chunk0, seq_chunks, seq_slot;
   int row = 0;
@@ -146,11 +146,9 @@ std::vector<float> run_blocks(const KdaEmuCase& c, const KdaEmuData& x, std::vec
   a.seqs = static_cast<int32_t>(c.tokens.size());
   a.heads = x.heads;
   a.d = x.d;
-  a.out_act = kAF32;  // unrounded: the error is the products'
-  a.bf16x3 = bf16x3;
+  a.out_act = kAF32;
   using kda_planned::kKdaPrefillThreads, kda_planned::kKdaScanThreads;
-  const int bytes = std::max({kda_planned::kKdaPrepBytes, kda_planned::kKdaScanBytes, kda_planned::kKdaScan16Bytes});
-  std::vector<float> smem(static_cast<size_t>(bytes) / sizeof(float));
+  std::vector<float> smem(static_cast<size_t>(std::max(kda_planned::kKdaPrepBytes, kda_planned::kKdaScanBytes)) / sizeof(float));
   const auto check_copies = [&](const std::string& where) {
     for (int t = 0; t < std::max(kKdaPrefillThreads, kKdaScanThreads); ++t) EXPECT_TRUE(emu_cp.pending[t].empty()) << where << ": copies never waited for";
   };
@@ -163,11 +161,7 @@ std::vector<float> run_blocks(const KdaEmuCase& c, const KdaEmuData& x, std::vec
     for (int h = 0; h < a.heads; ++h) {
       for (int group = 0; group * kda_planned::kKdaScanCols < a.d; ++group) {
         std::fill(smem.begin(), smem.end(), std::numeric_limits<float>::quiet_NaN());
-        if (bf16x3) {
-          block.run([&] { kda_planned::kda_scan_block_x3(a, reinterpret_cast<unsigned char*>(smem.data()), group, h, seq); }, kKdaScanThreads);
-        } else {
-          block.run([&] { kda_planned::kda_scan_block(a, smem.data(), group, h, seq); }, kKdaScanThreads);
-        }
+        block.run([&] { kda_planned::kda_scan_block(a, smem.data(), group, h, seq); }, kKdaScanThreads);
         check_copies("scan block " + std::to_string(seq) + "/" + std::to_string(h) + "/" + std::to_string(group));
       }
     }
@@ -201,11 +195,9 @@ std::pair<int, int> steep_and_gentle_blocks(const KdaEmuCase& c, const KdaEmuDat
   return {steep, gentle};
 }
 
-// Outputs and final states within 2e-5 of their largest magnitude with 3xTF32 products (measured ≤
-// 1.5e-6) and 4e-5 with the scan in bf16x3 (measured ≤ 1.1e-5; two bf16 ulps at 1% of the output scale,
-// the GPU test's smallest allowance, are 1.6e-4) against the recurrence in double, every output
-// written and finite. Copies land as late (at their wait) and as early (at issue) as a device may land
-// them.
+// Outputs and final states within 2e-5 of their largest magnitude (the chunked form in fp32 with
+// 3xTF32 products against the recurrence in double), every output written and finite. Copies land
+// as late (at their wait) and as early (at issue) as a device may land them.
 TEST(KdaPrefillEmu, MatchesTheRecurrentDeltaRule) {
   const std::vector<KdaEmuCase> cases = {
       {"2 heads of 128, K3-strength gate", 2, 128, {65, 130, 16}, -5.0f},
@@ -221,13 +213,13 @@ TEST(KdaPrefillEmu, MatchesTheRecurrentDeltaRule) {
       EXPECT_GT(steep, 0);
       EXPECT_GT(gentle, 0);
     }
-    for (const auto& [eager, bf16x3] : {std::pair{false, false}, std::pair{true, false}, std::pair{false, true}, std::pair{true, true}}) {
+    for (bool eager : {false, true}) {
       emu_cp.eager = eager;
-      const std::string where = std::string(c.name) + (bf16x3 ? ", bf16x3" : ", 3xTF32") + (eager ? ", copies at issue" : ", copies at their wait");
+      const std::string where = std::string(c.name) + (eager ? ", copies at issue" : ", copies at their wait");
       std::vector<double> want_state(x.state.begin(), x.state.end());
       const std::vector<double> want = reference(c, x, want_state);
       std::vector<float> state = x.state;
-      const std::vector<float> have = run_blocks(c, x, state, bf16x3);
+      const std::vector<float> have = run_blocks(c, x, state);
       double scale = 0, state_scale = 0, worst = 0, worst_state = 0;
       for (double w : want) scale = std::max(scale, std::fabs(w));
       for (double w : want_state) state_scale = std::max(state_scale, std::fabs(w));
@@ -237,9 +229,8 @@ TEST(KdaPrefillEmu, MatchesTheRecurrentDeltaRule) {
       }
       for (size_t i = 0; i < want_state.size(); ++i) worst_state = std::max(worst_state, std::fabs(state[i] - want_state[i]));
       std::printf("  %s: output error %.3g of scale %.3g, state error %.3g of %.3g\n", where.c_str(), worst, scale, worst_state, state_scale);
-      const double bound = bf16x3 ? 4e-5 : 2e-5;
-      EXPECT_LE(worst, bound * scale) << where;
-      EXPECT_LE(worst_state, bound * state_scale) << where;
+      EXPECT_LE(worst, 2e-5 * scale) << where;
+      EXPECT_LE(worst_state, 2e-5 * state_scale) << where;
     }
   }
   emu_cp.eager = false;
