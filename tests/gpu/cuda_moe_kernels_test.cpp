@@ -7,6 +7,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/dtype.h"
@@ -162,7 +163,9 @@ TEST(CudaMoeKernels, DeviceSortWritesTheHostSortsLists) {
 // launch_moe_wgmma against an fp64 GEMM per expert, both kernels (jobs of ≤ 64 and ≤ 128 rows, an
 // expert of 300 rows in three jobs, experts without rows), one and two weight stacks, bf16 and f16,
 // rounded outputs and fp32 ones (a tensor-parallel partial sum), widths that are no multiple of a tile
-// (K 200: a partial last stage; 130 outputs: a partial weight tile of 2 rows, rows padded to 136).
+// (K 200: a partial last stage; 130 outputs: a partial weight tile of 2 rows, rows padded to 136), and
+// the sorted rows read in place or through b_rows (gate_up's token rows: here the rows stored in
+// reverse, b_rows[p] / 3 naming row p's place).
 // Bounds: the fp32 accumulation (K·2⁻²⁴·Σ|ab|) plus, for 16-bit outputs, one rounding (2⁻⁸ or 2⁻¹¹ of
 // the value). The output buffers start as NaN: every output of a job's rows must be written, and the
 // padding columns past gemm_out must stay as they were.
@@ -174,9 +177,10 @@ TEST(CudaMoeKernels, WgmmaMatchesAnFp64GemmPerExpert) {
   for (const int32_t type : {cuda::kWBF16, cuda::kWF16}) {
     for (const bool f32_out : {false, true}) {
       for (const int sets : {1, 2}) {
-        for (const auto& [gemm_in, gemm_out] : std::vector<std::pair<int64_t, int64_t>>{{200, 130}, {1024, 264}}) {
+        for (const auto& [gemm_in, gemm_out, by_rows] :
+             std::vector<std::tuple<int64_t, int64_t, bool>>{{200, 130, false}, {1024, 264, false}, {200, 130, true}, {1024, 264, true}}) {
           const std::string where = std::string(type == cuda::kWBF16 ? "bf16" : "f16") + (f32_out ? " fp32 out" : "") + " sets " + std::to_string(sets) +
-                                    " " + std::to_string(gemm_in) + " -> " + std::to_string(gemm_out);
+                                    " " + std::to_string(gemm_in) + " -> " + std::to_string(gemm_out) + (by_rows ? " through b_rows" : "");
           const auto round = [&](float v) { return type == cuda::kWBF16 ? round_bf16(v) : round_f16(v); };
           const auto bits = [&](float v) { return type == cuda::kWBF16 ? f32_to_bf16(v) : f32_to_f16(v); };
           std::mt19937 rng(static_cast<uint32_t>(gemm_in * 7 + sets));
@@ -213,13 +217,20 @@ TEST(CudaMoeKernels, WgmmaMatchesAnFp64GemmPerExpert) {
           const std::vector<int32_t> list = job_list_of(counts, active, offsets);
           ASSERT_GT(list[0], 0) << where << ": no short job";
           ASSERT_GT(list[1], 0) << where << ": no long job";
-          const cuda::DeviceBuffer b_dev = cuda::upload(b_bits, "rows"), list_dev = cuda::upload(list, "jobs");
+          // Through b_rows: sorted row p stored at row pairs − 1 − p, named by b_rows[p] = 3·(pairs − 1 − p) + p mod 3.
+          std::vector<uint16_t> stored = b_bits;
+          std::vector<int32_t> b_rows(static_cast<size_t>(pairs));
+          for (int64_t p = 0; p < pairs; ++p) {
+            b_rows[static_cast<size_t>(p)] = static_cast<int32_t>(3 * (pairs - 1 - p) + p % 3);
+            if (by_rows) std::copy_n(b_bits.begin() + p * ld_in, ld_in, stored.begin() + (pairs - 1 - p) * ld_in);
+          }
+          const cuda::DeviceBuffer b_dev = cuda::upload(stored, "rows"), list_dev = cuda::upload(list, "jobs"), rows_dev = cuda::upload(b_rows, "row map");
           const size_t out_bytes = static_cast<size_t>(pairs * ld_out) * (f32_out ? 4 : 2);
           cuda::DeviceBuffer c0(out_bytes, "c0"), c1(out_bytes, "c1");
           cuda::check(cudaMemset(c0.ptr, 0xFF, out_bytes), "test");  // NaN in every output type
           cuda::check(cudaMemset(c1.ptr, 0xFF, out_bytes), "test");
-          ASSERT_TRUE(cuda::launch_moe_wgmma(list_dev.as<int32_t>(), list[0], list[1], dw, sets, gemm_in, gemm_out, b_dev.ptr, ld_in, type, c0.ptr, c1.ptr,
-                                             ld_out, f32_out ? cuda::kWF32 : type, nullptr))
+          ASSERT_TRUE(cuda::launch_moe_wgmma(list_dev.as<int32_t>(), list[0], list[1], dw, sets, gemm_in, gemm_out, b_dev.ptr, ld_in, type,
+                                             by_rows ? rows_dev.as<int32_t>() : nullptr, 3, c0.ptr, c1.ptr, ld_out, f32_out ? cuda::kWF32 : type, nullptr))
               << where;
           cuda::check(cudaDeviceSynchronize(), "test");
           for (int j = 0; j < sets; ++j) {

@@ -306,9 +306,18 @@ void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
   }
   const int32_t* perm = lists_.as<int32_t>();
   const int64_t ld_in = padded(op.gemm_in);
-  // gate_up: every slot of a token reads its x row; down: slot s reads columns [s·I, (s+1)·I) of h.
-  launch_moe_gather(arena + op.x_offset, op.x_stride, op.gate_up() ? 0 : op.gemm_in, op.top_k, perm, pairs, op.gemm_in, in_.ptr, ld_in, op.in_type(),
-                    stream_);
+  // The wgmma kernel reads gate_up's token rows by the sort's perm: x's rows converted once, not a
+  // copy per (token, slot) pair. down's rows are in in_ already when its gate_up's epilogue wrote them.
+  const bool wgmma = !on_device && (routing_.sorted || (!routing_.active.empty() && wgmma_takes(op)));
+  const bool by_perm = wgmma && op.gate_up();
+  if (by_perm) {
+    launch_moe_gather(arena + op.x_offset, op.x_stride, 0, 1, nullptr, rows, op.gemm_in, in_.ptr, ld_in, op.in_type(), stream_);
+  } else if (!(reuse && down_input_ready(op, rows))) {
+    // gate_up: every slot of a token reads its x row; down: slot s reads columns [s·I, (s+1)·I) of h.
+    launch_moe_gather(arena + op.x_offset, op.x_stride, op.gate_up() ? 0 : op.gemm_in, op.top_k, perm, pairs, op.gemm_in, in_.ptr, ld_in, op.in_type(),
+                      stream_);
+  }
+  down_input_.valid = false;  // in_ holds this op's input now
   if (on_device) {
     const int64_t max_n = std::min(pairs, op.experts), ld_out = padded(op.gemm_out);
     uint8_t* c0 = out_.as<uint8_t>();
@@ -321,14 +330,15 @@ void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
     }
   } else {
     if (timing_) gemm_timer_.start();
-    gemms(op, pairs);
+    gemms(op, pairs, by_perm ? perm : nullptr, static_cast<int32_t>(op.top_k));
     if (timing_) gemm_timer_.stop();
   }
   epilogue(op, arena, rows);
   if (timing_) timer_.stop();
 }
 
-// gate_up: the activation into the op's rows; down: the weighted sum in slot order (+ shared).
+// gate_up: the activation into the op's rows, and into in_ as the down op's sorted input rows (its
+// GEMMs have read in_); down: the weighted sum in slot order (+ shared).
 void MoeGemmRunner::epilogue(const MoeGemmOp& op, float* arena, int64_t rows) {
   const int64_t pairs = rows * op.top_k, ld_out = padded(op.gemm_out);
   const int32_t* perm = lists_.as<int32_t>();
@@ -336,7 +346,8 @@ void MoeGemmRunner::epilogue(const MoeGemmOp& op, float* arena, int64_t rows) {
   if (op.gate_up()) {
     const uint8_t* up = out_.as<uint8_t>() + pairs * ld_out * type_bytes(op.out_type());
     launch_moe_activation(out_.ptr, up, ld_out, op.out_type(), perm, pairs, op.gemm_out, arena + op.out_offset, op.act, op.round_out, op.situ, op.beta,
-                          op.linear_beta, stream_);
+                          op.linear_beta, in_.ptr, padded(op.gemm_out), op.in_type(), stream_);
+    down_input_ = {true, op.out_offset, op.top_k * op.gemm_out, op.gemm_out, rows, padded(op.gemm_out), op.in_type()};
   } else {
     const float* shared = op.op == Op::kMoeDownAdd ? arena + op.shared_offset : nullptr;
     launch_moe_combine(out_.ptr, ld_out, op.out_type(), inv, rows, op.top_k, op.gemm_out, arena + op.routes_offset, op.routes_stride, shared,
@@ -344,9 +355,15 @@ void MoeGemmRunner::epilogue(const MoeGemmOp& op, float* arena, int64_t rows) {
   }
 }
 
+bool MoeGemmRunner::down_input_ready(const MoeGemmOp& op, int64_t rows) const {
+  const DownInput& d = down_input_;
+  return !op.gate_up() && d.valid && d.x_offset == op.x_offset && d.x_stride == op.x_stride && d.cols == op.gemm_in && d.rows == rows &&
+         d.ld == padded(op.gemm_in) && d.type == op.in_type();
+}
+
 // Row-major y[n, out] = x[n, in]·W_eᵀ per expert is column-major yᵀ = W_e·xᵀ (as GemmRunner::run):
 // op(A) = Aᵀ over W_e's rows (lda = in), B = the expert's sorted rows (ldb = ld_in), C its output rows.
-void MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs) {
+void MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs, const int32_t* b_rows, int32_t b_div) {
   const Routing& r = routing_;
   const int n = static_cast<int>(r.active.size()), sets = op.sets();
   last_path_ = ExpertGemmPath::kNone;
@@ -355,7 +372,7 @@ void MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs) {
   uint8_t* c[2] = {out_.as<uint8_t>(), out_.as<uint8_t>() + pairs * out_row};
   if (r.sorted || (n > 0 && wgmma_takes(op))) {  // a device sort's job list has no host copy: only this kernel reads it
     if (!launch_moe_wgmma(lists_.as<int32_t>() + r.job_list_at, r.short_grid, r.long_grid, op.w, sets, op.gemm_in, op.gemm_out, in_.ptr, ld_in, op.in_type(),
-                          c[0], c[1], ld_out, op.out_type(), stream_)) {
+                          b_rows, b_div, c[0], c[1], ld_out, op.out_type(), stream_)) {
       fail("cuda: the wgmma expert GEMM refused a step of {} pairs over {} experts ({}-wide rows, weight type {}) it was chosen for", pairs, op.experts,
            op.gemm_in, op.in_type());
     }

@@ -79,7 +79,7 @@ template <typename T, int V>
 __global__ void gather_kernel(const float* base, int64_t stride, int64_t slot_width, int64_t top_k, const int32_t* perm, int64_t pairs, int64_t cols, T* dst,
                               int64_t ld) {
   for (int64_t p = blockIdx.x; p < pairs; p += gridDim.x) {
-    const int64_t q = perm[p];
+    const int64_t q = perm != nullptr ? perm[p] : p * top_k;
     const float* src = base + (q / top_k) * stride + (q % top_k) * slot_width;
     for (int64_t c = threadIdx.x * V; c < cols; c += blockDim.x * V) {
       float v[V];
@@ -111,9 +111,11 @@ __global__ void pointers_kernel(const int32_t* groups, int n, int sets, PointerS
 
 // op_moe_gate_up's epilogue: gate and up rounded (cuBLAS already rounded half outputs: rounding again
 // leaves them), the activation rounded, the output rounded when the op's dtype is the activation's.
-template <typename T, int V>
+// With `sorted` (element type TS), also row p of it (stride sorted_ld): the down op's input rows as its
+// gather would copy them from `out` (the same values, converted by the same store).
+template <typename T, typename TS, int V>
 __global__ void activation_kernel(const T* gate, const T* up, int64_t ld, const int32_t* perm, int64_t pairs, int64_t inter, float* out, int32_t act,
-                                  bool round_out, bool situ, float beta, float linear_beta) {
+                                  bool round_out, bool situ, float beta, float linear_beta, TS* sorted, int64_t sorted_ld) {
   for (int64_t p = blockIdx.x; p < pairs; p += gridDim.x) {
     float* row = out + static_cast<int64_t>(perm[p]) * inter;  // pair q's columns [s·I, (s+1)·I) of token row t: q·I
     for (int64_t i = threadIdx.x * V; i < inter; i += blockDim.x * V) {
@@ -127,6 +129,7 @@ __global__ void activation_kernel(const T* gate, const T* up, int64_t ld, const 
         y[e] = round_out ? round_act(act, v) : v;
       }
       store_n<V>(row + i, y);
+      if (sorted != nullptr) store_n<V>(sorted + p * sorted_ld + i, y);
     }
   }
 }
@@ -518,21 +521,33 @@ bool launch_moe_gemv(const int32_t* active, const int32_t* offsets, const int32_
 }
 
 void launch_moe_activation(const void* gate, const void* up, int64_t ld, int32_t type, const int32_t* perm, int64_t pairs, int64_t inter, float* out,
-                           int32_t act, bool round_out, bool situ, float beta, float linear_beta, cudaStream_t stream) {
+                           int32_t act, bool round_out, bool situ, float beta, float linear_beta, void* sorted, int64_t sorted_ld, int32_t sorted_type,
+                           cudaStream_t stream) {
   if (pairs == 0) return;
-  const bool v4 = inter % 4 == 0 && ld % 4 == 0 && aligned16(gate) && aligned16(up) && aligned16(out);
-  const auto launch = [&](const auto* g, const auto* u, auto kernel) {
-    kernel<<<grid_for(pairs), kBlock, 0, stream>>>(g, u, ld, perm, pairs, inter, out, act, round_out, situ, beta, linear_beta);
+  const bool v4 = inter % 4 == 0 && ld % 4 == 0 && aligned16(gate) && aligned16(up) && aligned16(out) && sorted_ld % 4 == 0 && aligned16(sorted);
+  // The gate/up element type, then the sorted copy's (float: none, null).
+  const auto with_sorted = [&](const auto* g, const auto* u) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(g)>>;
+    const auto launch = [&](auto* typed, auto kernel) {
+      kernel<<<grid_for(pairs), kBlock, 0, stream>>>(g, u, ld, perm, pairs, inter, out, act, round_out, situ, beta, linear_beta, typed, sorted_ld);
+    };
+    if (sorted != nullptr && sorted_type == kWBF16) {
+      auto* typed = static_cast<__nv_bfloat16*>(sorted);
+      v4 ? launch(typed, activation_kernel<T, __nv_bfloat16, 4>) : launch(typed, activation_kernel<T, __nv_bfloat16, 1>);
+    } else if (sorted != nullptr && sorted_type == kWF16) {
+      auto* typed = static_cast<__half*>(sorted);
+      v4 ? launch(typed, activation_kernel<T, __half, 4>) : launch(typed, activation_kernel<T, __half, 1>);
+    } else {
+      auto* typed = static_cast<float*>(sorted);  // null: no copy
+      v4 ? launch(typed, activation_kernel<T, float, 4>) : launch(typed, activation_kernel<T, float, 1>);
+    }
   };
   if (type == kWBF16) {
-    const auto *g = static_cast<const __nv_bfloat16*>(gate), *u = static_cast<const __nv_bfloat16*>(up);
-    v4 ? launch(g, u, activation_kernel<__nv_bfloat16, 4>) : launch(g, u, activation_kernel<__nv_bfloat16, 1>);
+    with_sorted(static_cast<const __nv_bfloat16*>(gate), static_cast<const __nv_bfloat16*>(up));
   } else if (type == kWF16) {
-    const auto *g = static_cast<const __half*>(gate), *u = static_cast<const __half*>(up);
-    v4 ? launch(g, u, activation_kernel<__half, 4>) : launch(g, u, activation_kernel<__half, 1>);
+    with_sorted(static_cast<const __half*>(gate), static_cast<const __half*>(up));
   } else {
-    const auto *g = static_cast<const float*>(gate), *u = static_cast<const float*>(up);
-    v4 ? launch(g, u, activation_kernel<float, 4>) : launch(g, u, activation_kernel<float, 1>);
+    with_sorted(static_cast<const float*>(gate), static_cast<const float*>(up));
   }
   check_launch("MoE activation");
 }

@@ -94,7 +94,10 @@ class MoeGemmRunner {
   MoeGemmRunner(const MoeGemmRunner&) = delete;
   MoeGemmRunner& operator=(const MoeGemmRunner&) = delete;
 
-  void new_step() { routing_.valid = false; }
+  void new_step() {
+    routing_.valid = false;
+    down_input_.valid = false;
+  }
   // The op over the step's `rows` rows: its output rows written, final (the op's tasks only round,
   // which leaves them as they are).
   void run(const MoeGemmOp& op, float* arena, int64_t rows);
@@ -148,8 +151,12 @@ class MoeGemmRunner {
   void sort_on_device(const MoeGemmOp& op, const float* arena, int64_t rows);
   bool wgmma_takes(const MoeGemmOp& op) const;
   void sort_routing(const MoeGemmOp& op, int64_t rows);
-  void gemms(const MoeGemmOp& op, int64_t pairs);
+  // b_rows: null, or the wgmma kernel reads sorted row p from row b_rows[p] / b_div of the input (gate_up).
+  void gemms(const MoeGemmOp& op, int64_t pairs, const int32_t* b_rows, int32_t b_div);
   void epilogue(const MoeGemmOp& op, float* arena, int64_t rows);
+  // Whether the down op's sorted input rows are in in_ already: its gate_up's epilogue wrote them there
+  // (as its gather would copy them from that op's output) and nothing has used in_ since.
+  bool down_input_ready(const MoeGemmOp& op, int64_t rows) const;
 
   cudaStream_t stream_ = nullptr;
   cublasHandle_t handle_ = nullptr;
@@ -162,6 +169,13 @@ class MoeGemmRunner {
   std::vector<float> routes_host_;
   std::vector<int32_t> lists_host_;  // perm [pairs], inv [pairs], active experts, their offsets, the jobs
   Routing routing_;
+  // The down input a gate_up epilogue left in in_: its output (arena offset, row stride), width, rows,
+  // row stride in in_ and element type.
+  struct DownInput {
+    bool valid = false;
+    int64_t x_offset = -1, x_stride = 0, cols = 0, rows = 0, ld = 0;
+    int32_t type = -1;
+  } down_input_;
   RoutingStats host_stats_;
   // The grouped call's host arrays, one set per op kind (gate_up, down): each is rewritten only after
   // a stream synchronization that follows its last use (a gate_up's routing read).
@@ -182,7 +196,7 @@ class MoeGemmRunner {
 
 // dst[p, c] (row stride ld, element type `type`: kWBF16, kWF16 or kWF32) = the fp32 row of pair
 // perm[p] for c < cols: base + (q / top_k)·stride + (q % top_k)·slot_width (slot_width 0: every slot
-// reads its token's row).
+// reads its token's row). perm null: q = p·top_k (rows converted in order: p = token).
 void launch_moe_gather(const float* base, int64_t stride, int64_t slot_width, int64_t top_k, const int32_t* perm, int64_t pairs, int64_t cols,
                        void* dst, int64_t ld, int32_t type, cudaStream_t stream);
 // The grouped call's pointer arrays for `n` experts (groups: their ids, then their first sorted pair)
@@ -212,13 +226,16 @@ bool launch_moe_gemv(const int32_t* active, const int32_t* offsets, const int32_
 // (moe_lists.h: expert e, first sorted row f, rows n) and stack j < sets, c_j[f + i, o] =
 // Σ_k b[f + i, k]·w_j[e][o, k] for i < n, o < gemm_out (fp32 accumulation, rounded once to out_type:
 // in_type or kWF32). b: sorted rows, row stride ld_in, of in_type (kWBF16 or kWF16, the weights' type);
-// c_j row stride ld_out. The grids hold short_grid and long_grid jobs: the list's counts, or more (a
-// device routing: the blocks past the list's counts return). False, launching nothing, where
+// c_j row stride ld_out. With `b_rows` (not null), sorted row p of b is row b_rows[p] / b_div of it
+// instead (gate_up reads its tokens' rows converted once, not a gathered copy per pair). The grids
+// hold short_grid and long_grid jobs: the list's counts, or more (a device routing: the blocks past
+// the list's counts return). False, launching nothing, where
 // moe_wgmma_supports is: types, alignment (16-byte rows: gemm_in and ld_in multiples of 8) or sizes it
 // has no kernel for.
 bool moe_wgmma_supports(const DeviceWeight* w, int sets, int64_t gemm_in, int64_t gemm_out, const void* b, int64_t ld_in, int32_t in_type, int32_t out_type);
 bool launch_moe_wgmma(const int32_t* job_list, int short_grid, int long_grid, const DeviceWeight* w, int sets, int64_t gemm_in, int64_t gemm_out,
-                      const void* b, int64_t ld_in, int32_t in_type, void* c0, void* c1, int64_t ld_out, int32_t out_type, cudaStream_t stream);
+                      const void* b, int64_t ld_in, int32_t in_type, const int32_t* b_rows, int32_t b_div, void* c0, void* c1, int64_t ld_out,
+                      int32_t out_type, cudaStream_t stream);
 // The routing of a step too large for launch_moe_route, sorted on the device into the lists the host's
 // sort writes (perm, inv, the active experts and their first sorted pairs, at most min(pairs, experts)
 // of each, the active count at counts[experts]) and the wgmma kernel's job list: the pairs' expert ids
@@ -229,9 +246,11 @@ size_t moe_sort_temp_bytes(int64_t pairs);
 void launch_moe_sort(const float* routes, int64_t stride, int64_t rows, int64_t top_k, int experts, const MoeSortBuffers& buffers, int32_t* perm, int32_t* inv,
                      int32_t* active, int32_t* offsets, int32_t* job_list, int32_t* counts, unsigned long long* stats, int32_t* error, cudaStream_t stream);
 // gate_up: out[q·inter + i] for sorted pair p (q = perm[p]) from gate/up rows p (row stride ld, type
-// `type`), with op_moe_gate_up's rounding.
+// `type`), with op_moe_gate_up's rounding; with `sorted` (not null) also sorted[p·sorted_ld + i] in
+// sorted_type: the down op's sorted input rows, as launch_moe_gather would copy them from `out`.
 void launch_moe_activation(const void* gate, const void* up, int64_t ld, int32_t type, const int32_t* perm, int64_t pairs, int64_t inter, float* out,
-                           int32_t act, bool round_out, bool situ, float beta, float linear_beta, cudaStream_t stream);
+                           int32_t act, bool round_out, bool situ, float beta, float linear_beta, void* sorted, int64_t sorted_ld, int32_t sorted_type,
+                           cudaStream_t stream);
 // down: out[t·width + o] = Σ_s route[t][s]·y[inv[t·k + s], o] in slot order, with op_moe_down_impl's
 // rounding; shared (kMoeDownAdd) added after, or null.
 void launch_moe_combine(const void* y, int64_t ld, int32_t type, const int32_t* inv, int64_t rows, int64_t top_k, int64_t width, const float* routes,

@@ -45,6 +45,8 @@ struct WgArgs {
   int64_t part_bytes;
   const uint8_t* b;         // sorted rows, row stride ld_in elements
   int64_t ld_in;
+  const int32_t* b_rows;    // null, or sorted row p is row b_rows[p] / b_div of b
+  int32_t b_div;
   uint8_t* c[2];            // outputs, row stride ld_out elements of TOut
   int64_t ld_out;
   int32_t gemm_in, gemm_out, out_tiles;
@@ -54,12 +56,31 @@ __device__ __forceinline__ void store_out(__nv_bfloat16* p, float v) { *p = __fl
 __device__ __forceinline__ void store_out(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
 
+// The job's rows a thread copies: row (tid + i·kWgThreads) / 8 of the job for i < kBRows, as addresses
+// (null past the job's rows).
+template <int BN>
+struct JobRows {
+  static constexpr int kBRows = BN * 8 / kWgThreads;
+  const uint8_t* row[kBRows];
+};
+template <int BN>
+__device__ __forceinline__ JobRows<BN> job_rows(const WgArgs& a, int first, int rows, int elem_bytes) {
+  JobRows<BN> j;
+  const int64_t ld_b_bytes = a.ld_in * elem_bytes;
+#pragma unroll
+  for (int i = 0; i < JobRows<BN>::kBRows; ++i) {
+    const int r = (static_cast<int>(threadIdx.x) + i * kWgThreads) / 8;
+    const int64_t source = r >= rows ? -1 : a.b_rows != nullptr ? a.b_rows[first + r] / a.b_div : first + r;
+    j.row[i] = source < 0 ? nullptr : a.b + source * ld_b_bytes;
+  }
+  return j;
+}
+
 // Stage `slot` ← K elements [64·kt, 64·kt + 64) of the block's weight rows and the job's rows. Thread
 // copies: 16 bytes (8 elements) each, 8 consecutive threads a 128-byte row; chunk c of row r lands at
 // chunk c ^ (r mod 8) of its row (the 128-byte swizzle).
 template <int BN>
-__device__ __forceinline__ void wg_load(uint32_t ring, int slot, int kt, const uint8_t* w, int rows_w, const uint8_t* b, int rows_b, int64_t ld_b_bytes,
-                                        int gemm_in, int elem_bytes) {
+__device__ __forceinline__ void wg_load(uint32_t ring, int slot, int kt, const uint8_t* w, int rows_w, const JobRows<BN>& b, int gemm_in, int elem_bytes) {
   using L = WgLayout<BN>;
   const uint32_t a_at = ring + slot * L::kStageBytes, b_at = a_at + L::kABytes;
   const int64_t w_row_bytes = static_cast<int64_t>(gemm_in) * elem_bytes;
@@ -71,10 +92,10 @@ __device__ __forceinline__ void wg_load(uint32_t ring, int slot, int kt, const u
     wg_cp16(a_at + wg_swizzle(r, c), real ? w + r * w_row_bytes + static_cast<int64_t>(k) * elem_bytes : w, real ? 16 : 0);
   }
 #pragma unroll
-  for (int i = 0; i < BN * 8 / kWgThreads; ++i) {
+  for (int i = 0; i < JobRows<BN>::kBRows; ++i) {
     const int idx = tid + i * kWgThreads, r = idx / 8, c = idx % 8, k = kt * kWgK + 8 * c;
-    const bool real = r < rows_b && k < gemm_in;
-    wg_cp16(b_at + wg_swizzle(r, c), real ? b + r * ld_b_bytes + static_cast<int64_t>(k) * elem_bytes : b, real ? 16 : 0);
+    const bool real = b.row[i] != nullptr && k < gemm_in;
+    wg_cp16(b_at + wg_swizzle(r, c), real ? b.row[i] + static_cast<int64_t>(k) * elem_bytes : w, real ? 16 : 0);
   }
 }
 
@@ -91,8 +112,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_wgmma_kernel(WgArgs a) {
   const int elem_bytes = static_cast<int>(sizeof(T));
   const uint8_t* w = (set == 0 ? a.w[0] : a.w[1]) + expert * a.part_bytes + static_cast<int64_t>(out0) * a.gemm_in * elem_bytes;
   const int rows_w = a.gemm_out - out0 < kWgRows ? a.gemm_out - out0 : kWgRows;
-  const int64_t ld_b_bytes = a.ld_in * elem_bytes;
-  const uint8_t* b = a.b + first * ld_b_bytes;
+  const JobRows<BN> b = job_rows<BN>(a, first, rows, elem_bytes);
   const int k_tiles = (a.gemm_in + kWgK - 1) / kWgK;
 
   float d[BN / 2];
@@ -106,7 +126,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_wgmma_kernel(WgArgs a) {
   // wait for the copies' issue and the barriers.
 #pragma unroll
   for (int s = 0; s < L::kStages; ++s) {
-    if (s < k_tiles) wg_load<BN>(ring, s, s, w, rows_w, b, rows, ld_b_bytes, a.gemm_in, elem_bytes);
+    if (s < k_tiles) wg_load<BN>(ring, s, s, w, rows_w, b, a.gemm_in, elem_bytes);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   }
   const int group = static_cast<int>(threadIdx.x) / 128;
@@ -123,7 +143,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_wgmma_kernel(WgArgs a) {
     wg_wait_prior();  // this warpgroup's multiplies of stage kt − 1 are done
     __syncthreads();  // and the other warpgroup's: the slot of stage kt − 1 is free
     const int refill = kt - 1 + L::kStages;
-    if (kt > 0 && refill < k_tiles) wg_load<BN>(ring, (kt - 1) % L::kStages, refill, w, rows_w, b, rows, ld_b_bytes, a.gemm_in, elem_bytes);
+    if (kt > 0 && refill < k_tiles) wg_load<BN>(ring, (kt - 1) % L::kStages, refill, w, rows_w, b, a.gemm_in, elem_bytes);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   }
   wg_wait();
@@ -171,8 +191,9 @@ bool moe_wgmma_supports(const DeviceWeight* w, int sets, int64_t gemm_in, int64_
 }
 
 bool launch_moe_wgmma(const int32_t* job_list, int short_grid, int long_grid, const DeviceWeight* w, int sets, int64_t gemm_in, int64_t gemm_out,
-                      const void* b, int64_t ld_in, int32_t in_type, void* c0, void* c1, int64_t ld_out, int32_t out_type, cudaStream_t stream) {
-  if (!moe_wgmma_supports(w, sets, gemm_in, gemm_out, b, ld_in, in_type, out_type)) return false;
+                      const void* b, int64_t ld_in, int32_t in_type, const int32_t* b_rows, int32_t b_div, void* c0, void* c1, int64_t ld_out,
+                      int32_t out_type, cudaStream_t stream) {
+  if (!moe_wgmma_supports(w, sets, gemm_in, gemm_out, b, ld_in, in_type, out_type) || (b_rows != nullptr && b_div < 1)) return false;
   if (short_grid < 0 || long_grid < 0 || short_grid > 65535 || long_grid > 65535) return false;
   if (short_grid + long_grid == 0) return true;
   WgArgs a{};
@@ -182,6 +203,8 @@ bool launch_moe_wgmma(const int32_t* job_list, int short_grid, int long_grid, co
   a.part_bytes = w[0].part_bytes;
   a.b = static_cast<const uint8_t*>(b);
   a.ld_in = ld_in;
+  a.b_rows = b_rows;
+  a.b_div = b_div;
   a.c[0] = static_cast<uint8_t*>(c0);
   a.c[1] = static_cast<uint8_t*>(sets > 1 ? c1 : c0);
   a.ld_out = ld_out;
