@@ -37,6 +37,7 @@ struct WgLayout {
   static constexpr int kStageBytes = kABytes + BN * 128;
   static constexpr int kBytes = kStages * kStageBytes + 1024;  // + the slack to align the ring to 1024 bytes
   static_assert(kABytes % 1024 == 0 && kStageBytes % 1024 == 0, "stages start on swizzle atoms");
+  static_assert((BN / 2 * 128 + BN) * 4 <= kStages * kStageBytes, "the fused epilogue's up values and pairs fit the ring");
 };
 
 struct WgArgs {
@@ -125,21 +126,25 @@ __device__ __forceinline__ void wg_load(uint32_t ring, int slot, int kt, const W
 }
 
 // The fused activation's epilogue: warpgroup 1 (up) leaves its accumulators in shared memory, element
-// i of thread t at [i][t]; warpgroup 0 (gate) holds the same (row, column) in the same register of the
-// same thread t and writes act(gate, up) into the op's output rows (pair perm[p]'s columns, fp32) and,
-// as 16-bit, row p of the down op's sorted input.
+// i of thread t at [i][t], and warpgroup 0 the job's pairs (perm of its sorted rows: loaded once, not
+// once an element behind the stores); warpgroup 0 (gate) holds the same (row, column) in the same
+// register of the same thread t and writes act(gate, up) into the op's output rows (pair perm[p]'s
+// columns, fp32) and, as 16-bit, row p of the down op's sorted input.
 template <typename T, int BN>
 __device__ __forceinline__ void act_epilogue(const WgArgs& a, float (&d)[BN / 2], uint8_t* smem, int first, int rows, int out0) {
   float* up = reinterpret_cast<float*>(smem);
+  int32_t* pair = reinterpret_cast<int32_t*>(up + BN / 2 * 128);
   const int t = static_cast<int>(threadIdx.x) % 128, group = static_cast<int>(threadIdx.x) / 128;
+  const MoeActEpilogue& e = a.act;
   __syncthreads();  // every warpgroup is past its last multiply: the ring is free
   if (group == 1) {
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) up[i * 128 + t] = d[i];
+  } else if (t < rows) {
+    pair[t] = e.perm[first + t];
   }
   __syncthreads();
   if (group == 1) return;
-  const MoeActEpilogue& e = a.act;
   const int m = out0 + t / 32 * 16 + t % 32 / 4;
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
@@ -151,7 +156,7 @@ __device__ __forceinline__ void act_epilogue(const WgArgs& a, float (&d)[BN / 2]
       const float g = to_float(to_elem<T>(d[4 * j + q])), u = to_float(to_elem<T>(up[(4 * j + q) * 128 + t]));
       const float y = moe_act_value(g, u, e.act, e.round_out, e.situ, e.beta, e.linear_beta);
       const int64_t p = static_cast<int64_t>(first) + n;
-      e.out[static_cast<int64_t>(e.perm[p]) * a.gemm_out + o] = y;
+      e.out[static_cast<int64_t>(pair[n]) * a.gemm_out + o] = y;
       reinterpret_cast<T*>(e.sorted)[p * e.sorted_ld + o] = to_elem<T>(y);
     }
   }
