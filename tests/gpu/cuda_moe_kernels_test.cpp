@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <random>
 #include <string>
@@ -40,30 +39,6 @@ std::vector<int32_t> job_list_of(const std::vector<int32_t>& counts, const std::
   list.insert(list.end(), short_jobs.begin(), short_jobs.end());
   list.insert(list.end(), long_jobs.begin(), long_jobs.end());
   return list;
-}
-
-// The job list of experts 0, 1, … with rows_of[e] sorted rows each, in that order.
-std::vector<int32_t> job_list_for(const std::vector<int32_t>& rows_of) {
-  std::vector<int32_t> counts(rows_of.begin(), rows_of.end()), active, offsets;
-  int32_t first = 0;
-  for (size_t e = 0; e < rows_of.size(); ++e) {
-    if (rows_of[e] > 0) active.push_back(static_cast<int32_t>(e)), offsets.push_back(first);
-    first += rows_of[e];
-  }
-  return job_list_of(counts, active, offsets);
-}
-
-// An expert stack [experts][rows][cols] of 16-bit `type` elements on the device; `keep` holds its buffer.
-cuda::DeviceWeight device_stack(const std::vector<uint16_t>& w, int experts, int64_t rows, int64_t cols, int32_t type, std::vector<cuda::DeviceBuffer>& keep) {
-  keep.push_back(cuda::upload(w, "weights"));
-  cuda::DeviceWeight dw;
-  dw.data = keep.back().as<uint8_t>();
-  dw.rows = rows;
-  dw.cols = cols;
-  dw.part_bytes = rows * cols * 2;
-  dw.type = type;
-  dw.parts = experts;
-  return dw;
 }
 
 HostRouting host_routing(const std::vector<float>& routes, int64_t rows, int64_t k, int experts) {
@@ -225,9 +200,21 @@ TEST(CudaMoeKernels, WgmmaMatchesAnFp64GemmPerExpert) {
             w[j].resize(static_cast<size_t>(experts * gemm_out * gemm_in));
             w_bits[j].resize(w[j].size());
             for (size_t i = 0; i < w[j].size(); ++i) w_bits[j][i] = bits(w[j][i] = round(dist(rng)));
-            dw[j] = device_stack(w_bits[j], experts, gemm_out, gemm_in, type, w_dev);
+            w_dev.push_back(cuda::upload(w_bits[j], "weights"));
+            dw[j].data = w_dev.back().as<uint8_t>();
+            dw[j].rows = gemm_out;
+            dw[j].cols = gemm_in;
+            dw[j].part_bytes = gemm_out * gemm_in * 2;
+            dw[j].type = type;
+            dw[j].parts = experts;
           }
-          const std::vector<int32_t> list = job_list_for(rows_of);
+          std::vector<int32_t> counts(rows_of.begin(), rows_of.end()), active, offsets;
+          int32_t first = 0;
+          for (int e = 0; e < experts; ++e) {
+            if (rows_of[static_cast<size_t>(e)] > 0) active.push_back(e), offsets.push_back(first);
+            first += rows_of[static_cast<size_t>(e)];
+          }
+          const std::vector<int32_t> list = job_list_of(counts, active, offsets);
           ASSERT_GT(list[0], 0) << where << ": no short job";
           ASSERT_GT(list[1], 0) << where << ": no long job";
           // Through b_rows: sorted row p stored at row pairs − 1 − p, named by b_rows[p] = 3·(pairs − 1 − p) + p mod 3.
@@ -277,86 +264,6 @@ TEST(CudaMoeKernels, WgmmaMatchesAnFp64GemmPerExpert) {
               }
             }
           }
-        }
-      }
-    }
-  }
-}
-
-
-// The wgmma kernel's fused activation epilogue (MoeActEpilogue) against the kernel's gate and up
-// outputs through launch_moe_activation: the op's rows (fp32, scattered by perm) and the down op's
-// sorted rows must be the same bits, SiLU·mul and SiTU, bf16 and f16, jobs of both kernels (an expert
-// of 300 rows), partial weight tiles (130 and 264 outputs: tiles of 64 rows) and the token rows read
-// through b_rows. Both outputs start as NaN: every element of a pair's rows must be written.
-TEST(CudaMoeKernels, WgmmaActivationEpilogueMatchesTheSeparateKernels) {
-  const std::vector<int32_t> rows_of = {3, 64, 65, 300, 0, 9};
-  const int experts = static_cast<int>(rows_of.size());
-  int64_t pairs = 0;
-  for (int32_t r : rows_of) pairs += r;
-  const std::vector<int32_t> list = job_list_for(rows_of);
-  // perm: sorted position p → pair q, a permutation (reversed, then every 7th swapped with its neighbour).
-  std::vector<int32_t> perm(static_cast<size_t>(pairs));
-  for (int64_t p = 0; p < pairs; ++p) perm[static_cast<size_t>(p)] = static_cast<int32_t>(pairs - 1 - p);
-  for (int64_t p = 0; p + 1 < pairs; p += 7) std::swap(perm[static_cast<size_t>(p)], perm[static_cast<size_t>(p + 1)]);
-  const cuda::DeviceBuffer list_dev = cuda::upload(list, "jobs"), perm_dev = cuda::upload(perm, "perm");
-  for (const int32_t type : {cuda::kWBF16, cuda::kWF16}) {
-    for (const bool situ : {false, true}) {
-      for (const auto& [gemm_in, gemm_out] : std::vector<std::pair<int64_t, int64_t>>{{200, 130}, {1024, 264}}) {
-        const std::string where = std::string(type == cuda::kWBF16 ? "bf16" : "f16") + (situ ? " SiTU " : " SiLU ") + std::to_string(gemm_in) + " -> " +
-                                  std::to_string(gemm_out);
-        const int32_t act = type == cuda::kWBF16 ? cuda::kABF16 : cuda::kAF16;
-        const auto bits = [&](float v) { return type == cuda::kWBF16 ? f32_to_bf16(v) : f32_to_f16(v); };
-        std::mt19937 rng(static_cast<uint32_t>(gemm_in + gemm_out));
-        std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-        const int64_t ld_in = (gemm_in + 7) / 8 * 8, ld_out = (gemm_out + 7) / 8 * 8;
-        // The token rows: pairs / 3 + 1 of them, sorted row p reading row perm[p] / 3 (gate_up's b_rows).
-        const int64_t tokens = (pairs - 1) / 3 + 1;
-        std::vector<uint16_t> x(static_cast<size_t>(tokens * ld_in), 0);
-        for (int64_t t = 0; t < tokens; ++t) {
-          for (int64_t c = 0; c < gemm_in; ++c) x[static_cast<size_t>(t * ld_in + c)] = bits(dist(rng));
-        }
-        std::vector<cuda::DeviceBuffer> w_dev;
-        cuda::DeviceWeight dw[2];
-        for (int j = 0; j < 2; ++j) {
-          std::vector<uint16_t> w(static_cast<size_t>(experts * gemm_out * gemm_in));
-          for (uint16_t& v : w) v = bits(0.2f * dist(rng));
-          dw[j] = device_stack(w, experts, gemm_out, gemm_in, type, w_dev);
-        }
-        const cuda::DeviceBuffer x_dev = cuda::upload(x, "token rows");
-        const size_t gate_bytes = static_cast<size_t>(pairs * ld_out) * 2, out_bytes = static_cast<size_t>(pairs * gemm_out) * 4, sorted_bytes = gate_bytes;
-        cuda::DeviceBuffer gate(gate_bytes, "gate"), up(gate_bytes, "up");
-        cuda::DeviceBuffer out_a(out_bytes, "out"), out_b(out_bytes, "out"), sorted_a(sorted_bytes, "sorted"), sorted_b(sorted_bytes, "sorted");
-        for (const cuda::DeviceBuffer* buffer : {&out_a, &out_b, &sorted_a, &sorted_b}) cuda::check(cudaMemset(buffer->ptr, 0xFF, buffer->bytes), "test");
-        const float beta = 3.0f, linear_beta = 5.0f;
-        // The kernels apart: gate and up, then the activation.
-        ASSERT_TRUE(cuda::launch_moe_wgmma(list_dev.as<int32_t>(), list[0], list[1], dw, 2, gemm_in, gemm_out, x_dev.ptr, ld_in, type, perm_dev.as<int32_t>(), 3,
-                                           gate.ptr, up.ptr, ld_out, type, nullptr))
-            << where;
-        cuda::launch_moe_activation(gate.ptr, up.ptr, ld_out, type, perm_dev.as<int32_t>(), pairs, gemm_out, out_a.as<float>(), act, true, situ, beta,
-                                    linear_beta, sorted_a.ptr, ld_out, type, nullptr);
-        // Fused.
-        cuda::MoeActEpilogue epilogue;
-        epilogue.perm = perm_dev.as<int32_t>();
-        epilogue.out = out_b.as<float>();
-        epilogue.sorted = sorted_b.ptr;
-        epilogue.sorted_ld = ld_out;
-        epilogue.act = act;
-        epilogue.situ = situ;
-        epilogue.beta = beta;
-        epilogue.linear_beta = linear_beta;
-        ASSERT_TRUE(cuda::launch_moe_wgmma(list_dev.as<int32_t>(), list[0], list[1], dw, 2, gemm_in, gemm_out, x_dev.ptr, ld_in, type, perm_dev.as<int32_t>(), 3,
-                                           nullptr, nullptr, ld_out, type, nullptr, &epilogue))
-            << where;
-        cuda::check(cudaDeviceSynchronize(), "test");
-        const std::vector<uint32_t> a = download<uint32_t>(out_a, out_bytes / 4), b = download<uint32_t>(out_b, out_bytes / 4);
-        const std::vector<uint16_t> sa = download<uint16_t>(sorted_a, sorted_bytes / 2), sb = download<uint16_t>(sorted_b, sorted_bytes / 2);
-        for (size_t i = 0; i < a.size(); ++i) {
-          ASSERT_FALSE(std::isnan(std::bit_cast<float>(a[i]))) << where << " output " << i << " was not written by the separate kernels";
-          ASSERT_EQ(a[i], b[i]) << where << " output " << i;
-        }
-        for (int64_t p = 0; p < pairs; ++p) {
-          for (int64_t o = 0; o < gemm_out; ++o) ASSERT_EQ(sa[static_cast<size_t>(p * ld_out + o)], sb[static_cast<size_t>(p * ld_out + o)]) << where << " sorted " << p << ", " << o;
         }
       }
     }

@@ -102,7 +102,6 @@ void MoeGemmCapacity::add(const MoeGemmOp& op, int64_t max_rows) {
   experts = std::max(experts, op.experts);
   in_bytes = std::max(in_bytes, p * padded(op.gemm_in) * type_bytes(op.in_type()));
   out_bytes = std::max(out_bytes, op.sets() * p * padded(op.gemm_out) * type_bytes(op.out_type()));
-  if (op.gate_up()) down_in_bytes = std::max(down_in_bytes, p * padded(op.gemm_out) * type_bytes(op.in_type()));
 }
 
 void MoeGemmCapacity::merge(const MoeGemmCapacity& o) {
@@ -111,7 +110,6 @@ void MoeGemmCapacity::merge(const MoeGemmCapacity& o) {
   experts = std::max(experts, o.experts);
   in_bytes = std::max(in_bytes, o.in_bytes);
   out_bytes = std::max(out_bytes, o.out_bytes);
-  down_in_bytes = std::max(down_in_bytes, o.down_in_bytes);
 }
 
 MoeGemmRunner::MoeGemmRunner(const MoeGemmCapacity& capacity, cudaStream_t stream, int32_t* error)
@@ -124,7 +122,6 @@ MoeGemmRunner::MoeGemmRunner(const MoeGemmCapacity& capacity, cudaStream_t strea
       pointers_(static_cast<size_t>(3 * 2 * capacity.experts) * sizeof(void*), "MoE GEMM pointers"),
       in_(static_cast<size_t>(std::max<int64_t>(capacity.in_bytes, 16)), "MoE GEMM inputs"),
       out_(static_cast<size_t>(std::max<int64_t>(capacity.out_bytes, 16)), "MoE GEMM outputs"),
-      down_in_(static_cast<size_t>(std::max<int64_t>(capacity.down_in_bytes, 16)), "MoE down inputs"),
       device_counts_(static_cast<size_t>(capacity.experts + 1) * sizeof(int32_t), "MoE routing counts"),
       device_stats_(2 * sizeof(unsigned long long), "MoE routing stats"),
       timer_(stream),
@@ -313,65 +310,43 @@ void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
   // copy per (token, slot) pair. down's rows are in in_ already when its gate_up's epilogue wrote them.
   const bool wgmma = !on_device && (routing_.sorted || (!routing_.active.empty() && wgmma_takes(op)));
   const bool by_perm = wgmma && op.gate_up();
-  const bool ready = reuse && down_input_ready(op, rows);
-  const void* b = ready ? down_in_.ptr : in_.ptr;
   if (by_perm) {
     launch_moe_gather(arena + op.x_offset, op.x_stride, 0, 1, nullptr, rows, op.gemm_in, in_.ptr, ld_in, op.in_type(), stream_);
-  } else if (!ready) {
+  } else if (!(reuse && down_input_ready(op, rows))) {
     // gate_up: every slot of a token reads its x row; down: slot s reads columns [s·I, (s+1)·I) of h.
     launch_moe_gather(arena + op.x_offset, op.x_stride, op.gate_up() ? 0 : op.gemm_in, op.top_k, perm, pairs, op.gemm_in, in_.ptr, ld_in, op.in_type(),
                       stream_);
   }
-  down_input_.valid = false;  // a gate_up rewrites down_in_ below; a down has read it
-  bool fused_act = false;
+  down_input_.valid = false;  // in_ holds this op's input now
   if (on_device) {
     const int64_t max_n = std::min(pairs, op.experts), ld_out = padded(op.gemm_out);
     uint8_t* c0 = out_.as<uint8_t>();
     uint8_t* c1 = c0 + pairs * ld_out * type_bytes(op.out_type());
     last_path_ = ExpertGemmPath::kGemv;
     if (!launch_moe_gemv(perm + 2 * pairs, perm + 2 * pairs + max_n, device_counts_.as<int32_t>() + op.experts, static_cast<int>(max_n), pairs, op.w,
-                         op.sets(), op.gemm_in, op.gemm_out, b, ld_in, op.in_type(), c0, c1, ld_out, op.out_type(), stream_)) {
+                         op.sets(), op.gemm_in, op.gemm_out, in_.ptr, ld_in, op.in_type(), c0, c1, ld_out, op.out_type(), stream_)) {
       fail("cuda: the expert GEMV refused a step of {} pairs over {} experts ({}-wide rows, weight type {}, output type {}) that the device route took",
            pairs, op.experts, op.gemm_in, op.in_type(), op.out_type());
     }
   } else {
     if (timing_) gemm_timer_.start();
-    const MoeActEpilogue act = act_epilogue(op, arena);
-    fused_act = gemms(op, pairs, b, by_perm ? perm : nullptr, static_cast<int32_t>(op.top_k), op.gate_up() && wgmma ? &act : nullptr);
+    gemms(op, pairs, by_perm ? perm : nullptr, static_cast<int32_t>(op.top_k));
     if (timing_) gemm_timer_.stop();
   }
-  epilogue(op, arena, rows, fused_act);
+  epilogue(op, arena, rows);
   if (timing_) timer_.stop();
 }
 
-MoeActEpilogue MoeGemmRunner::act_epilogue(const MoeGemmOp& op, float* arena) const {
-  MoeActEpilogue e;
-  e.perm = lists_.as<int32_t>();
-  e.out = arena + op.out_offset;
-  e.sorted = down_in_.ptr;
-  e.sorted_ld = padded(op.gemm_out);
-  e.act = op.act;
-  e.round_out = op.round_out;
-  e.situ = op.situ;
-  e.beta = op.beta;
-  e.linear_beta = op.linear_beta;
-  return e;
-}
-
-// gate_up: the activation into the op's rows and into down_in_ as the down op's sorted input rows
-// (unless the wgmma kernel's epilogue did both: fused_act); down: the weighted sum in slot order (+
-// shared).
-void MoeGemmRunner::epilogue(const MoeGemmOp& op, float* arena, int64_t rows, bool fused_act) {
+// gate_up: the activation into the op's rows, and into in_ as the down op's sorted input rows (its
+// GEMMs have read in_); down: the weighted sum in slot order (+ shared).
+void MoeGemmRunner::epilogue(const MoeGemmOp& op, float* arena, int64_t rows) {
   const int64_t pairs = rows * op.top_k, ld_out = padded(op.gemm_out);
   const int32_t* perm = lists_.as<int32_t>();
   const int32_t* inv = perm + pairs;
   if (op.gate_up()) {
-    if (!fused_act) {
-      const MoeActEpilogue e = act_epilogue(op, arena);
-      const uint8_t* up = out_.as<uint8_t>() + pairs * ld_out * type_bytes(op.out_type());
-      launch_moe_activation(out_.ptr, up, ld_out, op.out_type(), perm, pairs, op.gemm_out, e.out, e.act, e.round_out, e.situ, e.beta, e.linear_beta, e.sorted,
-                            e.sorted_ld, op.in_type(), stream_);
-    }
+    const uint8_t* up = out_.as<uint8_t>() + pairs * ld_out * type_bytes(op.out_type());
+    launch_moe_activation(out_.ptr, up, ld_out, op.out_type(), perm, pairs, op.gemm_out, arena + op.out_offset, op.act, op.round_out, op.situ, op.beta,
+                          op.linear_beta, in_.ptr, padded(op.gemm_out), op.in_type(), stream_);
     down_input_ = {true, op.out_offset, op.top_k * op.gemm_out, op.gemm_out, rows, padded(op.gemm_out), op.in_type()};
   } else {
     const float* shared = op.op == Op::kMoeDownAdd ? arena + op.shared_offset : nullptr;
@@ -388,25 +363,23 @@ bool MoeGemmRunner::down_input_ready(const MoeGemmOp& op, int64_t rows) const {
 
 // Row-major y[n, out] = x[n, in]·W_eᵀ per expert is column-major yᵀ = W_e·xᵀ (as GemmRunner::run):
 // op(A) = Aᵀ over W_e's rows (lda = in), B = the expert's sorted rows (ldb = ld_in), C its output rows.
-bool MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs, const void* b, const int32_t* b_rows, int32_t b_div, const MoeActEpilogue* act) {
+void MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs, const int32_t* b_rows, int32_t b_div) {
   const Routing& r = routing_;
   const int n = static_cast<int>(r.active.size()), sets = op.sets();
   last_path_ = ExpertGemmPath::kNone;
   const int64_t ld_in = padded(op.gemm_in), ld_out = padded(op.gemm_out);
   const int64_t in_row = ld_in * type_bytes(op.in_type()), out_row = ld_out * type_bytes(op.out_type());
   uint8_t* c[2] = {out_.as<uint8_t>(), out_.as<uint8_t>() + pairs * out_row};
-  const auto* rows_b = static_cast<const uint8_t*>(b);
   if (r.sorted || (n > 0 && wgmma_takes(op))) {  // a device sort's job list has no host copy: only this kernel reads it
-    const bool fused = act != nullptr && op.out_type() == op.in_type();  // a tensor-parallel partial sum (fp32 out) keeps the kernel apart
-    if (!launch_moe_wgmma(lists_.as<int32_t>() + r.job_list_at, r.short_grid, r.long_grid, op.w, sets, op.gemm_in, op.gemm_out, b, ld_in, op.in_type(),
-                          b_rows, b_div, c[0], c[1], ld_out, op.out_type(), stream_, fused ? act : nullptr)) {
+    if (!launch_moe_wgmma(lists_.as<int32_t>() + r.job_list_at, r.short_grid, r.long_grid, op.w, sets, op.gemm_in, op.gemm_out, in_.ptr, ld_in, op.in_type(),
+                          b_rows, b_div, c[0], c[1], ld_out, op.out_type(), stream_)) {
       fail("cuda: the wgmma expert GEMM refused a step of {} pairs over {} experts ({}-wide rows, weight type {}) it was chosen for", pairs, op.experts,
            op.gemm_in, op.in_type());
     }
     last_path_ = ExpertGemmPath::kWgmma;
-    return fused;
+    return;
   }
-  if (n == 0) return false;  // no rows
+  if (n == 0) return;  // no rows
   const cudaDataType a_type = data_type(op.in_type()), c_type = data_type(op.out_type());
   const float one = 1.0f, zero = 0.0f;
   // cuBLAS's grouped GEMM takes one type for A, B and C: half weights with half outputs. Its pointers
@@ -416,7 +389,7 @@ bool MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs, const void* b, con
   aligned = aligned && (op.gemm_in * type_bytes(op.in_type())) % 16 == 0;
   if (grouped_ok_ && aligned && op.in_type() != kWF32 && op.out_type() == op.in_type()) {
     last_path_ = ExpertGemmPath::kCublasGrouped;
-    launch_moe_pointers(lists_.as<int32_t>() + 2 * pairs, n, sets, op.w[0].data, op.w[sets - 1].data, op.w[0].part_bytes, rows_b, in_row, c[0],
+    launch_moe_pointers(lists_.as<int32_t>() + 2 * pairs, n, sets, op.w[0].data, op.w[sets - 1].data, op.w[0].part_bytes, in_.as<uint8_t>(), in_row, c[0],
                         c[1], out_row, pointers_.as<void*>(), stream_);
     HostArrays& h = arrays_[op.gate_up() ? 0 : 1];
     const auto groups = static_cast<size_t>(sets * n);
@@ -437,7 +410,7 @@ bool MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs, const void* b, con
                                                              ptrs, a_type, h.lda.data(), ptrs + groups, a_type, h.ldb.data(), h.beta.data(),
                                                              ptrs + 2 * groups, c_type, h.ldc.data(), static_cast<int>(groups), h.group_size.data(),
                                                              CUBLAS_COMPUTE_32F);
-    if (status == CUBLAS_STATUS_SUCCESS) return false;
+    if (status == CUBLAS_STATUS_SUCCESS) return;
     if (status != CUBLAS_STATUS_NOT_SUPPORTED) check_cublas(status, "grouped expert GEMM");
     grouped_ok_ = false;  // this cuBLAS lacks the grouped form for these types: per-expert calls from now on
   }
@@ -448,12 +421,11 @@ bool MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs, const void* b, con
     const int64_t e = r.active[static_cast<size_t>(i)], first = r.offsets[static_cast<size_t>(i)];
     for (int j = 0; j < sets; ++j) {
       check_cublas(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(op.gemm_out), r.counts[static_cast<size_t>(e)], static_cast<int>(op.gemm_in),
-                                &one, op.w[j].data + e * op.w[j].part_bytes, a_type, static_cast<int>(op.gemm_in), rows_b + first * in_row, a_type,
+                                &one, op.w[j].data + e * op.w[j].part_bytes, a_type, static_cast<int>(op.gemm_in), in_.as<uint8_t>() + first * in_row, a_type,
                                 static_cast<int>(ld_in), &zero, c[j] + first * out_row, c_type, static_cast<int>(ld_out), compute, CUBLAS_GEMM_DEFAULT),
                    "expert GEMM");
     }
   }
-  return false;
 }
 
 const std::vector<int32_t>& MoeGemmRunner::last_expert_tokens() {

@@ -12,7 +12,6 @@
 
 #include "runtime/cuda/device.cuh"
 #include "runtime/cuda/kernels.h"  // declared in moe_gemm.h (host headers nvcc need not see)
-#include "runtime/cuda/moe_act.cuh"
 #include "runtime/cuda/moe_lists.h"
 #include "runtime/cuda/ops/common.cuh"
 #include "runtime/cuda/ops/gemv_dot.cuh"
@@ -124,7 +123,11 @@ __global__ void activation_kernel(const T* gate, const T* up, int64_t ld, const 
       load_n<V>(gate + p * ld + i, g);
       load_n<V>(up + p * ld + i, u);
 #pragma unroll
-      for (int e = 0; e < V; ++e) y[e] = moe_act_value(g[e], u[e], act, round_out, situ, beta, linear_beta);
+      for (int e = 0; e < V; ++e) {
+        const float ge = round_act(act, g[e]), ue = round_act(act, u[e]);
+        const float v = situ ? round_act(act, situf_(ge, ue, beta, linear_beta)) : round_act(act, round_act(act, siluf_(ge)) * ue);
+        y[e] = round_out ? round_act(act, v) : v;
+      }
       store_n<V>(row + i, y);
       if (sorted != nullptr) store_n<V>(sorted + p * sorted_ld + i, y);
     }

@@ -57,7 +57,6 @@ std::optional<MoeGemmOp> moe_gemm_form(const Plan& plan, const PlanOp& op, const
 // Device memory the MoE GEMMs of some plans need at their largest step (max_tokens rows).
 struct MoeGemmCapacity {
   int64_t pairs = 0, routes_floats = 0, experts = 0, in_bytes = 0, out_bytes = 0;
-  int64_t down_in_bytes = 0;  // a down op's sorted input rows, as its gate_up's epilogue writes them
   void add(const MoeGemmOp& op, int64_t max_rows);
   void merge(const MoeGemmCapacity& other);
 };
@@ -152,15 +151,11 @@ class MoeGemmRunner {
   void sort_on_device(const MoeGemmOp& op, const float* arena, int64_t rows);
   bool wgmma_takes(const MoeGemmOp& op) const;
   void sort_routing(const MoeGemmOp& op, int64_t rows);
-  // The GEMMs over the sorted rows b (row stride padded(gemm_in)); b_rows: null, or the wgmma kernel
-  // reads sorted row p from row b_rows[p] / b_div of b (gate_up); act: gate_up's activation as the wgmma
-  // kernel's epilogue (then epilogue() has nothing left to launch). Returns whether it took that form.
-  bool gemms(const MoeGemmOp& op, int64_t pairs, const void* b, const int32_t* b_rows, int32_t b_div, const MoeActEpilogue* act);
-  void epilogue(const MoeGemmOp& op, float* arena, int64_t rows, bool fused_act);
-  // gate_up's activation epilogue into the op's rows and down_in_ (the fused form's arguments).
-  MoeActEpilogue act_epilogue(const MoeGemmOp& op, float* arena) const;
-  // Whether the down op's sorted input rows are in down_in_: its gate_up's epilogue wrote them there (as
-  // its gather would copy them from that op's output, which this op reads) in this step's routing.
+  // b_rows: null, or the wgmma kernel reads sorted row p from row b_rows[p] / b_div of the input (gate_up).
+  void gemms(const MoeGemmOp& op, int64_t pairs, const int32_t* b_rows, int32_t b_div);
+  void epilogue(const MoeGemmOp& op, float* arena, int64_t rows);
+  // Whether the down op's sorted input rows are in in_ already: its gate_up's epilogue wrote them there
+  // (as its gather would copy them from that op's output) and nothing has used in_ since.
   bool down_input_ready(const MoeGemmOp& op, int64_t rows) const;
 
   cudaStream_t stream_ = nullptr;
@@ -168,15 +163,14 @@ class MoeGemmRunner {
   MoeGemmCapacity capacity_;
   int32_t* error_ = nullptr;
   DeviceBuffer workspace_, lists_, pointers_, in_, out_;
-  DeviceBuffer down_in_;  // the down op's sorted input rows, written by its gate_up's epilogue
   DeviceBuffer device_counts_, device_stats_;  // device routing: pairs per expert [experts], then the active count; reads and experts (2 × u64)
   DeviceBuffer sort_scratch_;                   // launch_moe_sort's keys, sorted keys, values and radix-sort storage
   MoeSortBuffers sort_buffers_;
   std::vector<float> routes_host_;
   std::vector<int32_t> lists_host_;  // perm [pairs], inv [pairs], active experts, their offsets, the jobs
   Routing routing_;
-  // The down input a gate_up epilogue left in down_in_: its output (arena offset, row stride), width,
-  // rows, row stride in down_in_ and element type.
+  // The down input a gate_up epilogue left in in_: its output (arena offset, row stride), width, rows,
+  // row stride in in_ and element type.
   struct DownInput {
     bool valid = false;
     int64_t x_offset = -1, x_stride = 0, cols = 0, rows = 0, ld = 0;
@@ -241,7 +235,7 @@ bool launch_moe_gemv(const int32_t* active, const int32_t* offsets, const int32_
 bool moe_wgmma_supports(const DeviceWeight* w, int sets, int64_t gemm_in, int64_t gemm_out, const void* b, int64_t ld_in, int32_t in_type, int32_t out_type);
 bool launch_moe_wgmma(const int32_t* job_list, int short_grid, int long_grid, const DeviceWeight* w, int sets, int64_t gemm_in, int64_t gemm_out,
                       const void* b, int64_t ld_in, int32_t in_type, const int32_t* b_rows, int32_t b_div, void* c0, void* c1, int64_t ld_out,
-                      int32_t out_type, cudaStream_t stream, const MoeActEpilogue* act = nullptr);
+                      int32_t out_type, cudaStream_t stream);
 // The routing of a step too large for launch_moe_route, sorted on the device into the lists the host's
 // sort writes (perm, inv, the active experts and their first sorted pairs, at most min(pairs, experts)
 // of each, the active count at counts[experts]) and the wgmma kernel's job list: the pairs' expert ids

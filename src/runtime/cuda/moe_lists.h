@@ -1,6 +1,5 @@
 // What the routed-expert GEMMs' host code (moe_gemm.cpp) and their kernels (moe_gemm.cu, moe_wgmma.cu)
-// share about the routing lists: the wgmma kernel's job size, the device routing sort's buffers and the
-// wgmma kernel's fused activation epilogue.
+// share about the routing lists: the wgmma kernel's job size and the device routing sort's buffers.
 // Plain C++: nvcc's translation units include it without the host headers of moe_gemm.h.
 #pragma once
 
@@ -24,20 +23,6 @@ struct MoeSortBuffers {
   int32_t *keys = nullptr, *sorted_keys = nullptr, *values = nullptr;
   void* temp = nullptr;
   size_t temp_bytes = 0;
-};
-
-// A gate_up op's activation as the wgmma kernel's epilogue (launch_moe_wgmma's `act`): instead of c_0
-// and c_1, a block multiplies 64 gate rows and the same 64 up rows and writes what
-// launch_moe_activation writes from them: out[q·gemm_out + o] (q = perm[p], fp32) and sorted[p·sorted_ld
-// + o] (the weights' type).
-struct MoeActEpilogue {
-  const int32_t* perm = nullptr;
-  float* out = nullptr;
-  void* sorted = nullptr;
-  int64_t sorted_ld = 0;
-  int32_t act = 0;
-  bool round_out = true, situ = false;
-  float beta = 0, linear_beta = 0;
 };
 
 }  // namespace plow::cuda

@@ -18,7 +18,6 @@
 #include <type_traits>
 
 #include "runtime/cuda/kernels.h"
-#include "runtime/cuda/moe_act.cuh"
 #include "runtime/cuda/moe_lists.h"
 #include "runtime/cuda/wgmma.cuh"
 
@@ -37,7 +36,6 @@ struct WgLayout {
   static constexpr int kStageBytes = kABytes + BN * 128;
   static constexpr int kBytes = kStages * kStageBytes + 1024;  // + the slack to align the ring to 1024 bytes
   static_assert(kABytes % 1024 == 0 && kStageBytes % 1024 == 0, "stages start on swizzle atoms");
-  static_assert((BN * 128 + BN) * 4 <= kStages * kStageBytes, "the fused epilogue's gate and up values and pairs fit the ring");
 };
 
 struct WgArgs {
@@ -52,22 +50,7 @@ struct WgArgs {
   uint8_t* c[2];            // outputs, row stride ld_out elements of TOut
   int64_t ld_out;
   int32_t gemm_in, gemm_out, out_tiles;
-  MoeActEpilogue act;       // kAct: the activation instead of c (moe_gemm.h)
 };
-
-// A value rounded to nearest even in the 16-bit type, and back.
-template <typename T>
-__device__ __forceinline__ T to_elem(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 to_elem(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half to_elem(float v) {
-  return __float2half_rn(v);
-}
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 
 __device__ __forceinline__ void store_out(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_out(__half* p, float v) { *p = __float2half_rn(v); }
@@ -96,15 +79,8 @@ __device__ __forceinline__ JobRows<BN> job_rows(const WgArgs& a, int first, int 
 // Stage `slot` ← K elements [64·kt, 64·kt + 64) of the block's weight rows and the job's rows. Thread
 // copies: 16 bytes (8 elements) each, 8 consecutive threads a 128-byte row; chunk c of row r lands at
 // chunk c ^ (r mod 8) of its row (the 128-byte swizzle).
-// The block's weight rows: rows [0, rows_lo) from w_lo on; kAct: rows [0, 64) from w_lo and [64, 128)
-// from w_hi (the gate and the up stack's rows of the same columns), each half's rows past rows_lo
-// zero-filled.
-struct WeightRows {
-  const uint8_t *w_lo, *w_hi;
-  int rows_lo;
-};
-template <int BN, bool kAct>
-__device__ __forceinline__ void wg_load(uint32_t ring, int slot, int kt, const WeightRows& w, const JobRows<BN>& b, int gemm_in, int elem_bytes) {
+template <int BN>
+__device__ __forceinline__ void wg_load(uint32_t ring, int slot, int kt, const uint8_t* w, int rows_w, const JobRows<BN>& b, int gemm_in, int elem_bytes) {
   using L = WgLayout<BN>;
   const uint32_t a_at = ring + slot * L::kStageBytes, b_at = a_at + L::kABytes;
   const int64_t w_row_bytes = static_cast<int64_t>(gemm_in) * elem_bytes;
@@ -112,57 +88,19 @@ __device__ __forceinline__ void wg_load(uint32_t ring, int slot, int kt, const W
 #pragma unroll
   for (int i = 0; i < kWgRows * 8 / kWgThreads; ++i) {
     const int idx = tid + i * kWgThreads, r = idx / 8, c = idx % 8, k = kt * kWgK + 8 * c;
-    const bool hi = kAct && r >= kWgRows / 2;  // the same for every copy of a warp
-    const int rr = hi ? r - kWgRows / 2 : r;
-    const bool real = rr < w.rows_lo && k < gemm_in;
-    wg_cp16(a_at + wg_swizzle(r, c), real ? (hi ? w.w_hi : w.w_lo) + rr * w_row_bytes + static_cast<int64_t>(k) * elem_bytes : w.w_lo, real ? 16 : 0);
+    const bool real = r < rows_w && k < gemm_in;
+    wg_cp16(a_at + wg_swizzle(r, c), real ? w + r * w_row_bytes + static_cast<int64_t>(k) * elem_bytes : w, real ? 16 : 0);
   }
 #pragma unroll
   for (int i = 0; i < JobRows<BN>::kBRows; ++i) {
     const int idx = tid + i * kWgThreads, r = idx / 8, c = idx % 8, k = kt * kWgK + 8 * c;
     const bool real = b.row[i] != nullptr && k < gemm_in;
-    wg_cp16(b_at + wg_swizzle(r, c), real ? b.row[i] + static_cast<int64_t>(k) * elem_bytes : w.w_lo, real ? 16 : 0);
+    wg_cp16(b_at + wg_swizzle(r, c), real ? b.row[i] + static_cast<int64_t>(k) * elem_bytes : w, real ? 16 : 0);
   }
 }
 
-// The fused activation's epilogue: each warpgroup leaves its accumulators in shared memory (element i of
-// thread t at [i][t]: gate from warpgroup 0, up from warpgroup 1, the same (row, column) at the same
-// place), warpgroup 0 the job's pairs (perm of its sorted rows); then both warpgroups take every other
-// element and write act(gate, up) into the op's output rows (pair perm[p]'s columns, fp32) and, as
-// 16-bit, row p of the down op's sorted input. A rolled loop: unrolled over a thread's 64 elements the
-// activation's code (exp, division, both SiLU and SiTU) was ~1 s of ptxas and, cold in the instruction
-// cache at every block, took the 8K prompt's expert GEMMs from 66 to 111 ms.
-template <typename T, int BN>
-__device__ __forceinline__ void act_epilogue(const WgArgs& a, float (&d)[BN / 2], uint8_t* smem, int first, int rows, int out0) {
-  float* gate = reinterpret_cast<float*>(smem);
-  float* up = gate + BN / 2 * 128;
-  int32_t* pair = reinterpret_cast<int32_t*>(up + BN / 2 * 128);
-  const int tid = static_cast<int>(threadIdx.x), t = tid % 128, group = tid / 128;
-  const MoeActEpilogue& e = a.act;
-  __syncthreads();  // every warpgroup is past its last multiply: the ring is free
-  float* mine = group == 0 ? gate : up;
-#pragma unroll
-  for (int i = 0; i < BN / 2; ++i) mine[i * 128 + t] = d[i];
-  if (tid < rows) pair[tid] = e.perm[first + tid];
-  __syncthreads();
-  const int m = out0 + t / 32 * 16 + t % 32 / 4;
-#pragma unroll 1
-  for (int i = group; i < BN / 2; i += 2) {
-    const int j = i / 4, q = i % 4;
-    const int n = 8 * j + 2 * (t % 4) + (q & 1), o = m + 8 * (q / 2);
-    if (n >= rows || o >= a.gemm_out) continue;
-    // The GEMM's outputs as stored in its output type, then the activation kernel's arithmetic.
-    const float g = to_float(to_elem<T>(gate[i * 128 + t])), u = to_float(to_elem<T>(up[i * 128 + t]));
-    const float y = moe_act_value(g, u, e.act, e.round_out, e.situ, e.beta, e.linear_beta);
-    const int64_t p = static_cast<int64_t>(first) + n;
-    e.out[static_cast<int64_t>(pair[n]) * a.gemm_out + o] = y;
-    reinterpret_cast<T*>(e.sorted)[p * e.sorted_ld + o] = to_elem<T>(y);
-  }
-}
-
-// Block (x = set · out_tiles + out tile, y = job); kAct: x = out tile of 64 columns, warpgroup 0 their
-// gate rows, warpgroup 1 their up rows, and the activation as the epilogue.
-template <typename T, typename TOut, int BN, bool kAct>
+// Block (x = set · out_tiles + out tile, y = job).
+template <typename T, typename TOut, int BN>
 __global__ void __launch_bounds__(kWgThreads, 2) moe_wgmma_kernel(WgArgs a) {
   using L = WgLayout<BN>;
   extern __shared__ uint8_t wg_smem_raw[];
@@ -170,14 +108,10 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_wgmma_kernel(WgArgs a) {
   if (static_cast<int>(blockIdx.y) >= a.job_list[a.job_class]) return;  // the grid may hold more rows than the list has jobs (a device routing)
   const int32_t* job = a.job_list + 2 + 3 * (a.job_class == 0 ? 0 : a.job_list[0]) + 3 * blockIdx.y;
   const int expert = job[0], first = job[1], rows = job[2];
-  const int tile_rows = kAct ? kWgRows / 2 : kWgRows;
-  const int set = kAct ? 0 : static_cast<int>(blockIdx.x) / a.out_tiles, out0 = static_cast<int>(blockIdx.x) % a.out_tiles * tile_rows;
+  const int set = static_cast<int>(blockIdx.x) / a.out_tiles, out0 = static_cast<int>(blockIdx.x) % a.out_tiles * kWgRows;
   const int elem_bytes = static_cast<int>(sizeof(T));
-  const int64_t at = expert * a.part_bytes + static_cast<int64_t>(out0) * a.gemm_in * elem_bytes;
-  WeightRows w;
-  w.w_lo = (set == 0 ? a.w[0] : a.w[1]) + at;
-  w.w_hi = kAct ? a.w[1] + at : w.w_lo;
-  w.rows_lo = a.gemm_out - out0 < tile_rows ? a.gemm_out - out0 : tile_rows;
+  const uint8_t* w = (set == 0 ? a.w[0] : a.w[1]) + expert * a.part_bytes + static_cast<int64_t>(out0) * a.gemm_in * elem_bytes;
+  const int rows_w = a.gemm_out - out0 < kWgRows ? a.gemm_out - out0 : kWgRows;
   const JobRows<BN> b = job_rows<BN>(a, first, rows, elem_bytes);
   const int k_tiles = (a.gemm_in + kWgK - 1) / kWgK;
 
@@ -192,7 +126,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_wgmma_kernel(WgArgs a) {
   // wait for the copies' issue and the barriers.
 #pragma unroll
   for (int s = 0; s < L::kStages; ++s) {
-    if (s < k_tiles) wg_load<BN, kAct>(ring, s, s, w, b, a.gemm_in, elem_bytes);
+    if (s < k_tiles) wg_load<BN>(ring, s, s, w, rows_w, b, a.gemm_in, elem_bytes);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   }
   const int group = static_cast<int>(threadIdx.x) / 128;
@@ -209,15 +143,11 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_wgmma_kernel(WgArgs a) {
     wg_wait_prior();  // this warpgroup's multiplies of stage kt − 1 are done
     __syncthreads();  // and the other warpgroup's: the slot of stage kt − 1 is free
     const int refill = kt - 1 + L::kStages;
-    if (kt > 0 && refill < k_tiles) wg_load<BN, kAct>(ring, (kt - 1) % L::kStages, refill, w, b, a.gemm_in, elem_bytes);
+    if (kt > 0 && refill < k_tiles) wg_load<BN>(ring, (kt - 1) % L::kStages, refill, w, rows_w, b, a.gemm_in, elem_bytes);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   }
   wg_wait();
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // the trailing (empty) groups
-  if constexpr (kAct) {
-    act_epilogue<T, BN>(a, d, wg_smem_raw + (ring - wg_smem(wg_smem_raw)), first, rows, out0);
-    return;
-  }
 
   // Output (row first + n, column out0 + m) for weight row m of this warpgroup and job row n.
   TOut* c = reinterpret_cast<TOut*>(set == 0 ? a.c[0] : a.c[1]);
@@ -232,21 +162,21 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_wgmma_kernel(WgArgs a) {
   }
 }
 
-template <typename T, typename TOut, int BN, bool kAct>
+template <typename T, typename TOut, int BN>
 void launch(const WgArgs& a, int jobs, int sets, cudaStream_t stream) {
-  const auto kernel = moe_wgmma_kernel<T, TOut, BN, kAct>;
+  const auto kernel = moe_wgmma_kernel<T, TOut, BN>;
   const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WgLayout<BN>::kBytes);
   if (error != cudaSuccess) cuda_failure("MoE wgmma GEMM shared memory", error);
-  kernel<<<dim3(static_cast<unsigned>(a.out_tiles * (kAct ? 1 : sets)), static_cast<unsigned>(jobs)), kWgThreads, WgLayout<BN>::kBytes, stream>>>(a);
+  kernel<<<dim3(static_cast<unsigned>(a.out_tiles * sets), static_cast<unsigned>(jobs)), kWgThreads, WgLayout<BN>::kBytes, stream>>>(a);
 }
 
 // The short jobs on the 64-row kernel, then the long ones on the 128-row kernel (one stream: in order).
-template <typename T, typename TOut, bool kAct>
+template <typename T, typename TOut>
 void launch_both(WgArgs a, int short_grid, int long_grid, int sets, cudaStream_t stream) {
   a.job_class = 0;
-  if (short_grid > 0) launch<T, TOut, 64, kAct>(a, short_grid, sets, stream);
+  if (short_grid > 0) launch<T, TOut, 64>(a, short_grid, sets, stream);
   a.job_class = 1;
-  if (long_grid > 0) launch<T, TOut, 128, kAct>(a, long_grid, sets, stream);
+  if (long_grid > 0) launch<T, TOut, 128>(a, long_grid, sets, stream);
 }
 
 }  // namespace
@@ -262,11 +192,8 @@ bool moe_wgmma_supports(const DeviceWeight* w, int sets, int64_t gemm_in, int64_
 
 bool launch_moe_wgmma(const int32_t* job_list, int short_grid, int long_grid, const DeviceWeight* w, int sets, int64_t gemm_in, int64_t gemm_out,
                       const void* b, int64_t ld_in, int32_t in_type, const int32_t* b_rows, int32_t b_div, void* c0, void* c1, int64_t ld_out,
-                      int32_t out_type, cudaStream_t stream, const MoeActEpilogue* act) {
+                      int32_t out_type, cudaStream_t stream) {
   if (!moe_wgmma_supports(w, sets, gemm_in, gemm_out, b, ld_in, in_type, out_type) || (b_rows != nullptr && b_div < 1)) return false;
-  if (act != nullptr && (sets != 2 || out_type != in_type || act->perm == nullptr || act->out == nullptr || act->sorted == nullptr || act->sorted_ld < gemm_out)) {
-    return false;
-  }
   if (short_grid < 0 || long_grid < 0 || short_grid > 65535 || long_grid > 65535) return false;
   if (short_grid + long_grid == 0) return true;
   WgArgs a{};
@@ -283,17 +210,13 @@ bool launch_moe_wgmma(const int32_t* job_list, int short_grid, int long_grid, co
   a.ld_out = ld_out;
   a.gemm_in = static_cast<int32_t>(gemm_in);
   a.gemm_out = static_cast<int32_t>(gemm_out);
-  const int tile_rows = act != nullptr ? kWgRows / 2 : kWgRows;
-  a.out_tiles = static_cast<int32_t>((gemm_out + tile_rows - 1) / tile_rows);
-  if (act != nullptr) a.act = *act;
+  a.out_tiles = static_cast<int32_t>((gemm_out + kWgRows - 1) / kWgRows);
   if (in_type == kWBF16) {
-    if (act != nullptr) launch_both<__nv_bfloat16, __nv_bfloat16, true>(a, short_grid, long_grid, sets, stream);
-    else if (out_type == kWF32) launch_both<__nv_bfloat16, float, false>(a, short_grid, long_grid, sets, stream);
-    else launch_both<__nv_bfloat16, __nv_bfloat16, false>(a, short_grid, long_grid, sets, stream);
+    if (out_type == kWF32) launch_both<__nv_bfloat16, float>(a, short_grid, long_grid, sets, stream);
+    else launch_both<__nv_bfloat16, __nv_bfloat16>(a, short_grid, long_grid, sets, stream);
   } else {
-    if (act != nullptr) launch_both<__half, __half, true>(a, short_grid, long_grid, sets, stream);
-    else if (out_type == kWF32) launch_both<__half, float, false>(a, short_grid, long_grid, sets, stream);
-    else launch_both<__half, __half, false>(a, short_grid, long_grid, sets, stream);
+    if (out_type == kWF32) launch_both<__half, float>(a, short_grid, long_grid, sets, stream);
+    else launch_both<__half, __half>(a, short_grid, long_grid, sets, stream);
   }
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) cuda_failure("MoE wgmma GEMM", error);
