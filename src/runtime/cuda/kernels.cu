@@ -26,6 +26,7 @@ __device__ void run_task(const TaskCtx& ctx, int32_t opcode) {
     op_round_rows(ctx);
     return;
   }
+  if (opcode == kOpHostDone) return;
   switch (static_cast<Op>(opcode)) {
     case Op::kLinear: op_linear<kCap>(ctx); return;
     case Op::kRouterLogits: op_router_logits<kCap>(ctx); return;

@@ -50,7 +50,11 @@ inline void link_queues(std::vector<Instr>& instrs, const std::vector<int32_t>& 
 // Instr::opcode of a task whose op the host ran as a GEMM (prefill_gemm.h): it rounds its output
 // columns in place (ops/round_rows.cuh). Outside the Op range.
 inline constexpr int32_t kOpRoundRows = 0x100;
-// Per-opcode profile slots: the plan's opcodes, then one for kOpRoundRows.
+// Instr::opcode of a task whose op the host ran whole, its output already rounded (the routed experts',
+// MLA's and KDA's planned launches): it does nothing but count, for the op's readers in the segment.
+inline constexpr int32_t kOpHostDone = 0x101;
+// Per-opcode profile slots: the plan's opcodes, then one for kOpRoundRows and kOpHostDone (the host
+// ops' tasks, "round_rows" in the profile).
 inline constexpr int kProfileSlots = 64;
 inline constexpr int profile_slot(int32_t opcode) { return opcode == kOpRoundRows ? kProfileSlots - 1 : opcode < kProfileSlots - 1 ? opcode : kProfileSlots - 1; }
 

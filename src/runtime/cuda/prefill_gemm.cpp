@@ -72,16 +72,18 @@ std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& 
 namespace {
 
 // The tasks of the ops marked in `host` or `absorbed` (an op whose output a host op wrote: the MLA
-// epilogue's output gate) only round; segments cut at the host ops, each also waiting for the op
+// epilogue's output gate) only round, or do nothing where `rounded` says the host's kernels rounded the
+// output already (a round_rows pass over a routed-expert op's [T, k·I] rows re-read and re-wrote
+// ~0.5 GB a layer of an 8K prompt); segments cut at the host ops, each also waiting for the op
 // `also_reads` names (−1: none), and leave out the tasks of `skip_op` (eager steps skip them in
 // launch_op).
 GemmSchedule gemm_schedule(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host, const std::vector<bool>& absorbed,
-                           const std::vector<int32_t>& also_reads, const std::vector<bool>& reduce, int32_t skip_op) {
+                           const std::vector<bool>& rounded, const std::vector<int32_t>& also_reads, const std::vector<bool>& reduce, int32_t skip_op) {
   std::vector<Instr> tasks = by_task;
   for (Instr& ins : tasks) {
     const auto op = static_cast<size_t>(ins.op);
     if (!(host[op] || absorbed[op]) || reduce[op]) continue;
-    ins.opcode = kOpRoundRows;
+    ins.opcode = rounded[op] ? kOpHostDone : kOpRoundRows;
   }
   GemmSchedule schedule;
   schedule.task_instrs = upload(tasks, "instructions");
@@ -147,17 +149,23 @@ GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weigh
   if (path.max_input_elems == 0 && path.moe_capacity.pairs == 0 && !any_mla && !any_kda) return {};
   if (output_on_host(plan, by_task, reduce, path)) path.output_on_host = plan.output_op;
   const auto with = [&](bool mla_host, bool kda_host) {
-    std::vector<bool> marked = host, absorbed(plan.ops.size(), false);
+    std::vector<bool> marked = host, absorbed(plan.ops.size(), false), rounded(plan.ops.size(), false);
     std::vector<int32_t> also_reads(plan.ops.size(), -1);
     for (size_t i = 0; i < plan.ops.size(); ++i) {
-      marked[i] = marked[i] || (mla_host && path.mla_ops[i].has_value()) || (kda_host && path.kda_ops[i].has_value());
-      if (mla_host && path.mla_ops[i] && path.mla_ops[i]->gate_op >= 0) {  // the output gate in the MLA epilogue: it reads the gate
+      const bool mla_op = mla_host && path.mla_ops[i].has_value(), kda_op = kda_host && path.kda_ops[i].has_value();
+      marked[i] = marked[i] || mla_op || kda_op;
+      // Their kernels round what they write as the op body does (the expert epilogues, MLA's scatter or
+      // flash store with the gate's arithmetic, KDA's scan): the plain GEMMs' fp32 outputs are the ones
+      // left to round.
+      rounded[i] = rounded[i] || path.moe_ops[i].has_value() || mla_op || kda_op;
+      if (mla_op && path.mla_ops[i]->gate_op >= 0) {  // the output gate in the MLA epilogue: it reads the gate
         const auto gated = static_cast<size_t>(path.mla_ops[i]->gate_op);
         absorbed[gated] = true;
+        rounded[gated] = true;
         also_reads[i] = plan.ops[gated].inputs[1];
       }
     }
-    return gemm_schedule(plan, by_task, marked, absorbed, also_reads, reduce, path.output_on_host);
+    return gemm_schedule(plan, by_task, marked, absorbed, rounded, also_reads, reduce, path.output_on_host);
   };
   path.all_host = with(true, true);
   if (any_mla) path.mla_body = with(false, true);
