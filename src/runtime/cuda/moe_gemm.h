@@ -98,8 +98,8 @@ class MoeGemmRunner {
     routing_.valid = false;
     down_input_.valid = false;
   }
-  // The op over the step's `rows` rows: its output rows written, final (the op's tasks only round,
-  // which leaves them as they are).
+  // The op over the step's `rows` rows: its output rows written, final and rounded (the op's tasks do
+  // nothing: kOpHostDone, prefill_gemm.cpp).
   void run(const MoeGemmOp& op, float* arena, int64_t rows);
 
   int64_t calls() const { return calls_; }  // ops run
