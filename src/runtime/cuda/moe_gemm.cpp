@@ -308,6 +308,7 @@ void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
   const int64_t ld_in = padded(op.gemm_in);
   // The wgmma kernel reads gate_up's token rows by the sort's perm: x's rows converted once, not a
   // copy per (token, slot) pair. down's rows are in in_ already when its gate_up's epilogue wrote them.
+  // A device sort's job list has no host copy: only the wgmma kernel reads it.
   const bool wgmma = !on_device && (routing_.sorted || (!routing_.active.empty() && wgmma_takes(op)));
   const bool by_perm = wgmma && op.gate_up();
   if (by_perm) {
@@ -330,7 +331,7 @@ void MoeGemmRunner::run(const MoeGemmOp& op, float* arena, int64_t rows) {
     }
   } else {
     if (timing_) gemm_timer_.start();
-    gemms(op, pairs, by_perm ? perm : nullptr, static_cast<int32_t>(op.top_k));
+    gemms(op, pairs, wgmma, by_perm ? perm : nullptr, static_cast<int32_t>(op.top_k));
     if (timing_) gemm_timer_.stop();
   }
   epilogue(op, arena, rows);
@@ -363,14 +364,14 @@ bool MoeGemmRunner::down_input_ready(const MoeGemmOp& op, int64_t rows) const {
 
 // Row-major y[n, out] = x[n, in]·W_eᵀ per expert is column-major yᵀ = W_e·xᵀ (as GemmRunner::run):
 // op(A) = Aᵀ over W_e's rows (lda = in), B = the expert's sorted rows (ldb = ld_in), C its output rows.
-void MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs, const int32_t* b_rows, int32_t b_div) {
+void MoeGemmRunner::gemms(const MoeGemmOp& op, int64_t pairs, bool wgmma, const int32_t* b_rows, int32_t b_div) {
   const Routing& r = routing_;
   const int n = static_cast<int>(r.active.size()), sets = op.sets();
   last_path_ = ExpertGemmPath::kNone;
   const int64_t ld_in = padded(op.gemm_in), ld_out = padded(op.gemm_out);
   const int64_t in_row = ld_in * type_bytes(op.in_type()), out_row = ld_out * type_bytes(op.out_type());
   uint8_t* c[2] = {out_.as<uint8_t>(), out_.as<uint8_t>() + pairs * out_row};
-  if (r.sorted || (n > 0 && wgmma_takes(op))) {  // a device sort's job list has no host copy: only this kernel reads it
+  if (wgmma) {
     if (!launch_moe_wgmma(lists_.as<int32_t>() + r.job_list_at, r.short_grid, r.long_grid, op.w, sets, op.gemm_in, op.gemm_out, in_.ptr, ld_in, op.in_type(),
                           b_rows, b_div, c[0], c[1], ld_out, op.out_type(), stream_)) {
       fail("cuda: the wgmma expert GEMM refused a step of {} pairs over {} experts ({}-wide rows, weight type {}) it was chosen for", pairs, op.experts,

@@ -151,8 +151,9 @@ class MoeGemmRunner {
   void sort_on_device(const MoeGemmOp& op, const float* arena, int64_t rows);
   bool wgmma_takes(const MoeGemmOp& op) const;
   void sort_routing(const MoeGemmOp& op, int64_t rows);
-  // b_rows: null, or the wgmma kernel reads sorted row p from row b_rows[p] / b_div of the input (gate_up).
-  void gemms(const MoeGemmOp& op, int64_t pairs, const int32_t* b_rows, int32_t b_div);
+  // wgmma: on launch_moe_wgmma (run() decides), else on cuBLAS; b_rows: null, or the wgmma kernel reads
+  // sorted row p from row b_rows[p] / b_div of the input (gate_up).
+  void gemms(const MoeGemmOp& op, int64_t pairs, bool wgmma, const int32_t* b_rows, int32_t b_div);
   void epilogue(const MoeGemmOp& op, float* arena, int64_t rows);
   // Whether the down op's sorted input rows are in in_ already: its gate_up's epilogue wrote them there
   // (as its gather would copy them from that op's output) and nothing has used in_ since.
