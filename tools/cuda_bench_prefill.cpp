@@ -132,9 +132,10 @@ double median(std::vector<double> v) {
 
 // A backend over `weights` with a decode plan (a one-token tail) and one prefill plan per chunk size;
 // `gemm`: the GEMM path (else fused plans on the GEMV bodies); `mla_gemm`: MLA on it as GEMMs too;
-// `kda_planned`: KDA on it as planned launches.
+// `kda_planned`: KDA on it as planned launches; `round_in_readers`: linears' outputs rounded by their readers.
 std::unique_ptr<cuda::CudaBackend> make_backend(const LoadedModel& model, std::shared_ptr<cuda::DeviceWeightSet> weights, const std::set<int64_t>& chunks,
-                                                int workers, int64_t max_context, DType dtype, bool gemm, bool mla_gemm = true, bool kda_planned = true) {
+                                                int workers, int64_t max_context, DType dtype, bool gemm, bool mla_gemm = true, bool kda_planned = true,
+                                                bool round_in_readers = true) {
   std::vector<Plan> plans;
   plans.push_back(compile_plan(model, PlanPhase::kDecode, 1, workers, max_context));
   // The GEMM path runs plain linears: prefill plans are compiled without fusion. The GEMV path keeps
@@ -147,6 +148,7 @@ std::unique_ptr<cuda::CudaBackend> make_backend(const LoadedModel& model, std::s
   options.prefill_gemm = gemm;
   options.prefill_mla_gemm = mla_gemm;
   options.prefill_kda_planned = kda_planned;
+  options.prefill_round_in_readers = round_in_readers;
   return std::make_unique<cuda::CudaBackend>(model.graph, std::move(weights), std::move(plans), options);
 }
 
@@ -194,6 +196,8 @@ void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
   cmd->add_flag("--gemv-peer", args.gemv_peer, "also time today's path (fused prefill plans, GEMV bodies) on the same weights");
   cmd->add_flag("--mla-body-peer", args.mla_body_peer, "also time the GEMM path with mla_attention on its op body (split-KV, absorbed) instead of GEMMs");
   cmd->add_flag("--kda-body-peer", args.kda_body_peer, "also time the GEMM path with kda_delta_rule on its op body instead of planned launches");
+  cmd->add_flag("--rounding-peer", args.rounding_peer,
+                "also time the GEMM path with every linear's tasks rounding its output (no rounding by the readers as they load), --reps runs");
   cmd->add_flag("--mla-flash-peer", args.mla_flash_peer,
                 "also time each prompt with MLA's fused attention on the mma.sync kernel instead of the wgmma one (same weights and plans)");
   cmd->add_flag("--expert-peer", args.expert_peer,
@@ -275,6 +279,8 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
   auto mla_body = args.mla_body_peer ? make_backend(*model, weights, chunks, workers, max_context, dtype, true, false) : nullptr;
   // And with KDA on its op body (prep and scan inside the megakernel), to see what the planned launches changed.
   auto kda_body = args.kda_body_peer ? make_backend(*model, weights, chunks, workers, max_context, dtype, true, true, false) : nullptr;
+  // And with each linear's tasks rounding its GEMM output in a pass of their own, as before the readers did.
+  auto own_rounding = args.rounding_peer ? make_backend(*model, weights, chunks, workers, max_context, dtype, true, true, true, false) : nullptr;
   for (int64_t p : args.prompts) {
     const int64_t chunk = chunk_of(p);
     const int64_t mla_ops_before = backend->prefill_mla_ops(), kda_ops_before = backend->prefill_kda_ops();
@@ -432,6 +438,16 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                                      {"plans", "the same GEMM path with kda_delta_rule on its op body (one run after a one-chunk warm-up)"}};
       std::cerr << fmt::format("  KDA on its op body: TTFT {:9.1f} ms (planned: {:.1f} ms of KDA ops, {:.2f} ms a layer)\n", ms, kda_ms,
                                kda_ms / static_cast<double>(std::max<int64_t>(kda_layers, 1)));
+    }
+    if (own_rounding) {
+      const std::vector<double> own = time_prompt(*own_rounding, prefix, ids, chunk, args.reps);
+      const double ms = median(own);
+      record["peers"]["linears_round_own_output"] = {
+          {"ttft_ms", ms}, {"ttft_ms_runs", own}, {"tflops", flops.total() / (ms * 1e9)},
+          {"linears_rounded_by_readers", backend->prefill_linears_rounded_by_readers()},
+          {"plans", "the same GEMM path with every plain linear's tasks rounding its output (--reps runs after a one-chunk warm-up)"}};
+      std::cerr << fmt::format("  linears rounding their own outputs: TTFT {:9.1f} ms ({} linears' outputs rounded by their readers here)\n", ms,
+                               backend->prefill_linears_rounded_by_readers());
     }
     if (args.profile) {
       // One more run, every op its own launch between events: where the time goes (slower than the

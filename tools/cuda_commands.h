@@ -116,6 +116,7 @@ struct BenchPrefillArgs {
   bool gemv_peer = false;  // also time today's path: fused prefill plans on the GEMV bodies
   bool mla_body_peer = false;  // also time the GEMM path with mla_attention on its op body (split-KV)
   bool kda_body_peer = false;  // also time the GEMM path with kda_delta_rule on its op body
+  bool rounding_peer = false;  // also time the GEMM path with every linear's tasks rounding its output
   bool expert_peer = false;    // also time the prompt with the expert GEMMs on cuBLAS's grouped call
   bool mla_flash_peer = false;  // also time the prompt with MLA's attention on the mma.sync kernel instead of wgmma
   bool profile = false;        // one more run per prompt, one launch per op between events: per-opcode time

@@ -102,6 +102,26 @@ TEST_P(CudaPrefillFixtureTest, PromptLogitsAndGreedyTokensMatchTheReference) {
     EXPECT_GT(gpu.prefill_expert_ops(), 0) << "the prompt's routed experts never ran as expert GEMMs";
   }
 
+  // The GEMM linears whose readers round their outputs as they load them (prefill_gemm.h round_in_mask;
+  // bf16: the KDA projections, the output projections, the FFN's gate/up/down) skip their rounding
+  // pass: the same bits as a backend where every linear's tasks round.
+  if (act != DType::F32) {
+    EXPECT_GT(gpu.prefill_linears_rounded_by_readers(), 0) << "no linear's output was left to its readers to round";
+    std::vector<Plan> plans_off;
+    plans_off.push_back(compile_plan(*model, PlanPhase::kDecode, 1, c.workers, kMaxContext));
+    plans_off.push_back(compile_plan(*model, PlanPhase::kPrefill, kChunk, c.workers, kMaxContext, /*fuse=*/false));
+    cuda::CudaOptions off_options = cuda_options;
+    off_options.prefill_round_in_readers = false;
+    cuda::CudaBackend off(model->graph, cuda::upload_weights(model->graph, *model->weights), std::move(plans_off), off_options);
+    EXPECT_EQ(off.prefill_linears_rounded_by_readers(), 0);
+    const GenerateResult rounded_by_tasks = generate(off, 0, options);
+    ASSERT_EQ(rounded_by_tasks.logits.size(), have.logits.size());
+    EXPECT_EQ(std::memcmp(rounded_by_tasks.logits.data(), have.logits.data(), have.logits.size() * sizeof(float)), 0)
+        << c.fixture << ": the readers' rounding changed the logits";
+  } else {
+    EXPECT_EQ(gpu.prefill_linears_rounded_by_readers(), 0) << "fp32 activations have nothing to round";
+  }
+
   if (act == DType::F32) {
     EXPECT_EQ(have.generated, want.generated);
     // Without keep_logits a prefill step returns its last row only, which the host computes alone

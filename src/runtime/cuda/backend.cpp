@@ -245,6 +245,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
       pack_attrs(op, d.attr);
       if (op.op() == Op::kAllReduce) d.attr[0] = static_cast<float>(reduce_ordinal++);
       d.tasks = op_task_count[i];
+      if (options.prefill_gemm && options.prefill_round_in_readers) d.round_in = round_in_mask(plan, op);  // only GEMM steps leave inputs unrounded
       if (cooperates(op)) {
         d.workspace = m.workspace.as<float>();
         d.workspace_floats = workspace_floats;
@@ -325,8 +326,10 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
         if (op.op() == Op::kAllReduce) peer_slot = std::max(peer_slot, plan.max_tokens * op.width);
       }
     }
-    if (options.prefill_gemm) prepared.gemm = plan_gemm_path(plan, plan_weights, by_task, reduce, act, options.prefill_mla_gemm, options.prefill_kda_planned,
-                                                                options.gemm_min_rows);
+    if (options.prefill_gemm) {
+      prepared.gemm = plan_gemm_path(plan, plan_weights, by_task, reduce, act, options.prefill_mla_gemm, options.prefill_kda_planned,
+                                     options.prefill_round_in_readers, options.gemm_min_rows);
+    }
     max_gemm_input = std::max(max_gemm_input, prepared.gemm.max_input_elems);
     moe_capacity.merge(prepared.gemm.moe_capacity);
     mla_capacity.merge(prepared.gemm.mla_capacity);
@@ -549,6 +552,11 @@ StepOutput CudaBackend::step(const StepInputs& inputs) {
 const std::vector<int32_t>& CudaBackend::last_folded_argmax() const { return impl_->last_folded; }
 
 int64_t CudaBackend::prefill_gemms() const { return impl_->gemm_runner ? impl_->gemm_runner->calls() : 0; }
+int64_t CudaBackend::prefill_linears_rounded_by_readers() const {
+  int64_t n = 0;
+  for (const auto& prepared : impl_->plans) n += prepared->gemm.rounded_by_readers;
+  return n;
+}
 
 int64_t CudaBackend::prefill_expert_ops() const { return impl_->moe_runner ? impl_->moe_runner->calls() : 0; }
 

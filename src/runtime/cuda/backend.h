@@ -72,6 +72,10 @@ struct CudaOptions {
   // And kda_delta_rule ops run chunked as planned launches (kda_prefill.h), in steps where every sequence
   // brings ≥ 16 tokens; false: their op body (prep and scan inside the megakernel), for comparison.
   bool prefill_kda_planned = true;
+  // And a plain linear's GEMM output is rounded by its readers as they load it (prefill_gemm.h
+  // round_in_mask) instead of by its own tasks in a pass over its rows, where every reader can; false:
+  // every such linear's tasks round it (for comparison: the outputs are the same bits).
+  bool prefill_round_in_readers = true;
   // The fp32 scores of one MLA GEMM block stay within this many bytes (tests make it small to force
   // blocks of few query rows and heads).
   int64_t mla_scores_bytes = int64_t{512} << 20;
@@ -139,6 +143,8 @@ class CudaBackend : public Backend {
   const std::vector<int32_t>& last_folded_argmax() const;
   // Prefill GEMMs run through cuBLAS since construction (prefill_gemm.h; tests and benchmarks).
   int64_t prefill_gemms() const;
+  // Of the plans' linears with a GEMM form, those whose readers round the output (no rounding pass).
+  int64_t prefill_linears_rounded_by_readers() const;
   // Routed-expert ops (moe_gate_up, moe_down) run as expert GEMMs since construction (moe_gemm.h), the
   // tokens per expert of the last routing they read, and how the last one's GEMMs ran ("wgmma grouped",
   // "cublas grouped", "cublas per expert", "expert gemv"; "none" before any).

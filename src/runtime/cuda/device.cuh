@@ -38,6 +38,9 @@ struct TaskCtx {
   __device__ Rows<float> out_rows() const { return {arena + op->out_offset, op->width}; }
   // The dtype the output is rounded to: round_act(out_act(), v) == round_out(*this, v).
   __device__ int32_t out_act() const { return op->round_out ? op->act : kAF32; }
+  // The dtype input i's loads are rounded to: op->act where OpDesc::round_in says its values may be
+  // unrounded, else fp32 (round_act leaves the value as it is).
+  __device__ int32_t in_act(int i) const { return (op->round_in >> i) & 1 ? op->act : kAF32; }
   __device__ int64_t in_width(int i) const { return op->in_width[i]; }
   __device__ const DeviceWeight& weight(int i) const { return op->weights[i]; }
   __device__ float attr(int i) const { return op->attr[i]; }

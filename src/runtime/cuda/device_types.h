@@ -69,6 +69,11 @@ struct OpDesc {
   // share during one step, and kOpSyncCounters counters that are 0 whenever the op is not running (its
   // last task to leave resets them). Null / 0 for other ops.
   int32_t tasks = 1;
+  // Bit i: input i may hold values not yet rounded to `act` (a prefill GEMM's fp32 output whose own
+  // rounding pass is skipped, prefill_gemm.h round_in_mask), and the body rounds them as it loads them
+  // (TaskCtx::in_act). Only the bodies of rounds_inputs_on_load's opcodes read it; rounding a value
+  // that is already rounded leaves it as it is, so steps whose producers did round are unchanged.
+  int32_t round_in = 0;
   float* workspace = nullptr;
   int64_t workspace_floats = 0;
   unsigned* sync = nullptr;

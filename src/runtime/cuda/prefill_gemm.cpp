@@ -31,6 +31,31 @@ std::optional<GemmOp> gemm_form(const Plan& plan, const PlanOp& op, const Device
   return GemmOp{weight, x.offset, op.offset, input.width, op.width, x.row_stride, op.dtype == OutDType::kAct ? act : kAF32, op.inputs.front()};
 }
 
+bool rounds_inputs_on_load(Op op) {
+  switch (op) {
+    case Op::kAdd:
+    case Op::kSiluMul:
+    case Op::kSituMul:
+    case Op::kSigmoid:
+    case Op::kShortConvSilu:
+    case Op::kKdaGate:
+    case Op::kGatedRmsNorm:
+      return true;
+    default:
+      return false;
+  }
+}
+
+int32_t round_in_mask(const Plan& plan, const PlanOp& reader) {
+  if (plan.phase != PlanPhase::kPrefill || !rounds_inputs_on_load(reader.op())) return 0;
+  int32_t mask = 0;
+  for (size_t i = 0; i < reader.inputs.size() && i < 31; ++i) {
+    const PlanOp& input = plan.op(reader.inputs[i]);  // a view (slice) is not a linear: its source keeps its rounding
+    if (input.op() == Op::kLinear && input.dtype == OutDType::kAct) mask |= int32_t{1} << i;
+  }
+  return mask;
+}
+
 std::vector<Segment> build_segments(const Plan& plan, const std::vector<Instr>& by_task, const std::vector<bool>& host_op, int32_t skip_op,
                                     const std::vector<int32_t>* also_reads) {
   std::vector<Segment> segments(1);
@@ -103,10 +128,36 @@ bool output_on_host(const Plan& plan, const std::vector<Instr>& by_task, const s
   return std::none_of(by_task.begin(), by_task.end(), [&](const Instr& ins) { return ins.op == out && ins.num_signals > 0; });
 }
 
+// Per op: a plain linear run as a GEMM whose output every reader rounds as it loads it (an op body
+// that OpDesc::round_in tells to, or a GEMM over 16-bit weights, whose input conversion rounds to
+// nearest as round_rows does), so that its tasks need not round it. Not the plan's output, whose
+// rounding the host does or whose values leave the step.
+std::vector<bool> outputs_rounded_by_readers(const Plan& plan, const GemmPath& path, int32_t act) {
+  std::vector<bool> rounded(plan.ops.size(), false);
+  if (act == kAF32) return rounded;
+  std::vector<int> readers(plan.ops.size(), 0);
+  std::vector<bool> other(plan.ops.size(), false);  // read by something that needs rounded values
+  for (size_t j = 0; j < plan.ops.size(); ++j) {
+    const PlanOp& reader = plan.ops[j];
+    const int32_t mask = round_in_mask(plan, reader);
+    const bool gemm_reader = path.ops[j].has_value() && path.ops[j]->weight.type != kWF32;
+    for (size_t i = 0; i < reader.inputs.size(); ++i) {
+      const auto in = static_cast<size_t>(reader.inputs[i]);
+      readers[in] += 1;
+      if (!(gemm_reader || (i < 31 && ((mask >> i) & 1) != 0))) other[in] = true;
+    }
+  }
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    rounded[i] = path.ops[i].has_value() && plan.ops[i].op() == Op::kLinear && plan.ops[i].dtype == OutDType::kAct && readers[i] > 0 && !other[i] &&
+                 static_cast<int32_t>(i) != plan.output_op;
+  }
+  return rounded;
+}
+
 }  // namespace
 
 GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weights, const std::vector<Instr>& by_task, const std::vector<bool>& reduce,
-                        int32_t act, bool mla, bool kda, int64_t min_rows) {
+                        int32_t act, bool mla, bool kda, bool readers_round, int64_t min_rows) {
   GemmPath path;
   if (plan.phase != PlanPhase::kPrefill || plan.max_tokens < min_rows) return path;
   path.ops.resize(plan.ops.size());
@@ -148,6 +199,8 @@ GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weigh
   }
   if (path.max_input_elems == 0 && path.moe_capacity.pairs == 0 && !any_mla && !any_kda) return {};
   if (output_on_host(plan, by_task, reduce, path)) path.output_on_host = plan.output_op;
+  const std::vector<bool> by_readers = readers_round ? outputs_rounded_by_readers(plan, path, act) : std::vector<bool>(plan.ops.size(), false);
+  path.rounded_by_readers = std::count(by_readers.begin(), by_readers.end(), true);
   const auto with = [&](bool mla_host, bool kda_host) {
     std::vector<bool> marked = host, absorbed(plan.ops.size(), false), rounded(plan.ops.size(), false);
     std::vector<int32_t> also_reads(plan.ops.size(), -1);
@@ -157,7 +210,7 @@ GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weigh
       // Their kernels round what they write as the op body does (the expert epilogues, MLA's scatter or
       // flash store with the gate's arithmetic, KDA's scan): the plain GEMMs' fp32 outputs are the ones
       // left to round.
-      rounded[i] = rounded[i] || path.moe_ops[i].has_value() || mla_op || kda_op;
+      rounded[i] = rounded[i] || path.moe_ops[i].has_value() || mla_op || kda_op || by_readers[i];
       if (mla_op && path.mla_ops[i]->gate_op >= 0) {  // the output gate in the MLA epilogue: it reads the gate
         const auto gated = static_cast<size_t>(path.mla_ops[i]->gate_op);
         absorbed[gated] = true;

@@ -36,6 +36,17 @@ struct GemmOp {
 // f16 weights: activations of that dtype (input op rounded to it), converted exactly; else nullopt.
 std::optional<GemmOp> gemm_form(const Plan& plan, const PlanOp& op, const DeviceWeight& weight, int32_t act);
 
+// Readers that round a GEMM's output themselves. A plain linear's GEMM leaves fp32 sums, which its
+// tasks round to the activation dtype (ops/round_rows.cuh) in a pass of their own over the output
+// rows (an 8K prompt's q, k, v, f_b and g_b projections are [8,192, 4,096] each). The op bodies of
+// these opcodes round their inputs as they load them where OpDesc::round_in marks them instead, and a
+// GEMM that reads the output converts it to its 16-bit input type with the same rounding; a linear
+// whose every reader is one of the two skips the pass (kOpHostDone).
+bool rounds_inputs_on_load(Op op);
+// OpDesc::round_in of `reader` in `plan`: bit i for each input i that is a plain linear's output in
+// the activation dtype, when the plan is a prefill plan and the reader's body rounds on load.
+int32_t round_in_mask(const Plan& plan, const PlanOp& reader);
+
 // The plan's queues cut into megakernel launches: each segment first runs its host ops (all_reduce,
 // GEMMs) on the stream, then the tasks of ops [first_op, next segment's first_op) in queue order. A
 // host op opens a segment; host ops right after it that read none of the group's outputs join it.
@@ -75,6 +86,7 @@ struct GemmPath {
   // counter after it).
   int32_t output_on_host = -1;
   int64_t max_input_elems = 0;  // the largest GEMM input (rows × in) the plan can bring
+  int64_t rounded_by_readers = 0;  // linears whose readers round their GEMM output (outputs_rounded_by_readers)
   MoeGemmCapacity moe_capacity;  // what its MoE ops need at max_tokens rows
   MlaGemmCapacity mla_capacity;  // what its MLA ops need at max_tokens rows
   KdaPrefillCapacity kda_capacity;  // what its KDA ops need at max_tokens rows
@@ -90,9 +102,10 @@ struct GemmPath {
 };
 // Empty for decode plans, plans of fewer than `min_rows` rows and plans without any GEMM form.
 // `weights`: the plan's weights on the device; `reduce`: its all_reduce ops (host ops on every path);
-// `mla`: whether mla_attention ops may take their GEMM form; `kda`: kda_delta_rule ops their planned one.
+// `mla`: whether mla_attention ops may take their GEMM form; `kda`: kda_delta_rule ops their planned one;
+// `readers_round`: whether the readers' round_in (set with it) may stand in for a linear's rounding tasks.
 GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weights, const std::vector<Instr>& by_task, const std::vector<bool>& reduce,
-                        int32_t act, bool mla, bool kda, int64_t min_rows);
+                        int32_t act, bool mla, bool kda, bool readers_round, int64_t min_rows);
 
 // cuBLAS on one stream: a handle, its workspace, and the bf16/f16 copies of GEMM inputs. A step's
 // GEMMs often read one input (a KDA layer's six projections of the normed hidden state, an MoE

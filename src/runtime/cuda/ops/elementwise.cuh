@@ -9,13 +9,16 @@
 namespace plow::cuda {
 
 // out = round(f(a, b)) over the task's share; a unary f ignores b (input 0 is read twice then, from L1).
+// Inputs are rounded as they load where OpDesc::round_in says so (a prefill GEMM's unrounded output).
 template <typename F>
 __device__ __forceinline__ void map_elements(const TaskCtx& ctx, F f) {
-  const Rows<const float> a = ctx.in_rows(0), b = ctx.in_rows(ctx.op->num_inputs > 1 ? 1 : 0);
+  const int ib = ctx.op->num_inputs > 1 ? 1 : 0;
+  const Rows<const float> a = ctx.in_rows(0), b = ctx.in_rows(ib);
   const Rows<float> out = ctx.out_rows();
-  const int32_t act = ctx.out_act();
+  const int32_t act = ctx.out_act(), a_act = ctx.in_act(0), b_act = ctx.in_act(ib);
   for_each_share_element(
-      ctx, [&](int t, int64_t c) { return Operands{a[t][c], b[t][c]}; }, [&](int t, int64_t c, Operands v) { out[t][c] = round_act(act, f(v.a, v.b)); });
+      ctx, [&](int t, int64_t c) { return Operands{a[t][c], b[t][c]}; },
+      [&](int t, int64_t c, Operands v) { out[t][c] = round_act(act, f(round_act(a_act, v.a), round_act(b_act, v.b))); });
 }
 
 // Rounds the task's share of the output in place: fp32 values the host wrote there (an NCCL sum, a

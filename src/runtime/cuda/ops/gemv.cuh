@@ -354,7 +354,7 @@ __device__ __noinline__ void op_gated_norm_linear(const TaskCtx& ctx) {
         // gated_rms_norm's units (its sums and rounding), one per (row, head), into the staged rows.
         const int heads = n / d;
         const Rows<const float> o = ctx.in_rows(0), z = ctx.in_rows(1);
-        gated_norm_units(ctx.weight(0), d, eps, ctx.op->act, static_cast<int64_t>(count) * heads, [&](int64_t u) {
+        gated_norm_units(ctx.weight(0), d, eps, ctx.op->act, kAF32, kAF32, static_cast<int64_t>(count) * heads, [&](int64_t u) {
           const int g = static_cast<int>(u / heads);
           const int64_t col = u % heads * d;
           return GatedUnit{o[t0 + g] + col, z[t0 + g] + col, xs + g * ld + col};

@@ -14,9 +14,10 @@ namespace plow::cuda {
 inline constexpr int kShortConvRowsMinTokens = 16;
 
 // History position q of column c of the sequence whose first row is `first`: the conv window for
-// q < keep, else input row first + q − keep.
-__device__ __forceinline__ float conv_history(const float* window, Rows<const float> x, int first, int keep, int64_t q, int64_t c) {
-  return q < keep ? window[c * keep + q] : x[first + q - keep][c];
+// q < keep, else input row first + q − keep rounded to x_act (TaskCtx::in_act: a prefill GEMM's
+// unrounded output; the window holds rounded values).
+__device__ __forceinline__ float conv_history(const float* window, Rows<const float> x, int32_t x_act, int first, int keep, int64_t q, int64_t c) {
+  return q < keep ? window[c * keep + q] : round_act(x_act, x[first + q - keep][c]);
 }
 
 // Where the row share of task i of `tasks` starts among the step's `rows` rows: rows·i/tasks, moved
@@ -35,19 +36,21 @@ __device__ __forceinline__ int short_conv_row_bound(const StepView& step, int ro
 // and its last K − 1 history values in registers, sliding down the rows; kRows rows' inputs loaded
 // before their sums. One load, K FMAs, the SiLU and a store an output.
 template <int K>
-__device__ __forceinline__ void short_conv_column(const DeviceWeight& taps, Rows<const float> x, Rows<float> out, int32_t act, int first, int lo, int hi,
-                                                  int64_t c, const float* window) {
+__device__ __forceinline__ void short_conv_column(const DeviceWeight& taps, Rows<const float> x, int32_t x_act, Rows<float> out, int32_t act, int first, int lo,
+                                                  int hi, int64_t c, const float* window) {
   static_assert(K >= 2, "a history of at least one value");
   constexpr int keep = K - 1, kRows = 2 * kLoadBatch;
   float w[K], h[keep];
 #pragma unroll
   for (int k = 0; k < K; ++k) w[k] = weight_flat(taps, c * K + k);
 #pragma unroll
-  for (int k = 0; k < keep; ++k) h[k] = conv_history(window, x, first, keep, lo - first + k, c);  // the window, else the rows before lo
+  for (int k = 0; k < keep; ++k) h[k] = conv_history(window, x, x_act, first, keep, lo - first + k, c);  // the window, else the rows before lo
   for (int t0 = lo; t0 < hi; t0 += kRows) {
     float v[kRows];
 #pragma unroll
     for (int i = 0; i < kRows; ++i) v[i] = t0 + i < hi ? x[t0 + i][c] : 0.0f;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) v[i] = round_act(x_act, v[i]);
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       if (t0 + i >= hi) break;
@@ -73,8 +76,8 @@ __device__ __forceinline__ void short_conv_column(const DeviceWeight& taps, Rows
 // (124-byte pieces of 16 KB rows through a shared-memory tile): 27 ms of the 48B's 8K prompt on the
 // H200; by rows with K loads an output, 42 ms (instruction-bound).
 template <int K>
-__device__ __forceinline__ void short_conv_silu_rows(const TaskCtx& ctx, const DeviceWeight& taps, int kernel_, Rows<const float> x, Rows<float> out,
-                                                     int32_t act) {
+__device__ __forceinline__ void short_conv_silu_rows(const TaskCtx& ctx, const DeviceWeight& taps, int kernel_, Rows<const float> x, int32_t x_act,
+                                                     Rows<float> out, int32_t act) {
   const int kernel = K > 0 ? K : kernel_;
   const StepView& step = *ctx.step;
   const int keep = kernel - 1, rows = ctx.rows(), tasks = static_cast<int>(ctx.op->tasks), task = static_cast<int>(ctx.task);
@@ -86,13 +89,13 @@ __device__ __forceinline__ void short_conv_silu_rows(const TaskCtx& ctx, const D
     if (tokens < kShortConvRowsMinTokens || lo >= hi) continue;  // block-uniform
     float* window = state_of(ctx, step.seq_slot[s]);
     if constexpr (K > 0) {
-      for (int64_t c = threadIdx.x; c < width; c += kThreads) short_conv_column<K>(taps, x, out, act, first, lo, hi, c, window);
+      for (int64_t c = threadIdx.x; c < width; c += kThreads) short_conv_column<K>(taps, x, x_act, out, act, first, lo, hi, c, window);
     } else {
       for_each_element(
           lo, hi, 0, static_cast<int>(width),
           [&](int t, int64_t c) {
             float sum = 0.0f;
-            for (int k = 0; k < kernel; ++k) sum += weight_flat(taps, c * kernel + k) * conv_history(window, x, first, keep, t - first + k, c);
+            for (int k = 0; k < kernel; ++k) sum += weight_flat(taps, c * kernel + k) * conv_history(window, x, x_act, first, keep, t - first + k, c);
             return sum;
           },
           [&](int t, int64_t c, float sum) { out[t][c] = round_act(act, siluf_(sum)); });
@@ -100,7 +103,7 @@ __device__ __forceinline__ void short_conv_silu_rows(const TaskCtx& ctx, const D
     if (r0 <= first) {  // the task holding the sequence's first rows: new window = history[tokens, tokens + keep)
       __syncthreads();  // every thread's reads of the old window first
       for (int64_t c = threadIdx.x; c < width; c += kThreads) {
-        for (int j = 0; j < keep; ++j) window[c * keep + j] = conv_history(window, x, first, keep, tokens + j, c);  // reads position tokens + j ≥ j + 1: not yet rewritten
+        for (int j = 0; j < keep; ++j) window[c * keep + j] = conv_history(window, x, x_act, first, keep, tokens + j, c);  // reads position tokens + j ≥ j + 1: not yet rewritten
       }
     }
   }
@@ -115,12 +118,12 @@ __device__ __noinline__ void op_short_conv_silu(const TaskCtx& ctx) {
   const int64_t cols = ctx.col_end - ctx.col_begin;
   const Rows<const float> x = ctx.in_rows(0);
   const Rows<float> out = ctx.out_rows();
-  const int32_t act = ctx.out_act();
+  const int32_t act = ctx.out_act(), x_act = ctx.in_act(0);
   const StepView& step = *ctx.step;
   if (kernel == 4) {
-    short_conv_silu_rows<4>(ctx, taps, kernel, x, out, act);
+    short_conv_silu_rows<4>(ctx, taps, kernel, x, x_act, out, act);
   } else {
-    short_conv_silu_rows<0>(ctx, taps, kernel, x, out, act);
+    short_conv_silu_rows<0>(ctx, taps, kernel, x, x_act, out, act);
   }
   // Short sequences (decode), over the task's column slice: one pass over every (sequence, channel)
   // pair of the step, each thread its pairs' outputs and then their new windows. A pass per sequence
@@ -138,10 +141,10 @@ __device__ __noinline__ void op_short_conv_silu(const TaskCtx& ctx) {
     float* window = state_of(ctx, step.seq_slot[s]);
     for (int t = 0; t < tokens; ++t) {
       float sum = 0.0f;
-      for (int j = 0; j < kernel; ++j) sum += weight_flat(taps, c * kernel + j) * conv_history(window, x, first, keep, t + j, c);
+      for (int j = 0; j < kernel; ++j) sum += weight_flat(taps, c * kernel + j) * conv_history(window, x, x_act, first, keep, t + j, c);
       out[first + t][c] = round_act(act, siluf_(sum));
     }
-    for (int j = 0; j < keep; ++j) window[c * keep + j] = conv_history(window, x, first, keep, tokens + j, c);
+    for (int j = 0; j < keep; ++j) window[c * keep + j] = conv_history(window, x, x_act, first, keep, tokens + j, c);
   }
 }
 
@@ -154,11 +157,11 @@ __device__ __noinline__ void op_kda_gate(const TaskCtx& ctx) {
   const auto d = static_cast<int>(ctx.attr(0));
   const bool bounded = ctx.attr(1) != 0.0f;
   const float lower_bound = ctx.attr(2);
-  const int32_t act = ctx.out_act();
+  const int32_t act = ctx.out_act(), f_act = ctx.in_act(0);
   const Rows<const float> f = ctx.in_rows(0);
   const Rows<float> out = ctx.out_rows();
   for_each_share_element(
-      ctx, [&](int t, int64_t c) { return Operands{f[t][c] + weight_flat(dt_bias, c), weight_flat(a_log, static_cast<int>(c) / d)}; },
+      ctx, [&](int t, int64_t c) { return Operands{round_act(f_act, f[t][c]) + weight_flat(dt_bias, c), weight_flat(a_log, static_cast<int>(c) / d)}; },
       [&](int t, int64_t c, Operands v) { out[t][c] = round_act(act, kda_gate_value(v.a, v.b, bounded, lower_bound)); });
 }
 

@@ -52,16 +52,22 @@ struct GatedUnit {
 // ⊙ σ(z)), fp32 throughout, one rounding. One warp a unit, lane l summing channels l, l + 32, … in
 // order, so a unit's sum is the same whichever body, task or form computes it. For d ≤ 128 a warp
 // loads kGatedNormUnits units before reducing any (one unit at a time waited a DRAM latency per unit).
+// o and z are rounded to o_act and z_act as they load (TaskCtx::in_act; kAF32: as they are).
 template <class At>
-__device__ __forceinline__ void gated_norm_units(const DeviceWeight w, int64_t d, float eps, int32_t act, int64_t units, At at) {
+__device__ __forceinline__ void gated_norm_units(const DeviceWeight w, int64_t d, float eps, int32_t act, int32_t o_act, int32_t z_act, int64_t units, At at) {
   const int lane = lane_id();
   if (d > 32 * kGatedNormPerLane) {
     for (int64_t u = warp_id(); u < units; u += kWarps) {
       const GatedUnit p = at(u);
       float sum = 0.0f;
-      for (int64_t j = lane; j < d; j += 32) sum += p.o[j] * p.o[j];
+      for (int64_t j = lane; j < d; j += 32) {
+        const float o = round_act(o_act, p.o[j]);
+        sum += o * o;
+      }
       const float scale = inv_rms(warp_sum(sum), d, eps);
-      for (int64_t j = lane; j < d; j += 32) p.out[j] = round_act(act, weight_flat(w, j) * (p.o[j] * scale) * sigmoidf_(p.z[j]));
+      for (int64_t j = lane; j < d; j += 32) {
+        p.out[j] = round_act(act, weight_flat(w, j) * (round_act(o_act, p.o[j]) * scale) * sigmoidf_(round_act(z_act, p.z[j])));
+      }
     }
     return;
   }
@@ -77,7 +83,7 @@ __device__ __forceinline__ void gated_norm_units(const DeviceWeight w, int64_t d
       const GatedUnit p = at(u);
 #pragma unroll
       for (int i = 0; i < kGatedNormPerLane; ++i) {
-        if (lane + 32 * i < d) o[k][i] = p.o[lane + 32 * i], z[k][i] = p.z[lane + 32 * i];
+        if (lane + 32 * i < d) o[k][i] = round_act(o_act, p.o[lane + 32 * i]), z[k][i] = round_act(z_act, p.z[lane + 32 * i]);
       }
     }
 #pragma unroll
@@ -111,7 +117,7 @@ __device__ __noinline__ void op_gated_rms_norm(const TaskCtx& ctx) {
   const int rows = ctx.rows();
   const int64_t share_rows = share.first_row < rows ? (rows - share.first_row + share.row_stride - 1) / share.row_stride : 0;
   // Unit u: head first_head + u mod heads of row first_row + (u / heads)·row_stride, at column offset h·d.
-  gated_norm_units(ctx.weight(0), d, ctx.attr(1), ctx.out_act(), share_rows * heads, [&](int64_t u) {
+  gated_norm_units(ctx.weight(0), d, ctx.attr(1), ctx.out_act(), ctx.in_act(0), ctx.in_act(1), share_rows * heads, [&](int64_t u) {
     const int64_t row = share.first_row + u / heads * share.row_stride, col = (first_head + u % heads) * d;
     return GatedUnit{o_rows[row] + col, z_rows[row] + col, out[row] + col};
   });
