@@ -294,7 +294,8 @@ OpCase viewed(OpCase c) {
 
 // The same case over many rows on 132 workers (the H200's plans): a 600-row step (moe_topk: 38 tasks
 // of ~16 rows; row-reduction norms: each of the 132 tasks owns whole rows, common.cuh row_share;
-// elementwise ops and the embedding: each task a contiguous range of whole rows, element_share;
+// elementwise ops and the embedding: each task a contiguous range of whole rows, element_share, four
+// columns at a time where the width is a multiple of 4 (for_each_share_element4: the 96-wide cases);
 // gated_rms_norm: 75 tasks, most past its heads, of 8 rows each; short_conv_silu: its row form, the
 // 200-row step's first share boundary moved to keep the window's readers in one task),
 // a 200-row step (rms_norm, add_norm and the elementwise ops of ≥ 100 columns column-sliced: fewer than
@@ -344,6 +345,7 @@ std::vector<OpCase> cases() {
   all.push_back(short_conv(257, 3));
   all.push_back(long_rows(short_conv(1030, 4)));
   all.push_back(long_rows(short_conv(1030, 33)));
+  all.push_back(long_rows(short_conv(1032, 4)));  // a width of a multiple of 4: four columns a thread (short_conv_column4)
   all.push_back(embedding(257));
   all.push_back(kda_gate(2, 16, false, 1.0f));
   all.push_back(kda_gate(3, 32, true, 1.0f));
@@ -382,6 +384,7 @@ std::vector<OpCase> cases() {
   for (OpCase c : {moe_topk({256, 8}, "e256_k8"), moe_topk({64, 6, 8, 3}, "e64_k6_g8"), moe_topk({896, 16}, "e896_k16"), rms_norm(1030),
                    add_norm(1030), gated_rms_norm(4, 128), gated_rms_norm(3, 48), gated_rms_norm(2, 160), elementwise("add_257", Op::kAdd, 257, 2, {}, exact),
                    elementwise("silu_mul_130", Op::kSiluMul, 130, 2, {}, two_roundings), elementwise("sigmoid_96", Op::kSigmoid, 96, 1, {}, transcendental, true),
+                   elementwise("add_96", Op::kAdd, 96, 2, {}, exact), elementwise("silu_mul_96", Op::kSiluMul, 96, 2, {}, two_roundings),
                    elementwise("sigmoid_mul_257", Op::kSigmoidMul, 257, 2, {}, transcendental),
                    elementwise("situ_mul_130", Op::kSituMul, 130, 2, {{"beta", 4.0}, {"linear_beta", 25.0}}, transcendental), short_conv(257, 4),
                    kda_gate(3, 32, true, 1.0f), kda_gate(2, 64, false, 12.0f), embedding(1030)}) {

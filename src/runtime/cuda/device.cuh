@@ -59,10 +59,14 @@ __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf
 __device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
 // The KDA gate of z = f + dt_bias in head h (kda_gate, linear_kda_gate): −exp(A_log[h])·softplus(z)
 // (softplus returns z above 20), or with a lower bound lb (K3, bounded) lb·σ(exp(A_log[h])·z).
-__device__ __forceinline__ float kda_gate_value(float z, float a_log, bool bounded, float lower_bound) {
-  const float rate = expf(a_log);
+// kda_gate_rate takes rate = exp(A_log[h]) already computed (kda_gate's tasks take it once a head).
+__device__ __forceinline__ float kda_gate_rate(float z, float rate, bool bounded, float lower_bound) {
+  if (bounded) return lower_bound * sigmoidf_(rate * z);
   const float softplus = z > 20.0f ? z : logf(1.0f + expf(z));
-  return bounded ? lower_bound * sigmoidf_(rate * z) : -rate * softplus;
+  return -rate * softplus;
+}
+__device__ __forceinline__ float kda_gate_value(float z, float a_log, bool bounded, float lower_bound) {
+  return kda_gate_rate(z, expf(a_log), bounded, lower_bound);
 }
 __device__ __forceinline__ float situf_(float a, float b, float beta, float linear_beta) {
   const float up = linear_beta > 0 ? linear_beta * tanhf(b / linear_beta) : b;

@@ -8,6 +8,11 @@
 
 namespace plow::cuda {
 
+// Two inputs' four elements (for_each_share_element4's operands).
+struct Operands4 {
+  float4 a, b;
+};
+
 // out = round(f(a, b)) over the task's share; a unary f ignores b (input 0 is read twice then, from L1).
 // Inputs are rounded as they load where OpDesc::round_in says so (a prefill GEMM's unrounded output).
 template <typename F>
@@ -16,9 +21,12 @@ __device__ __forceinline__ void map_elements(const TaskCtx& ctx, F f) {
   const Rows<const float> a = ctx.in_rows(0), b = ctx.in_rows(ib);
   const Rows<float> out = ctx.out_rows();
   const int32_t act = ctx.out_act(), a_act = ctx.in_act(0), b_act = ctx.in_act(ib);
-  for_each_share_element(
-      ctx, [&](int t, int64_t c) { return Operands{a[t][c], b[t][c]}; },
-      [&](int t, int64_t c, Operands v) { out[t][c] = round_act(act, f(round_act(a_act, v.a), round_act(b_act, v.b))); });
+  const auto one = [&](float x, float y) { return round_act(act, f(round_act(a_act, x), round_act(b_act, y))); };
+  const Rows<const float> rows[3] = {{out.base, out.stride}, a, b};
+  for_each_share_element4(
+      ctx, rows, [&](int t, int64_t c) { return Operands4{load4f(a[t] + c), load4f(b[t] + c)}; },
+      [&](int t, int64_t c, Operands4 v) { store4f(out[t] + c, float4{one(v.a.x, v.b.x), one(v.a.y, v.b.y), one(v.a.z, v.b.z), one(v.a.w, v.b.w)}); },
+      [&](int t, int64_t c) { return Operands{a[t][c], b[t][c]}; }, [&](int t, int64_t c, Operands v) { out[t][c] = one(v.a, v.b); });
 }
 
 // Rounds the task's share of the output in place: fp32 values the host wrote there (an NCCL sum, a
@@ -27,7 +35,11 @@ __device__ __forceinline__ void round_in_place(const TaskCtx& ctx) {
   const int32_t act = ctx.out_act();
   if (act == kAF32) return;
   const Rows<float> out = ctx.out_rows();
-  for_each_share_element(ctx, [&](int t, int64_t c) { return out[t][c]; }, [&](int t, int64_t c, float v) { out[t][c] = round_act(act, v); });
+  const Rows<const float> rows[1] = {{out.base, out.stride}};
+  for_each_share_element4(
+      ctx, rows, [&](int t, int64_t c) { return load4f(out[t] + c); },
+      [&](int t, int64_t c, float4 v) { store4f(out[t] + c, float4{round_act(act, v.x), round_act(act, v.y), round_act(act, v.z), round_act(act, v.w)}); },
+      [&](int t, int64_t c) { return out[t][c]; }, [&](int t, int64_t c, float v) { out[t][c] = round_act(act, v); });
 }
 
 // kAdd: a + b. attrs: none.
