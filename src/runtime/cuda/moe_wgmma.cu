@@ -5,7 +5,8 @@
 // BN = 128). Its 256 threads stream the weight rows and the job's rows (gate_up's token rows read in
 // place through the routing's permutation: b_rows) through a ring of shared-memory stages by cp.async,
 // 64 K elements a stage in the 128-byte swizzled layout wgmma reads; each warpgroup multiplies its 64
-// weight rows by the job's rows with wgmma m64nBNk16 (16-bit in, fp32 accumulate), four a stage. The output is rounded once, to the output type, as cuBLAS rounds its GEMM's output.
+// weight rows by the job's rows with wgmma m64nBNk16 (16-bit in, fp32 accumulate), four a stage. The
+// output is rounded once, to the output type, as cuBLAS rounds its GEMM's output.
 //
 // Why: at 2,048-token steps an expert gets ~64 rows, so the op is a weight stream (below the ridge) whose
 // instruction count decides how close it comes to the bandwidth: one wgmma is 64·BN·16 multiply-adds

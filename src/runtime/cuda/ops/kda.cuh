@@ -134,7 +134,9 @@ __device__ __forceinline__ void short_conv_silu_rows(const TaskCtx& ctx, const D
       const uintptr_t bits = reinterpret_cast<uintptr_t>(x.base) | reinterpret_cast<uintptr_t>(out.base) | static_cast<uintptr_t>(x.stride * 4) |
                              static_cast<uintptr_t>(out.stride * 4) | static_cast<uintptr_t>(width * 4);
       if ((bits & 15) == 0) {
-        for (int64_t c = 4 * static_cast<int64_t>(threadIdx.x); c < width; c += 4 * kThreads) short_conv_column4<K>(taps, x, x_act, out, act, first, lo, hi, c, window);
+        for (int64_t c = 4 * static_cast<int64_t>(threadIdx.x); c < width; c += 4 * kThreads) {
+          short_conv_column4<K>(taps, x, x_act, out, act, first, lo, hi, c, window);
+        }
       } else {
         for (int64_t c = threadIdx.x; c < width; c += kThreads) short_conv_column<K>(taps, x, x_act, out, act, first, lo, hi, c, window);
       }
@@ -151,7 +153,8 @@ __device__ __forceinline__ void short_conv_silu_rows(const TaskCtx& ctx, const D
     if (r0 <= first) {  // the task holding the sequence's first rows: new window = history[tokens, tokens + keep)
       __syncthreads();  // every thread's reads of the old window first
       for (int64_t c = threadIdx.x; c < width; c += kThreads) {
-        for (int j = 0; j < keep; ++j) window[c * keep + j] = conv_history(window, x, x_act, first, keep, tokens + j, c);  // reads position tokens + j ≥ j + 1: not yet rewritten
+        // Reads position tokens + j ≥ j + 1: not yet rewritten.
+        for (int j = 0; j < keep; ++j) window[c * keep + j] = conv_history(window, x, x_act, first, keep, tokens + j, c);
       }
     }
   }
