@@ -21,6 +21,7 @@
 #include "core/error.h"
 #include "serve/server.h"
 #include "subcommands.h"
+#include "tools/bench_records.h"
 
 namespace plow {
 
@@ -178,33 +179,6 @@ std::vector<Sample> run_parallel(int width, int jobs, const std::function<std::v
   return flat;
 }
 
-std::string shell_line(const char* command) {
-  std::string out;
-  if (FILE* pipe = popen(command, "r")) {
-    char buf[256];
-    while (fgets(buf, sizeof buf, pipe)) out += buf;
-    pclose(pipe);
-  }
-  while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
-  return out;
-}
-
-// This process's argv, space-separated (what reproduces the run).
-std::string command_line() {
-  std::ifstream in("/proc/self/cmdline", std::ios::binary);
-  std::string out, arg;
-  while (std::getline(in, arg, '\0')) out += (out.empty() ? "" : " ") + arg;
-  return out;
-}
-
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  }
-  return "unknown CPU";
-}
-
 int run_bench_serve(const BenchArgs& a) {
   if (a.model_dir.empty() == a.url.empty()) fail("bench serve: give exactly one of --model DIR (serve it here) or --url HOST:PORT");
   for (int c : a.concurrency) {
@@ -292,13 +266,12 @@ int run_bench_serve(const BenchArgs& a) {
   char stamp[32];
   std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::gmtime(&t));
   const json result = {{"benchmark", "serve"},
-                       {"git_revision", shell_line("git rev-parse HEAD 2>/dev/null")},
-                       {"git_dirty", !shell_line("git status --porcelain --untracked-files=no 2>/dev/null").empty()},
-                       {"device", cpu_model()},
+                       {"git_revision", tools::git_revision()},
+                       {"device", tools::cpu_model()},
                        {"backend", a.model_dir.empty() ? "remote server" : "cpu reference (plow serve in-process)"},
                        {"model", a.model_dir.empty() ? a.url : a.model_dir},
                        {"prefix_cache_mb", a.model_dir.empty() ? json(nullptr) : json(a.prefix_cache_mb)},
-                       {"command", command_line()},
+                       {"command", tools::process_command_line()},
                        {"utc", stamp},
                        {"concurrency_sweep", sweep},
                        {"agentic_replay", agentic}};
@@ -313,13 +286,7 @@ int run_bench_serve(const BenchArgs& a) {
 
 Subcommand add_bench_serve_command(CLI::App& app) {
   auto args = std::make_shared<BenchArgs>();
-  CLI::App* bench = nullptr;
-  try {
-    bench = app.get_subcommand("bench");  // another file may have declared `plow bench` already
-  } catch (const CLI::OptionNotFound&) {
-    bench = app.add_subcommand("bench", "benchmarks");
-    bench->require_subcommand(1);
-  }
+  CLI::App* bench = bench_group(app);
   CLI::App* cmd = bench->add_subcommand("serve", "load an OpenAI server: concurrency sweep and multi-turn agentic replay");
   auto* model = cmd->add_option("--model", args->model_dir, "model directory to serve in-process");
   cmd->add_option("--url", args->url, "HOST:PORT of a running server instead")->excludes(model);

@@ -16,6 +16,7 @@
 #include "engine/model.h"
 #include "plan/lower.h"
 #include "runtime/backend.h"
+#include "tools/bench_records.h"
 
 namespace plow::tools {
 
@@ -130,14 +131,8 @@ struct BenchPrefillArgs {
 void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args);
 int run_bench_prefill(const BenchPrefillArgs& args);
 
-// Shared by the benchmarks: the short git revision (−dirty when the tree has changes; PLOW_GIT_REV
-// overrides), and records appended to the JSON array at `path` (created when missing).
-std::string git_revision();
 // Bytes of one part of `decl` on the device with activations/weights in `dtype` (MXFP4 parts packed,
 // the fp32 gate and bias weights in fp32): a routed expert stack's part is one expert's matrix.
 double weight_bytes(const WeightDecl& decl, DType dtype);
-// Runs a shell command and returns what it printed on stdout; *status gets pclose's status.
-std::string run_and_capture(const std::string& command, int* status = nullptr);
-void append_records(const std::string& path, const nlohmann::json& records);
 
 }  // namespace plow::tools

@@ -474,8 +474,9 @@ int main(int argc, char** argv) {
 
   const Subcommand chat_cmd = add_chat_command(app);
   const Subcommand bench_serve_cmd = add_bench_serve_command(app);
+  const Subcommand bench_sample_cmd = add_bench_sample_command(app);
 
-  CLI::App* bench_cmd = app.get_subcommand("bench");  // declared with `bench serve` (cmd_bench_serve.cpp)
+  CLI::App* bench_cmd = bench_group(app);
   tools::BenchDecodeArgs bench_decode;
   CLI::App* bench_decode_cmd = bench_cmd->add_subcommand("decode", "decode steps on the GPU: megakernel, cuda-eager, read roofline, HF peer");
   tools::add_bench_decode_options(bench_decode_cmd, bench_decode);
@@ -519,6 +520,7 @@ int main(int argc, char** argv) {
     if (bench_prefill_cmd->parsed()) return tools::run_bench_prefill(bench_prefill);
     if (chat_cmd.command->parsed()) return chat_cmd.run();
     if (bench_serve_cmd.command->parsed()) return bench_serve_cmd.run();
+    if (bench_sample_cmd.command->parsed()) return bench_sample_cmd.run();
     if (eval_ppl.command->parsed()) return eval_ppl.run();
   } catch (const plow::Error& e) {
     std::fprintf(stderr, "plow: error: %s\n", e.what());

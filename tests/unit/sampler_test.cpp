@@ -1,6 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
 #include <vector>
 
 #include "engine/sampler.h"
@@ -76,6 +80,123 @@ TEST(Sampler, LogprobsAreOfTheRawDistribution) {
   EXPECT_EQ(t.top[0].first, 0);
   EXPECT_NEAR(t.top[0].second, std::log(0.5f), 1e-6);
   EXPECT_EQ(t.top[1].first, 1);
+}
+
+}  // namespace
+}  // namespace plow
+
+namespace plow {
+namespace {
+
+// Logits of `vocab` tokens: normal with spread `sigma`, rounded to `step` when step > 0 (ties), with
+// every 97th token at −∞ when `masked`.
+std::vector<float> random_logits(size_t vocab, float sigma, float step, bool masked, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, sigma);
+  std::vector<float> logits(vocab);
+  for (size_t i = 0; i < vocab; ++i) {
+    float x = normal(rng);
+    if (step > 0) x = std::round(x / step) * step;
+    logits[i] = masked && i % 97 == 5 ? -INFINITY : x;
+  }
+  return logits;
+}
+
+// The fast sampler's kept tokens and probabilities against the sorting specification, over vocabulary
+// sizes, spreads, ties, masked tokens, penalties and every control alone and together.
+TEST(Sampler, DistributionEqualsTheReference) {
+  struct Shape {
+    size_t vocab;
+    float sigma, step;
+    bool masked;
+  };
+  const std::vector<Shape> shapes = {{1, 1, 0, false},   {2, 1, 0, false},   {7, 2, 0.5f, false}, {300, 0.5f, 0, true},
+                                     {5000, 3, 0, false}, {5000, 3, 0.25f, true}, {40000, 8, 0, false}, {163840, 2.5f, 0, false}};
+  struct Controls {
+    float temperature, top_p, min_p;
+    int64_t top_k;
+    bool penalties;
+  };
+  const std::vector<Controls> controls = {{1.0f, 1.0f, 0.0f, 0, false},   {0.6f, 0.95f, 0.0f, 0, false}, {1.7f, 0.9f, 0.0f, 0, false},
+                                          {0.7f, 1.0f, 0.0f, 40, false},  {1.0f, 0.8f, 0.0f, 50, false}, {1.0f, 1.0f, 0.05f, 0, false},
+                                          {0.3f, 0.99f, 0.01f, 0, true},  {1.2f, 0.003f, 0.0f, 0, false}, {1.0f, 0.9f, 0.2f, 7, true},
+                                          {1.0f, 1.0f, 0.0f, 1000000, false}};
+  const std::vector<int32_t> prompt = {0, 3, 3, 150, 4999, 77}, output = {3, 9, 9, 9, 150};
+  int cases = 0;
+  for (size_t s = 0; s < shapes.size(); ++s) {
+    const Shape& sh = shapes[s];
+    const std::vector<float> logits = random_logits(sh.vocab, sh.sigma, sh.step, sh.masked, 100 + s);
+    for (const Controls& c : controls) {
+      SamplingParams p;
+      p.temperature = c.temperature;
+      p.top_p = c.top_p;
+      p.min_p = c.min_p;
+      p.top_k = c.top_k;
+      if (c.penalties) {
+        p.repetition_penalty = 1.3f;
+        p.presence_penalty = 0.4f;
+        p.frequency_penalty = 0.2f;
+      }
+      const TokenDistribution want = reference_distribution(logits, p, prompt, output);
+      const TokenDistribution got = Sampler(p).distribution(logits, prompt, output);
+      const std::string where = "vocab " + std::to_string(sh.vocab) + " shape " + std::to_string(s) + " T " + std::to_string(c.temperature) +
+                                " top_p " + std::to_string(c.top_p) + " top_k " + std::to_string(c.top_k) + " min_p " + std::to_string(c.min_p);
+      std::vector<std::pair<int32_t, double>> a, b;
+      for (size_t i = 0; i < want.ids.size(); ++i) a.emplace_back(want.ids[i], want.probs[i]);
+      for (size_t i = 0; i < got.ids.size(); ++i) b.emplace_back(got.ids[i], got.probs[i]);
+      std::sort(a.begin(), a.end());
+      std::sort(b.begin(), b.end());
+      ASSERT_EQ(a.size(), b.size()) << where;
+      ASSERT_GT(a.size(), 0u) << where;
+      double sum = 0.0;
+      for (size_t i = 0; i < a.size(); ++i) {
+        ASSERT_EQ(a[i].first, b[i].first) << where;
+        EXPECT_NEAR(b[i].second, a[i].second, 1e-6 * a[i].second + 1e-15) << where << " id " << a[i].first;
+        sum += b[i].second;
+      }
+      EXPECT_NEAR(sum, 1.0, 1e-9) << where;
+      ++cases;
+    }
+  }
+  EXPECT_EQ(cases, 80);
+}
+
+// Draws land on each kept token as often as its probability says (a fixed seed: the counts are the
+// same every run; the bound is five standard deviations).
+TEST(Sampler, DrawsFollowTheDistribution) {
+  const std::vector<float> logits = random_logits(1000, 1.5f, 0, false, 7);
+  for (const float top_p : {1.0f, 0.7f}) {
+    SamplingParams p;
+    p.temperature = 0.8f;
+    p.top_p = top_p;
+    p.seed = 11;
+    Sampler sampler(p);
+    const TokenDistribution d = Sampler(p).distribution(logits, {}, {});
+    std::vector<int> counts(logits.size(), 0);
+    const int draws = 40000;
+    for (int i = 0; i < draws; ++i) counts[static_cast<size_t>(sampler.sample(logits))] += 1;
+    int drawn = 0;
+    for (size_t i = 0; i < d.ids.size(); ++i) {
+      const double expected = d.probs[i] * draws;
+      EXPECT_NEAR(counts[static_cast<size_t>(d.ids[i])], expected, 5.0 * std::sqrt(expected) + 1.0) << "token " << d.ids[i];
+      drawn += counts[static_cast<size_t>(d.ids[i])];
+    }
+    EXPECT_EQ(drawn, draws) << "a draw fell outside the kept tokens (top_p " << top_p << ")";
+  }
+}
+
+TEST(Sampler, TopLogprobsAreTheBestInOrder) {
+  std::vector<float> logits = random_logits(5000, 2.0f, 0.5f, false, 3);  // many ties
+  SamplingParams p;
+  p.top_logprobs = 20;
+  const SampledToken t = Sampler(p).sample(logits, {}, {});
+  std::vector<int32_t> order(logits.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logits[static_cast<size_t>(a)] > logits[static_cast<size_t>(b)]; });
+  ASSERT_EQ(t.top.size(), 20u);
+  for (size_t i = 0; i < 20; ++i) EXPECT_EQ(t.top[i].first, order[i]) << i;
+  EXPECT_EQ(t.id, order[0]);
+  EXPECT_FLOAT_EQ(t.logprob, t.top[0].second);
 }
 
 }  // namespace
