@@ -19,18 +19,6 @@ struct Before {
   bool operator()(int32_t a, int32_t b) const { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); }
 };
 
-// The largest value (NaN ignored; −∞ when there is none), four compare chains at a time: one chain
-// waited a compare's latency per value.
-float max_value(std::span<const float> x) {
-  float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-  size_t i = 0;
-  for (; i + 4 <= x.size(); i += 4) {
-    for (int j = 0; j < 4; ++j) m[j] = x[i + j] > m[j] ? x[i + j] : m[j];
-  }
-  for (; i < x.size(); ++i) m[0] = x[i] > m[0] ? x[i] : m[0];
-  return std::max(std::max(m[0], m[1]), std::max(m[2], m[3]));
-}
-
 void apply_penalties(std::vector<float>& logits, std::vector<uint8_t>& seen, const SamplingParams& p, std::span<const int32_t> prompt,
                      std::span<const int32_t> output) {
   const auto vocab = static_cast<int64_t>(logits.size());
@@ -89,12 +77,7 @@ size_t kept_prefix(std::span<const int32_t> order, Weight w, double total, const
 
 }  // namespace
 
-int32_t argmax(std::span<const float> logits) {
-  PLOW_CHECK(!logits.empty(), "argmax of no logits");
-  const float top = max_value(logits);
-  const auto it = std::find(logits.begin(), logits.end(), top);
-  return it == logits.end() ? 0 : static_cast<int32_t>(it - logits.begin());
-}
+bool Sampler::picks_argmax() const { return (params_.temperature <= 0.0f || params_.top_k == 1) && !has_penalties(params_) && params_.top_logprobs < 0; }
 
 std::span<const float> Sampler::penalized(std::span<const float> raw, std::span<const int32_t> prompt, std::span<const int32_t> output) {
   if (!has_penalties(params_)) return raw;

@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/argmax.h"
+
 namespace plow {
 
 struct SamplingParams {
@@ -50,6 +52,8 @@ class Sampler {
   int32_t sample(std::span<const float> logits) { return sample(logits, {}, {}).id; }
   // prompt/output: the sequence so far, for the penalties.
   SampledToken sample(std::span<const float> logits, std::span<const int32_t> prompt, std::span<const int32_t> output);
+  // sample() returns the raw logits' argmax and nothing else (greedy, no penalties, no logprobs).
+  bool picks_argmax() const;
   // What sample() draws from at temperature > 0 (ids in the order the draw walks them); for tests.
   TokenDistribution distribution(std::span<const float> logits, std::span<const int32_t> prompt, std::span<const int32_t> output);
 
@@ -68,8 +72,6 @@ class Sampler {
   bool dense_ = false;             // the kept tokens are every id with weight_[id] > 0, walked by id
   double kept_total_ = 0.0;        // Σ of the kept weights, in walk order
 };
-
-int32_t argmax(std::span<const float> logits);
 
 // The specification of the controls above: sorts the whole vocabulary (ids in the sampler's order).
 // For the tests and as the peer of `plow bench sample`.

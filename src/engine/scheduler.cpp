@@ -1,6 +1,10 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <exception>
+#include <functional>
+#include <span>
+#include <thread>
 
 #include "core/error.h"
 
@@ -14,6 +18,31 @@ const char* finish_reason_name(FinishReason reason) {
   }
   return "error";
 }
+
+namespace {
+
+// job(0), …, job(n − 1) on up to `threads` threads, the caller's among them; rethrows the first
+// exception a job threw once all have ended.
+void run_jobs(size_t n, size_t threads, const std::function<void(size_t)>& job) {
+  threads = std::clamp<size_t>(threads, 1, std::max<size_t>(n, 1));
+  std::vector<std::exception_ptr> errors(threads);
+  auto run_share = [&](size_t t) {
+    try {
+      for (size_t i = t; i < n; i += threads) job(i);
+    } catch (...) {
+      errors[t] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> helpers;
+  for (size_t t = 1; t < threads; ++t) helpers.emplace_back(run_share, t);
+  run_share(0);
+  for (std::thread& h : helpers) h.join();
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+}  // namespace
 
 struct Scheduler::Sequence {
   Request request;
@@ -162,6 +191,11 @@ int64_t Scheduler::step() {
     budget -= count;
   }
   if (batch.empty()) return 0;
+  // When every row this step samples takes its argmax, the backend may answer with ids instead of logits.
+  inputs.argmax_only = true;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (samples[i] && !batch[i]->sampler.picks_argmax()) inputs.argmax_only = false;
+  }
 
   StepOutput out;
   try {
@@ -171,6 +205,31 @@ int64_t Scheduler::step() {
     throw;
   }
   PLOW_CHECK(out.rows == static_cast<int64_t>(batch.size()), "step returned {} rows for {} sequences", out.rows, batch.size());
+  PLOW_CHECK(out.argmax.empty() || (inputs.argmax_only && out.argmax.size() == batch.size()), "step returned {} argmax ids for {} sequences{}",
+             out.argmax.size(), batch.size(), inputs.argmax_only ? "" : " without being asked");
+  // The rows the backend answered with logits are sampled on the host first, in parallel over
+  // sequences when they are many; then each sequence takes its token in batch order.
+  std::vector<SampledToken> sampled(batch.size());
+  std::vector<size_t> host_rows;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (!samples[i]) continue;
+    if (out.argmax.empty()) {
+      host_rows.push_back(i);
+    } else {
+      sampled[i].id = out.argmax[i];
+    }
+  }
+  size_t threads = static_cast<size_t>(options_.sampling_threads);
+  if (threads == 0) {
+    const bool large = static_cast<int64_t>(host_rows.size()) * out.vocab >= (int64_t{1} << 20);
+    threads = large ? std::min<size_t>(8, std::max(1u, std::thread::hardware_concurrency())) : 1;
+  }
+  run_jobs(host_rows.size(), threads, [&](size_t j) {
+    const size_t i = host_rows[j];
+    Sequence& seq = *batch[i];
+    std::span<const float> row(out.logits.data() + static_cast<int64_t>(i) * out.vocab, static_cast<size_t>(out.vocab));
+    sampled[i] = seq.sampler.sample(row, seq.request.prompt, seq.output);
+  });
   for (size_t i = 0; i < batch.size(); ++i) {
     Sequence& seq = *batch[i];
     if (!samples[i]) {
@@ -180,13 +239,11 @@ int64_t Scheduler::step() {
       continue;
     }
     if (seq.state == RequestState::kPrefilling) snapshot(seq, static_cast<int64_t>(seq.request.prompt.size()));  // prompt end
-    std::span<const float> row(out.logits.data() + static_cast<int64_t>(i) * out.vocab, static_cast<size_t>(out.vocab));
-    SampledToken sampled = seq.sampler.sample(row, seq.request.prompt, seq.output);
-    seq.output.push_back(sampled.id);
+    seq.output.push_back(sampled[i].id);
     seq.state = RequestState::kDecoding;
     std::optional<FinishReason> finished;
     const auto& stops = seq.request.stop_ids;
-    if (std::find(stops.begin(), stops.end(), sampled.id) != stops.end()) {
+    if (std::find(stops.begin(), stops.end(), sampled[i].id) != stops.end()) {
       finished = FinishReason::kStop;
     } else if (static_cast<int64_t>(seq.output.size()) >= seq.request.max_tokens) {
       finished = FinishReason::kLength;
@@ -196,7 +253,7 @@ int64_t Scheduler::step() {
       seq.state = RequestState::kFinished;
       release(seq);
     }
-    seq.on_token(sampled.id, sampled, finished);
+    seq.on_token(sampled[i].id, sampled[i], finished);
   }
   std::erase_if(running_, [](const auto& s) { return s->state == RequestState::kFinished || s->state == RequestState::kAborted; });
   return static_cast<int64_t>(inputs.token_ids.size());

@@ -48,6 +48,9 @@ struct SchedulerOptions {
   int64_t max_prefill_chunk = 128;  // prompt tokens of one sequence in one step
   int64_t prefix_cache_bytes = 0;   // 0: no prefix cache
   int64_t prefix_cache_block_tokens = 16;
+  // Threads that sample a step's rows on the host (each sequence has its own sampler: the tokens do
+  // not depend on them). 0: one per core, up to 8, once a step's rows hold ≥ 2^20 logits; 1: serial.
+  int sampling_threads = 0;
 };
 
 struct PrefixCacheCounters {

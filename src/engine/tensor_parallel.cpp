@@ -61,8 +61,10 @@ void TensorParallelBackend::on_every_rank(const std::function<void(int)>& fn) {
 }
 
 StepOutput TensorParallelBackend::step(const StepInputs& inputs) {
+  StepInputs rank_inputs = inputs;
+  rank_inputs.argmax_only = false;  // a rank's argmax would be of its block of the vocabulary: gather logits
   std::vector<StepOutput> outputs(ranks_.size());
-  on_every_rank([&](int r) { outputs[static_cast<size_t>(r)] = ranks_[static_cast<size_t>(r)].backend->step(inputs); });
+  on_every_rank([&](int r) { outputs[static_cast<size_t>(r)] = ranks_[static_cast<size_t>(r)].backend->step(rank_inputs); });
   StepOutput result;
   result.rows = outputs[0].rows;
   for (const StepOutput& o : outputs) {

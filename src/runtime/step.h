@@ -16,12 +16,17 @@ struct StepInputs {
   std::vector<int32_t> token_ids;       // [T], T = Σ query_tokens
   std::vector<SequenceStep> sequences;
   bool all_logits = false;              // true: logits for every token; false: the last token of each sequence
+  // The engine picks every returned row by its argmax (greedy, no penalties or logprobs): a backend may
+  // answer with StepOutput::argmax instead of the rows' logits (cuda: found on the device, so a step
+  // downloads an id a sequence instead of a vocabulary of floats). Ignored with all_logits.
+  bool argmax_only = false;
 };
 
 struct StepOutput {
   int64_t rows = 0;       // T when all_logits, else the number of sequences
   int64_t vocab = 0;
-  std::vector<float> logits;  // [rows, vocab], upcast to f32
+  std::vector<float> logits;  // [rows, vocab], upcast to f32; empty when `argmax` answers the step
+  std::vector<int32_t> argmax;  // [rows] when the backend took StepInputs::argmax_only (lowest id on ties), else empty
 };
 
 }  // namespace plow

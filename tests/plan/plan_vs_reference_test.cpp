@@ -156,7 +156,10 @@ void check_batch(const std::string& fixture, int workers) {
   std::vector<Plan> plans;
   for (int64_t bucket : {1, 2, 4}) plans.push_back(make_plan(model, PlanPhase::kDecode, bucket, workers));
   plans.push_back(make_plan(model, PlanPhase::kPrefill, 32, workers));
+  std::vector<Plan> copies = plans;
   auto interpreter = make_interpreter(model, std::move(plans), workers, DType::F32, 4, 64);
+  // The same steps asking for ids only (StepInputs::argmax_only): each row's argmax, no logits.
+  auto ids_interpreter = make_interpreter(model, std::move(copies), workers, DType::F32, 4, 64);
   Watchdog watchdog(std::chrono::seconds(120), "batch " + fixture);
 
   std::vector<Trace> traces(4);
@@ -168,10 +171,15 @@ void check_batch(const std::string& fixture, int workers) {
     }
     const StepOutput out = interpreter->step(step);
     EXPECT_EQ(interpreter->plan(interpreter->last_plan()).max_tokens, expect_bucket);
+    step.argmax_only = true;
+    const StepOutput ids = ids_interpreter->step(step);
+    EXPECT_TRUE(ids.logits.empty());
+    ASSERT_EQ(ids.argmax.size(), parts.size());
     for (size_t i = 0; i < parts.size(); ++i) {
       Trace& trace = traces[static_cast<size_t>(parts[i].first)];
       trace.fed.push_back(parts[i].second);
       trace.logits.emplace_back(out.logits.begin() + static_cast<int64_t>(i) * vocab, out.logits.begin() + static_cast<int64_t>(i + 1) * vocab);
+      EXPECT_EQ(ids.argmax[i], argmax(trace.logits.back())) << fixture << ": step row " << i;
     }
   };
   auto next = [&](int slot) { return std::vector<int32_t>{argmax(traces[static_cast<size_t>(slot)].logits.back())}; };

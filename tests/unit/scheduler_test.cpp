@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <span>
 #include <string>
 
 #include "core/error.h"
@@ -103,7 +104,9 @@ TEST_F(SchedulerTest, SampledWithSeedEqualsSolo) {
                             .presence_penalty = 0.5f, .frequency_penalty = 0.2f};
   }
   auto b = backend(4);
-  Scheduler scheduler(*b, {.max_step_tokens = 16, .max_prefill_chunk = 8});
+  // Three sampling threads (the default would keep a vocabulary this small on one): the tokens must
+  // not depend on them.
+  Scheduler scheduler(*b, {.max_step_tokens = 16, .max_prefill_chunk = 8, .sampling_threads = 3});
   const auto got = run_all(scheduler, requests);
   // generate() applies no penalties (it samples without the history): the oracle is each request
   // alone in a one-slot scheduler. Sampling must actually vary, or this test proves nothing.
@@ -117,6 +120,62 @@ TEST_F(SchedulerTest, SampledWithSeedEqualsSolo) {
     differs_from_greedy += got.at(r.id) != solo(greedy);
   }
   EXPECT_GT(differs_from_greedy, 8);
+}
+
+// A backend that answers argmax_only steps with ids instead of logits, as the cuda backend does
+// (the ids from the wrapped reference's logits), and counts the steps of each kind.
+class AnswersWithIds : public Backend {
+ public:
+  explicit AnswersWithIds(Backend& inner) : inner_(inner) {}
+  StepOutput step(const StepInputs& inputs) override {
+    StepOutput out = inner_.step(inputs);
+    if (!inputs.argmax_only) {
+      ++logit_steps;
+      return out;
+    }
+    ++id_steps;
+    for (int64_t r = 0; r < out.rows; ++r) out.argmax.push_back(argmax(std::span<const float>(out.logits.data() + r * out.vocab, static_cast<size_t>(out.vocab))));
+    out.logits.clear();
+    return out;
+  }
+  void reset_slot(int slot) override { inner_.reset_slot(slot); }
+  int64_t context_tokens(int slot) const override { return inner_.context_tokens(slot); }
+  int num_slots() const override { return inner_.num_slots(); }
+  DType act_dtype() const override { return inner_.act_dtype(); }
+
+  int id_steps = 0, logit_steps = 0;
+
+ private:
+  Backend& inner_;
+};
+
+// Steps whose sampled rows all take their argmax ask for ids (and use them); a request that samples,
+// wants logprobs or penalizes makes its steps ask for logits. Tokens equal each request run alone.
+TEST_F(SchedulerTest, GreedyStepsTakeIdsFromTheBackend) {
+  auto requests = sixteen_requests(6);
+  auto reference = backend(16);
+  AnswersWithIds greedy_backend(*reference);
+  Scheduler greedy(greedy_backend, {});
+  const auto got = run_all(greedy, requests);
+  for (const Request& r : requests) EXPECT_EQ(got.at(r.id), solo(r)) << r.id;
+  EXPECT_GT(greedy_backend.id_steps, 0);
+  EXPECT_EQ(greedy_backend.logit_steps, 0);
+
+  requests[3].sampling = {.temperature = 0.9f, .seed = 5};
+  requests[3].max_tokens = 12;  // decodes past the others' end
+  requests[5].sampling.top_logprobs = 2;
+  requests[7].sampling.repetition_penalty = 1.5f;
+  auto reference_mixed = backend(16);
+  AnswersWithIds mixed_backend(*reference_mixed);
+  Scheduler mixed(mixed_backend, {});
+  const auto mixed_got = run_all(mixed, requests);
+  for (const Request& r : requests) {
+    auto alone_backend = backend(1);
+    Scheduler alone(*alone_backend, {});
+    EXPECT_EQ(mixed_got.at(r.id), run_all(alone, {r}).at(r.id)) << r.id;
+  }
+  EXPECT_GT(mixed_backend.logit_steps, 0);
+  EXPECT_EQ(mixed_backend.id_steps, 0);  // request 3 samples in every step until the last
 }
 
 TEST_F(SchedulerTest, AbortMidFlightFreesTheSlotAndOthersContinue) {

@@ -13,6 +13,7 @@
 #include <map>
 #include <utility>
 
+#include "core/argmax.h"
 #include "core/error.h"
 #include "plan/validate.h"
 
@@ -277,7 +278,11 @@ StepOutput PlanInterpreter::step(const StepInputs& inputs) {
   }
   for (const StepSequenceDesc& seq : last_step_.sequences) {
     const float* row = logits + (seq.first_row + seq.query_tokens - 1) * head.width;
-    result.logits.insert(result.logits.end(), row, row + head.width);
+    if (inputs.argmax_only) {  // as the cuda backend answers: the ids, no logits
+      result.argmax.push_back(argmax(std::span<const float>(row, static_cast<size_t>(head.width))));
+    } else {
+      result.logits.insert(result.logits.end(), row, row + head.width);
+    }
     result.rows += 1;
   }
   return result;

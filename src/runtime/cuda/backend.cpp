@@ -520,7 +520,15 @@ StepOutput CudaBackend::step(const StepInputs& inputs) {
   StepOutput result;
   result.vocab = head.width;
   const float* logits = m.arena.as<float>() + head.offset;
-  if (inputs.all_logits) {
+  if (inputs.argmax_only && !inputs.all_logits && !m.options.comm) {  // the ids from the device, no logits
+    const auto seqs = static_cast<int>(inputs.sequences.size());
+    launch_argmax(logits, head.width, m.compact_logits ? nullptr : view.seq_first_row, view.seq_tokens, seqs, m.argmax_ids.as<int32_t>(), nullptr,
+                  m.stream);
+    result.rows = seqs;
+    result.argmax.resize(static_cast<size_t>(seqs));
+    check(cudaMemcpyAsync(result.argmax.data(), m.argmax_ids.ptr, result.argmax.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, m.stream),
+          "argmax download");
+  } else if (inputs.all_logits) {
     result.rows = rows;
     result.logits.resize(static_cast<size_t>(rows * head.width));
     check(cudaMemcpyAsync(result.logits.data(), logits, result.logits.size() * sizeof(float), cudaMemcpyDeviceToHost, m.stream), "logits download");

@@ -307,8 +307,8 @@ struct CudaBackend::Impl {
     const int ranks = options.comm->size();
     float* mine = fold_cands.as<float>();
     float* all = mine + 2 * max_tokens;
-    launch_argmax_candidates(arena.as<float>() + head.offset, head.width, head.width * options.comm->rank(), view.seq_first_row, view.seq_tokens,
-                             num_seqs, mine, stream);
+    launch_argmax_candidates(arena.as<float>() + head.offset, head.width, head.width * options.comm->rank(),
+                             compact_logits ? nullptr : view.seq_first_row, view.seq_tokens, num_seqs, mine, stream);
     options.comm->all_gather(mine, all, static_cast<int64_t>(2 * num_seqs) * static_cast<int64_t>(sizeof(float)), stream);
     launch_fold_argmax(all, ranks, num_seqs, argmax_ids.as<int32_t>(), token_out, stream);
   }

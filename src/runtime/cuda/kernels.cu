@@ -232,7 +232,7 @@ __global__ void argmax_kernel(const float* logits, int64_t vocab, const int32_t*
   __shared__ float best_v[kWarps];
   __shared__ int64_t best_i[kWarps];
   const int s = blockIdx.x;
-  const float* row = logits + (static_cast<int64_t>(first_row[s]) + tokens[s] - 1) * vocab;
+  const float* row = logits + (first_row != nullptr ? static_cast<int64_t>(first_row[s]) + tokens[s] - 1 : s) * vocab;
   float v = -INFINITY;
   int64_t idx = vocab;
   for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {

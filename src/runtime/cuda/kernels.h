@@ -82,7 +82,8 @@ void configure_kernels();  // raises the dynamic shared-memory limits (once per 
 void launch_megakernel(const KernelParams& params, int workers, int64_t max_rows, cudaStream_t stream);
 void launch_eager(const KernelParams& params, int first_instr, int count, int64_t max_rows, cudaStream_t stream);
 // For each sequence s: the argmax (lowest index on ties) of logits row (first_row[s] + tokens[s] − 1)
-// of [rows, vocab] at `logits`; written to ids[s] and, when token_out is set, to token_out[s] as a float.
+// of [rows, vocab] at `logits` (row s when first_row is null: the compact rows of a step's last
+// tokens); written to ids[s] and, when token_out is set, to token_out[s] as a float.
 void launch_argmax(const float* logits, int64_t vocab, const int32_t* first_row, const int32_t* tokens, int num_seqs, int32_t* ids,
                    float* token_out, cudaStream_t stream);
 
