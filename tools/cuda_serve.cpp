@@ -34,6 +34,7 @@ std::unique_ptr<Backend> rank_serving_backend(const LoadedModel& model, int rank
   options.num_slots = shape.num_slots;
   options.max_context_tokens = shape.max_context;
   options.eager = shape.eager;
+  options.device_sampling = shape.device_sampling;
   options.device = rank;
   options.comm = join();
   return std::make_unique<cuda::CudaBackend>(model.graph, std::move(weights), std::move(plans), options);

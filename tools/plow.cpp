@@ -328,7 +328,7 @@ void choose_step_budget(ServeOptions& options, const std::string& backend, int64
 // serve --backend: the CPU reference (default), compiled plans on worker threads, or the GPU.
 // serve --tp N: N tensor-parallel ranks (cuda: one GPU and one process each, NCCL; cpu, cpu-plan:
 // simulated ranks, threads of this process).
-void choose_serve_backend(ServeOptions& options, const std::string& backend, int workers, int tp) {
+void choose_serve_backend(ServeOptions& options, const std::string& backend, int workers, int tp, bool device_sampling) {
   if (workers < 0) fail("--workers must be >= 1, found {}", workers);
   if (tp < 1 || tp > 8) fail("--tp {}: expected 1..8", tp);
   if (tp > 1) {
@@ -366,8 +366,8 @@ void choose_serve_backend(ServeOptions& options, const std::string& backend, int
   }
   if (backend == "cuda" || backend == "cuda-eager") {
     const bool eager = backend == "cuda-eager";
-    options.make_backend = [workers, eager](const LoadedModel& model, int slots, int64_t max_context, int64_t step_tokens) {
-      return tools::make_cuda_serving_backend(model, {slots, max_context, step_tokens, eager, workers, std::nullopt});
+    options.make_backend = [workers, eager, device_sampling](const LoadedModel& model, int slots, int64_t max_context, int64_t step_tokens) {
+      return tools::make_cuda_serving_backend(model, {slots, max_context, step_tokens, eager, workers, std::nullopt, device_sampling});
     };
     return;
   }
@@ -459,6 +459,8 @@ int main(int argc, char** argv) {
   int serve_workers = 0;
   serve_cmd->add_option("--backend", serve_backend, "cpu (the reference), cpu-plan (compiled plans on worker threads), cuda or cuda-eager");
   serve_cmd->add_option("--workers", serve_workers, "cpu-plan: worker threads; cuda: megakernel blocks (default: one per core / SM)");
+  bool serve_device_sampling = false;
+  serve_cmd->add_flag("--device-sampling", serve_device_sampling, "cuda, one GPU: draw sampled rows on the GPU and download ids instead of logits (experimental)");
   int serve_tp = 1;
   serve_cmd->add_option("--tp", serve_tp, "tensor-parallel ranks: cuda: one GPU and one process each, NCCL; cpu, cpu-plan: simulated ranks");
   serve_cmd->add_option("--prefix-cache-mb", serve.prefix_cache_mb, "prefix cache memory budget in MiB (0: no prefix cache; default 512)");
@@ -511,7 +513,8 @@ int main(int argc, char** argv) {
     if (inspect_cmd->parsed()) return run_inspect(inspect_source);
     if (compile_cmd->parsed()) return run_compile(comp);
     if (serve_cmd->parsed()) {
-      choose_serve_backend(serve, serve_backend, serve_workers, serve_tp);
+      if (serve_device_sampling && serve_backend != "cuda" && serve_backend != "cuda-eager") fail("--device-sampling needs --backend cuda or cuda-eager");
+      choose_serve_backend(serve, serve_backend, serve_workers, serve_tp, serve_device_sampling);
       choose_step_budget(serve, serve_backend, serve_step_tokens, serve_prefill_chunk);
       return run_serve(serve);
     }

@@ -14,11 +14,12 @@ namespace plow {
 // waited a compare's latency per value.
 inline float max_value(std::span<const float> x) {
   float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-  size_t i = 0;
-  for (; i + 4 <= x.size(); i += 4) {
-    for (int j = 0; j < 4; ++j) m[j] = x[i + j] > m[j] ? x[i + j] : m[j];
+  const float* p = x.data();
+  const size_t quads = x.size() / 4;
+  for (size_t q = 0; q < quads; ++q, p += 4) {
+    for (int j = 0; j < 4; ++j) m[j] = p[j] > m[j] ? p[j] : m[j];
   }
-  for (; i < x.size(); ++i) m[0] = x[i] > m[0] ? x[i] : m[0];
+  for (size_t i = quads * 4; i < x.size(); ++i) m[0] = x[i] > m[0] ? x[i] : m[0];
   return std::max(std::max(m[0], m[1]), std::max(m[2], m[3]));
 }
 

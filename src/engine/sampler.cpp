@@ -79,6 +79,18 @@ size_t kept_prefix(std::span<const int32_t> order, Weight w, double total, const
 
 bool Sampler::picks_argmax() const { return (params_.temperature <= 0.0f || params_.top_k == 1) && !has_penalties(params_) && params_.top_logprobs < 0; }
 
+bool Sampler::draws_anywhere() const { return !has_penalties(params_) && params_.top_logprobs < 0; }
+
+RowDraw Sampler::next_draw() {
+  RowDraw d;
+  d.temperature = params_.temperature;
+  d.top_p = params_.top_p;
+  d.min_p = params_.min_p;
+  d.top_k = params_.top_k;
+  d.u = params_.temperature > 0.0f && params_.top_k != 1 ? std::uniform_real_distribution<double>(0.0, 1.0)(rng_) : 0.0;
+  return d;
+}
+
 std::span<const float> Sampler::penalized(std::span<const float> raw, std::span<const int32_t> prompt, std::span<const int32_t> output) {
   if (!has_penalties(params_)) return raw;
   penalized_.assign(raw.begin(), raw.end());

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "core/argmax.h"
+#include "runtime/step.h"
 
 namespace plow {
 
@@ -54,6 +55,10 @@ class Sampler {
   SampledToken sample(std::span<const float> logits, std::span<const int32_t> prompt, std::span<const int32_t> output);
   // sample() returns the raw logits' argmax and nothing else (greedy, no penalties, no logprobs).
   bool picks_argmax() const;
+  // A backend may draw this sequence's tokens itself (no penalties, no logprobs: the controls and a
+  // uniform are all it needs); next_draw() gives them, taking the uniform sample() would have taken.
+  bool draws_anywhere() const;
+  RowDraw next_draw();
   // What sample() draws from at temperature > 0 (ids in the order the draw walks them); for tests.
   TokenDistribution distribution(std::span<const float> logits, std::span<const int32_t> prompt, std::span<const int32_t> output);
 

@@ -196,6 +196,13 @@ int64_t Scheduler::step() {
   for (size_t i = 0; i < batch.size(); ++i) {
     if (samples[i] && !batch[i]->sampler.picks_argmax()) inputs.argmax_only = false;
   }
+  // Otherwise a backend that draws rows itself gets each sampled row's controls and uniform, when no
+  // sampled row needs the host (penalties, logprobs).
+  if (!inputs.argmax_only && backend_.draws_rows()) {
+    bool anywhere = true;
+    for (size_t i = 0; i < batch.size(); ++i) anywhere = anywhere && (!samples[i] || batch[i]->sampler.draws_anywhere());
+    for (size_t i = 0; anywhere && i < batch.size(); ++i) inputs.draws.push_back(samples[i] ? batch[i]->sampler.next_draw() : RowDraw{});
+  }
 
   StepOutput out;
   try {
@@ -205,8 +212,9 @@ int64_t Scheduler::step() {
     throw;
   }
   PLOW_CHECK(out.rows == static_cast<int64_t>(batch.size()), "step returned {} rows for {} sequences", out.rows, batch.size());
-  PLOW_CHECK(out.argmax.empty() || (inputs.argmax_only && out.argmax.size() == batch.size()), "step returned {} argmax ids for {} sequences{}",
-             out.argmax.size(), batch.size(), inputs.argmax_only ? "" : " without being asked");
+  const bool asked_ids = inputs.argmax_only || !inputs.draws.empty();
+  PLOW_CHECK(out.argmax.empty() || (asked_ids && out.argmax.size() == batch.size()), "step returned {} ids for {} sequences{}", out.argmax.size(),
+             batch.size(), asked_ids ? "" : " without being asked");
   // The rows the backend answered with logits are sampled on the host first, in parallel over
   // sequences when they are many; then each sequence takes its token in batch order.
   std::vector<SampledToken> sampled(batch.size());

@@ -42,6 +42,9 @@ class Backend {
   virtual int num_slots() const = 0;
   virtual DType act_dtype() const = 0;                 // the precision activations are rounded to
 
+  // Whether step() draws the rows of StepInputs::draws itself (sampling on the device).
+  virtual bool draws_rows() const { return false; }
+
   // Prefix caching (DESIGN.md §6). save_slot exports the slot's state at its current length, per-token
   // rows from `rows_begin` (0 ≤ rows_begin ≤ context_tokens). restore_slot makes a slot exactly as it
   // was when `snapshot` (rows_begin 0) was taken: the next step computes bit-identical outputs.

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "engine/sampler.h"
+#include "sampling_test_util.h"
 
 namespace plow {
 namespace {
@@ -88,19 +89,7 @@ TEST(Sampler, LogprobsAreOfTheRawDistribution) {
 namespace plow {
 namespace {
 
-// Logits of `vocab` tokens: normal with spread `sigma`, rounded to `step` when step > 0 (ties), with
-// every 97th token at −∞ when `masked`.
-std::vector<float> random_logits(size_t vocab, float sigma, float step, bool masked, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, sigma);
-  std::vector<float> logits(vocab);
-  for (size_t i = 0; i < vocab; ++i) {
-    float x = normal(rng);
-    if (step > 0) x = std::round(x / step) * step;
-    logits[i] = masked && i % 97 == 5 ? -INFINITY : x;
-  }
-  return logits;
-}
+using sampling_test::random_logits;
 
 // The fast sampler's kept tokens and probabilities against the sorting specification, over vocabulary
 // sizes, spreads, ties, masked tokens, penalties and every control alone and together.
@@ -127,11 +116,7 @@ TEST(Sampler, DistributionEqualsTheReference) {
     const Shape& sh = shapes[s];
     const std::vector<float> logits = random_logits(sh.vocab, sh.sigma, sh.step, sh.masked, 100 + s);
     for (const Controls& c : controls) {
-      SamplingParams p;
-      p.temperature = c.temperature;
-      p.top_p = c.top_p;
-      p.min_p = c.min_p;
-      p.top_k = c.top_k;
+      SamplingParams p = sampling_test::controls(c.temperature, c.top_p, c.min_p, c.top_k);
       if (c.penalties) {
         p.repetition_penalty = 1.3f;
         p.presence_penalty = 0.4f;

@@ -2,6 +2,7 @@
 // is chunked, or on other requests being aborted; every step leaves the slots consistent.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <span>
 #include <string>
@@ -10,6 +11,7 @@
 #include "engine/generate.h"
 #include "engine/model.h"
 #include "engine/scheduler.h"
+#include "sampling_test_util.h"
 
 namespace {
 
@@ -124,9 +126,9 @@ TEST_F(SchedulerTest, SampledWithSeedEqualsSolo) {
 
 // A backend that answers argmax_only steps with ids instead of logits, as the cuda backend does
 // (the ids from the wrapped reference's logits), and counts the steps of each kind.
-class AnswersWithIds : public Backend {
+class AnswersWithIds : public sampling_test::ForwardingBackend {
  public:
-  explicit AnswersWithIds(Backend& inner) : inner_(inner) {}
+  using ForwardingBackend::ForwardingBackend;
   StepOutput step(const StepInputs& inputs) override {
     StepOutput out = inner_.step(inputs);
     if (!inputs.argmax_only) {
@@ -138,15 +140,8 @@ class AnswersWithIds : public Backend {
     out.logits.clear();
     return out;
   }
-  void reset_slot(int slot) override { inner_.reset_slot(slot); }
-  int64_t context_tokens(int slot) const override { return inner_.context_tokens(slot); }
-  int num_slots() const override { return inner_.num_slots(); }
-  DType act_dtype() const override { return inner_.act_dtype(); }
 
   int id_steps = 0, logit_steps = 0;
-
- private:
-  Backend& inner_;
 };
 
 // Steps whose sampled rows all take their argmax ask for ids (and use them); a request that samples,
@@ -176,6 +171,72 @@ TEST_F(SchedulerTest, GreedyStepsTakeIdsFromTheBackend) {
   }
   EXPECT_GT(mixed_backend.logit_steps, 0);
   EXPECT_EQ(mixed_backend.id_steps, 0);  // request 3 samples in every step until the last
+}
+
+// A backend that draws rows itself (draws_rows), as the cuda backend with device sampling does: the
+// specification's kept tokens (reference_distribution) walked in id order to the draw's uniform.
+class DrawsRows : public sampling_test::ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  bool draws_rows() const override { return true; }
+  StepOutput step(const StepInputs& inputs) override {
+    StepOutput out = inner_.step(inputs);
+    if (inputs.draws.empty()) {
+      ++logit_steps;
+      return out;
+    }
+    ++draw_steps;
+    for (int64_t r = 0; r < out.rows; ++r) {
+      const std::span<const float> row(out.logits.data() + r * out.vocab, static_cast<size_t>(out.vocab));
+      const RowDraw& d = inputs.draws[static_cast<size_t>(r)];
+      if (d.temperature <= 0.0f || d.top_k == 1) {
+        out.argmax.push_back(argmax(row));
+        continue;
+      }
+      const SamplingParams p = sampling_test::controls(d.temperature, d.top_p, d.min_p, d.top_k);
+      out.argmax.push_back(sampling_test::draw_by_id(reference_distribution(row, p, {}, {}), d.u));
+    }
+    out.logits.clear();
+    return out;
+  }
+
+  int draw_steps = 0, logit_steps = 0;
+};
+
+// Sampled requests on a backend that draws rows: every step hands it the draws (no logits come
+// back), the tokens follow each request's seed whatever it is batched with, and sampling varies;
+// a request with penalties or logprobs brings the logits back for its steps.
+TEST_F(SchedulerTest, BackendDrawsTheRowsWithTheSequencesUniforms) {
+  auto requests = sixteen_requests(6);
+  for (size_t i = 0; i < requests.size(); ++i) requests[i].sampling = {.temperature = 1.1f, .top_p = 0.95f, .top_k = i % 3 == 0 ? 20 : 0, .seed = 40 + i};
+  requests[2].sampling = {};  // greedy among sampled
+  auto reference = backend(16);
+  DrawsRows drawing(*reference);
+  Scheduler scheduler(drawing, {});
+  const auto got = run_all(scheduler, requests);
+  EXPECT_GT(drawing.draw_steps, 0);
+  EXPECT_EQ(drawing.logit_steps, 0);
+  int differs_from_greedy = 0;
+  for (const Request& r : requests) {
+    auto alone_reference = backend(1);
+    DrawsRows alone_drawing(*alone_reference);
+    Scheduler alone(alone_drawing, {});
+    EXPECT_EQ(got.at(r.id), run_all(alone, {r}).at(r.id)) << r.id;
+    Request greedy = r;
+    greedy.sampling = {};
+    differs_from_greedy += got.at(r.id) != solo(greedy);
+  }
+  EXPECT_EQ(got.at(requests[2].id), solo(requests[2]));
+  EXPECT_GT(differs_from_greedy, 8);
+
+  requests[4].sampling.frequency_penalty = 0.5f;
+  requests[4].max_tokens = 12;  // decodes past the others' end
+  auto reference_mixed = backend(16);
+  DrawsRows mixed(*reference_mixed);
+  Scheduler mixed_scheduler(mixed, {});
+  run_all(mixed_scheduler, requests);
+  EXPECT_GT(mixed.logit_steps, 0);
+  EXPECT_EQ(mixed.draw_steps, 0);  // request 4 samples with a penalty in every step
 }
 
 TEST_F(SchedulerTest, AbortMidFlightFreesTheSlotAndOthersContinue) {

@@ -143,6 +143,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
   m.error_flag = DeviceBuffer(sizeof(int32_t), "the error flag");
   check(cudaMemset(m.error_flag.ptr, 0, sizeof(int32_t)), "error flag");
   m.argmax_ids = DeviceBuffer(static_cast<size_t>(m.max_tokens) * sizeof(int32_t), "argmax ids");
+  if (options.device_sampling) m.sample_rows = DeviceBuffer(static_cast<size_t>(m.max_tokens) * sizeof(RowSampling), "draws");
   if (options.comm) {
     if (options.comm->device() != options.device) fail("cuda: the communicator of rank {} is on device {}, the backend on {}", options.comm->rank(), options.comm->device(), options.device);
     m.fold_cands = DeviceBuffer(static_cast<size_t>(2 * m.max_tokens * (1 + options.comm->size())) * sizeof(float), "argmax fold");
@@ -520,7 +521,23 @@ StepOutput CudaBackend::step(const StepInputs& inputs) {
   StepOutput result;
   result.vocab = head.width;
   const float* logits = m.arena.as<float>() + head.offset;
-  if (inputs.argmax_only && !inputs.all_logits && !m.options.comm) {  // the ids from the device, no logits
+  if (!inputs.draws.empty() && !inputs.all_logits && draws_rows()) {  // rows drawn on the device, no logits
+    const auto seqs = static_cast<int>(inputs.sequences.size());
+    if (inputs.draws.size() != inputs.sequences.size()) fail("cuda: {} draws for {} sequences", inputs.draws.size(), inputs.sequences.size());
+    std::vector<RowSampling> draws(inputs.draws.size());
+    for (size_t s = 0; s < draws.size(); ++s) {
+      const RowDraw& d = inputs.draws[s];
+      if (!(d.u >= 0.0 && d.u < 1.0) || d.top_k < 0) fail("cuda: draw {} has u {} and top_k {} (want u in [0, 1), top_k >= 0)", s, d.u, d.top_k);
+      draws[s] = {d.temperature, d.top_p, d.min_p, static_cast<int32_t>(std::min<int64_t>(d.top_k, head.width)), d.u};
+    }
+    check(cudaMemcpyAsync(m.sample_rows.ptr, draws.data(), draws.size() * sizeof(RowSampling), cudaMemcpyHostToDevice, m.stream), "draw upload");
+    launch_sample(logits, head.width, m.compact_logits ? nullptr : view.seq_first_row, view.seq_tokens, m.sample_rows.as<RowSampling>(), seqs,
+                  m.argmax_ids.as<int32_t>(), m.stream);
+    result.rows = seqs;
+    result.argmax.resize(static_cast<size_t>(seqs));
+    check(cudaMemcpyAsync(result.argmax.data(), m.argmax_ids.ptr, result.argmax.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, m.stream),
+          "drawn ids download");
+  } else if (inputs.argmax_only && !inputs.all_logits && !m.options.comm) {  // the ids from the device, no logits
     const auto seqs = static_cast<int>(inputs.sequences.size());
     launch_argmax(logits, head.width, m.compact_logits ? nullptr : view.seq_first_row, view.seq_tokens, seqs, m.argmax_ids.as<int32_t>(), nullptr,
                   m.stream);
@@ -558,6 +575,8 @@ StepOutput CudaBackend::step(const StepInputs& inputs) {
 }
 
 const std::vector<int32_t>& CudaBackend::last_folded_argmax() const { return impl_->last_folded; }
+
+bool CudaBackend::draws_rows() const { return impl_->options.device_sampling && impl_->options.comm == nullptr; }
 
 int64_t CudaBackend::prefill_gemms() const { return impl_->gemm_runner ? impl_->gemm_runner->calls() : 0; }
 int64_t CudaBackend::prefill_linears_rounded_by_readers() const {

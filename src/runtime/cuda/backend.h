@@ -79,6 +79,9 @@ struct CudaOptions {
   // The fp32 scores of one MLA GEMM block stay within this many bytes (tests make it small to force
   // blocks of few query rows and heads).
   int64_t mla_scores_bytes = int64_t{512} << 20;
+  // Steps with StepInputs::draws draw their rows on the device (sample.cuh) and download the ids; off
+  // until it has run on a GPU (the emulator test checks the block's logic).
+  bool device_sampling = false;
 };
 
 // Per-opcode time of one step (profile mode): measured by running the step's ops one launch each
@@ -104,6 +107,7 @@ class CudaBackend : public Backend {
   StepOutput step(const StepInputs& inputs) override;
   void reset_slot(int slot) override;
   int64_t context_tokens(int slot) const override;
+  bool draws_rows() const override;
   int num_slots() const override;
   DType act_dtype() const override;
   // Prefix caching: the slot's states copied to and from the host (conv windows and KDA state whole,

@@ -57,6 +57,7 @@ struct CudaBackend::Impl {
   // then says that row s of the output holds sequence s's last row.
   bool last_logits_only = false, compact_logits = false;
   DeviceBuffer arena, scratch, state_table, step_ints, error_flag, argmax_ids, profile, op_profile, fold_cands;
+  DeviceBuffer sample_rows;  // a step's RowSampling per sequence (options.device_sampling)
   DeviceBuffer workspace;  // shared by the ops whose tasks cooperate (OpDesc::workspace: MLA)
   std::vector<int32_t> last_folded;  // tensor parallelism: the last step's folded argmax per sequence
   std::unique_ptr<PeerReduceArea> peer_area;  // tensor parallelism: the in-kernel all_reduce's slots

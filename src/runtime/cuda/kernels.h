@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "runtime/cuda/device_types.h"
+#include "runtime/cuda/sample.h"
 
 namespace plow::cuda {
 
@@ -86,6 +87,11 @@ void launch_eager(const KernelParams& params, int first_instr, int count, int64_
 // tokens); written to ids[s] and, when token_out is set, to token_out[s] as a float.
 void launch_argmax(const float* logits, int64_t vocab, const int32_t* first_row, const int32_t* tokens, int num_seqs, int32_t* ids,
                    float* token_out, cudaStream_t stream);
+
+// For each sequence s: the token drawn from the same row launch_argmax reads, with rows[s]'s controls
+// and uniform (sample.cuh: a block of kSampleThreads a row); written to ids[s].
+void launch_sample(const float* logits, int64_t vocab, const int32_t* first_row, const int32_t* tokens, const RowSampling* rows, int num_seqs,
+                   int32_t* ids, cudaStream_t stream);
 
 // Tensor parallelism, the argmax fold of a column-parallel lm_head. Candidates: per sequence s the
 // best (value, vocab_offset + id) of this rank's block, as cand[2s] = value, cand[2s+1] = id (an int's

@@ -132,7 +132,22 @@ inline bool __all_sync(unsigned, bool pred) {
   __syncwarp();
   return all;
 }
+// The lanes of this warp whose pred holds, as a bit mask (every lane must call it).
+inline unsigned __ballot_sync(unsigned, bool pred) {
+  const unsigned t = threadIdx.x, base = t - t % 32;
+  emu_block->xch[t] = pred ? 1u : 0u;
+  __syncwarp();
+  unsigned bits = 0;
+  for (unsigned l = 0; l < 32; ++l) bits |= (emu_block->xch[base + l] != 0 ? 1u : 0u) << l;
+  __syncwarp();
+  return bits;
+}
 // One OS thread runs every block: plain read-modify-writes are atomic, fences are no-ops.
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  const unsigned long long old = *p;
+  *p = old + v;
+  return old;
+}
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
   const unsigned old = *p;
   *p = old + v;
