@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +27,7 @@
 
 #include "core/error.h"
 #include "engine/plans.h"
+#include "engine/scheduler.h"
 #include "runtime/cuda/backend.h"
 #include "runtime/cuda/nccl_comm.h"
 
@@ -108,6 +110,8 @@ void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--disable-rule", args.disabled_rules, "decode plans: compile without this compiler rule (docs/compiler.md; repeatable), to time a fusion against its absence");
   cmd->add_flag("--profile", args.profile, "per-opcode time, bytes and bandwidth; the megakernel's wait and run time");
+  cmd->add_flag("--served-sampling", args.served_sampling,
+                "also time each batch's steps through the scheduler (host work included): greedy ids vs logits, sampling on the host vs the device");
   cmd->add_flag_callback("--gemm-plans", [&args] { args.gemm_plans = true; },
                          "also time batches of at least --gemm-min-rows sequences on an unfused prefill plan (projections and experts as GEMMs, the rest on op "
                          "bodies), as `plow serve` runs them: peer cuda-gemm-plan, and the record's served_ms_per_step (default: on for one GPU, off with --tp)");
@@ -168,6 +172,46 @@ int launch_ranks(const BenchDecodeArgs& args) {
   unlink(path.c_str());
   if (failed) fail("bench decode --tp {}: a rank failed (its error is above); the other ranks were stopped", args.tp);
   return 0;
+}
+
+// A backend that never answers with ids: greedy steps as they ran before StepInputs::argmax_only.
+class LogitsOnly : public Backend {
+ public:
+  explicit LogitsOnly(Backend& inner) : inner_(inner) {}
+  StepOutput step(const StepInputs& inputs) override {
+    StepInputs copy = inputs;
+    copy.argmax_only = false;
+    return inner_.step(copy);
+  }
+  void reset_slot(int slot) override { inner_.reset_slot(slot); }
+  int64_t context_tokens(int slot) const override { return inner_.context_tokens(slot); }
+  int num_slots() const override { return inner_.num_slots(); }
+  DType act_dtype() const override { return inner_.act_dtype(); }
+
+ private:
+  Backend& inner_;
+};
+
+// Wall-clock ms of a scheduler step with `batch` sequences decoding (one-token prompts, so context ~0),
+// `steps` of them after the prompt step and one more: what `serve` spends a step, host work included.
+double served_step_ms(Backend& backend, int64_t batch, int steps, const SamplingParams& sampling) {
+  Scheduler scheduler(backend, {});
+  for (int64_t i = 0; i < batch; ++i) {
+    Request r;
+    r.id = fmt::format("bench-{}", i);
+    r.prompt = {static_cast<int32_t>(1 + i)};
+    r.sampling = sampling;
+    r.sampling.seed = static_cast<uint64_t>(i);
+    r.max_tokens = steps + 3;
+    scheduler.submit(r, [](int32_t, const SampledToken&, std::optional<FinishReason>) {});
+  }
+  scheduler.step();
+  scheduler.step();
+  const auto start = std::chrono::steady_clock::now();
+  for (int n = 0; n < steps; ++n) scheduler.step();
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / steps;
+  while (scheduler.has_work()) scheduler.step();
+  return ms;
 }
 
 }  // namespace
@@ -316,6 +360,22 @@ int run_bench_decode(const BenchDecodeArgs& args) {
           record["collectives"] = in_kernel ? "all_reduce inside the megakernel over peer-mapped memory (NVLink stores, flags); argmax fold by NCCL all-gather"
                                             : "NCCL all-reduce between megakernel segments (eager: before the op's launch); argmax fold by NCCL all-gather";
           if (in_kernel) record["peers"]["cuda-nccl-segments"] = {{"ms_per_step", nccl}};
+        }
+        if (args.served_sampling && args.tp == 1 && context == args.contexts.front()) {
+          // serve's loop at context ~0 (the prompt and warm-up steps take the slots from their fake context).
+          SamplingParams greedy, sampled;
+          sampled.temperature = 0.6f;
+          sampled.top_p = 0.95f;
+          LogitsOnly logits_only(backend);
+          json served = {{"context", "~0 (one-token prompts)"}, {"steps", args.steps}, {"sampled_controls", "temperature 0.6, top_p 0.95"}};
+          served["greedy_ids_ms"] = served_step_ms(backend, batch, args.steps, greedy);
+          served["greedy_logits_ms"] = served_step_ms(logits_only, batch, args.steps, greedy);
+          served["sampled_host_ms"] = served_step_ms(backend, batch, args.steps, sampled);
+          backend.set_device_sampling(true);
+          served["sampled_device_ms"] = served_step_ms(backend, batch, args.steps, sampled);
+          backend.set_device_sampling(false);
+          record["served_sampling"] = served;
+          if (!quiet) std::cerr << fmt::format("batch {}: served steps {}\n", batch, served.dump());
         }
         if (args.profile) {
           backend.set_eager(false);

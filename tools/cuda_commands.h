@@ -87,6 +87,9 @@ struct BenchDecodeArgs {
   int64_t light_task_elements = LowerOptions::kLightTaskElements;  // the decode plans' (plan/lower.h)
   std::vector<std::string> disabled_rules;                         // compiler rules the decode plans are compiled without
   bool profile = false;
+  // Also time each batch's steps as `serve` runs them, through the scheduler at context ~0: greedy
+  // (ids from the device, and the logits path before it) and sampled (host, and device sampling).
+  bool served_sampling = false;
   // Also time batches of ≥ gemm_min_rows on a prefill plan's GEMM path, as `serve` runs them (unset:
   // on for one GPU; a tensor-parallel run times it only when asked).
   std::optional<bool> gemm_plans;

@@ -578,6 +578,13 @@ const std::vector<int32_t>& CudaBackend::last_folded_argmax() const { return imp
 
 bool CudaBackend::draws_rows() const { return impl_->options.device_sampling && impl_->options.comm == nullptr; }
 
+void CudaBackend::set_device_sampling(bool on) {
+  Impl& m = *impl_;
+  m.use_device();
+  if (on && m.sample_rows.ptr == nullptr) m.sample_rows = DeviceBuffer(static_cast<size_t>(m.max_tokens) * sizeof(RowSampling), "draws");
+  m.options.device_sampling = on;
+}
+
 int64_t CudaBackend::prefill_gemms() const { return impl_->gemm_runner ? impl_->gemm_runner->calls() : 0; }
 int64_t CudaBackend::prefill_linears_rounded_by_readers() const {
   int64_t n = 0;

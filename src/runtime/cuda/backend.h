@@ -132,6 +132,7 @@ class CudaBackend : public Backend {
   void fake_context(int64_t tokens);
   std::vector<OpcodeProfile> profile_decode_step(int batch);
   void set_eager(bool eager);  // switch between the megakernel and one launch per op (same weights and state)
+  void set_device_sampling(bool on);  // CudaOptions::device_sampling from the next step (benchmarks)
   // Tensor parallelism: in-kernel all_reduces on or off from the next step (every rank alike).
   void set_peer_all_reduce(bool on);
   bool last_step_peer_all_reduce() const;
