@@ -127,27 +127,30 @@ void Sampler::keep(std::span<const float> logits) {
     bool reached = false;
     kept_.resize(kept_prefix(kept_, w, total, params_, reached));
   } else {
-    // Every token's weight, once: the total top-p needs, the dense draw's weights.
+    // Every token's weight, once (the pass that costs: an exp a token).
     weight_.resize(vocab);
-    double total = 0.0;
-    for (size_t i = 0; i < vocab; ++i) total += weight_[i] = w(static_cast<int32_t>(i));
     if (params_.top_p >= 1.0f) {  // min-p at most: a filter, walked by id
       dense_ = true;
       kept_total_ = 0.0;
-      for (float& v : weight_) {
+      for (size_t i = 0; i < vocab; ++i) {
+        float v = w(static_cast<int32_t>(i));
         if (v < params_.min_p) v = 0.0f;
-        kept_total_ += v;
+        kept_total_ += weight_[i] = v;
       }
       return;
     }
     // Top-p's prefix lies among the tokens of weight ≥ τ once their mass reaches top_p of the total
     // (every other token comes after them in the order): sort only those. τ: a power of two, from the
-    // mass of each binade of weights (w ∈ [2^−b, 2^(1−b)), b < kBinades; the rest in the last).
+    // mass of each binade of weights (w ∈ [2^−b, 2^(1−b)), b < kBinades; the rest in the last), summed
+    // in the same pass as the total.
     constexpr int kBinades = 64;
     double binade_mass[kBinades + 1] = {};
-    for (const float v : weight_) {
+    double total = 0.0;
+    for (size_t i = 0; i < vocab; ++i) {
+      const float v = weight_[i] = w(static_cast<int32_t>(i));
       const int exponent = static_cast<int>(std::bit_cast<uint32_t>(v) >> 23 & 0xFFu);  // v ∈ [2^(e−127), 2^(e−126))
       binade_mass[std::clamp(127 - exponent, 0, kBinades)] += v;
+      total += v;
     }
     float tau = 0.0f;
     double mass_above = 0.0;
