@@ -94,9 +94,7 @@ TEST(DeviceSampler, GreedyRowsTakeTheFirstMaximum) {
   EXPECT_EQ(device_draw(logits, RowSampling{1.0f, 0.5f, 0.0f, 1, 0.7}), want);  // top_k 1
   logits[17] = INFINITY;                                                      // an infinite logit wins
   EXPECT_EQ(device_draw(logits, RowSampling{1.0f, 1.0f, 0.0f, 0, 0.3}), 17);
-  logits[5] = -0.0f;  // −0 and +0 are one key
-  logits[4] = 0.0f;
-  std::vector<float> zeros = {-0.0f, 0.0f, -1.0f};
+  const std::vector<float> zeros = {-0.0f, 0.0f, -1.0f};  // −0 and +0 are one key
   EXPECT_EQ(device_draw(zeros, RowSampling{0.0f, 1.0f, 0.0f, 0, 0.0}), 0);
   EXPECT_EQ(device_draw(zeros, RowSampling{1.0f, 1.0f, 0.0f, 2, 0.75}), 1);  // the two zeros, half each
 }
