@@ -370,10 +370,10 @@ int run_bench_decode(const BenchDecodeArgs& args) {
           json served = {{"context", "~0 (one-token prompts)"}, {"steps", args.steps}, {"sampled_controls", "temperature 0.6, top_p 0.95"}};
           served["greedy_ids_ms"] = served_step_ms(backend, batch, args.steps, greedy);
           served["greedy_logits_ms"] = served_step_ms(logits_only, batch, args.steps, greedy);
-          served["sampled_host_ms"] = served_step_ms(backend, batch, args.steps, sampled);
-          backend.set_device_sampling(true);
-          served["sampled_device_ms"] = served_step_ms(backend, batch, args.steps, sampled);
           backend.set_device_sampling(false);
+          served["sampled_host_ms"] = served_step_ms(backend, batch, args.steps, sampled);
+          backend.set_device_sampling(true);  // serve's default
+          served["sampled_device_ms"] = served_step_ms(backend, batch, args.steps, sampled);
           record["served_sampling"] = served;
           if (!quiet) std::cerr << fmt::format("batch {}: served steps {}\n", batch, served.dump());
         }

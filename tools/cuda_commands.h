@@ -43,7 +43,7 @@ struct ServingShape {
   bool eager = false;
   int workers = 0;
   std::optional<DType> act;
-  bool device_sampling = false;  // CudaOptions::device_sampling (rows drawn on the GPU)
+  bool device_sampling = true;  // CudaOptions::device_sampling (rows drawn on the GPU)
 };
 
 // A cuda backend for the server (cuda_serve.cpp): decode plans for batches 1, 2, 4, … up to num_slots

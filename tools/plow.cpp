@@ -459,8 +459,8 @@ int main(int argc, char** argv) {
   int serve_workers = 0;
   serve_cmd->add_option("--backend", serve_backend, "cpu (the reference), cpu-plan (compiled plans on worker threads), cuda or cuda-eager");
   serve_cmd->add_option("--workers", serve_workers, "cpu-plan: worker threads; cuda: megakernel blocks (default: one per core / SM)");
-  bool serve_device_sampling = false;
-  serve_cmd->add_flag("--device-sampling", serve_device_sampling, "cuda, one GPU: draw sampled rows on the GPU and download ids instead of logits (experimental)");
+  bool serve_host_sampling = false;
+  serve_cmd->add_flag("--host-sampling", serve_host_sampling, "cuda, one GPU: download sampled rows' logits and draw on the host (default: drawn on the GPU, ids downloaded)");
   int serve_tp = 1;
   serve_cmd->add_option("--tp", serve_tp, "tensor-parallel ranks: cuda: one GPU and one process each, NCCL; cpu, cpu-plan: simulated ranks");
   serve_cmd->add_option("--prefix-cache-mb", serve.prefix_cache_mb, "prefix cache memory budget in MiB (0: no prefix cache; default 512)");
@@ -513,8 +513,8 @@ int main(int argc, char** argv) {
     if (inspect_cmd->parsed()) return run_inspect(inspect_source);
     if (compile_cmd->parsed()) return run_compile(comp);
     if (serve_cmd->parsed()) {
-      if (serve_device_sampling && serve_backend != "cuda" && serve_backend != "cuda-eager") fail("--device-sampling needs --backend cuda or cuda-eager");
-      choose_serve_backend(serve, serve_backend, serve_workers, serve_tp, serve_device_sampling);
+      if (serve_host_sampling && serve_backend != "cuda" && serve_backend != "cuda-eager") fail("--host-sampling needs --backend cuda or cuda-eager");
+      choose_serve_backend(serve, serve_backend, serve_workers, serve_tp, !serve_host_sampling);
       choose_step_budget(serve, serve_backend, serve_step_tokens, serve_prefill_chunk);
       return run_serve(serve);
     }

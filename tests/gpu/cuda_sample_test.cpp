@@ -111,6 +111,8 @@ TEST(DeviceSampling, SchedulerDrawsOnTheDevice) {
     options.device_sampling = true;
     return std::make_unique<cuda::CudaBackend>(model->graph, weights, std::move(plans), options);
   };
+  // Steps no larger than the prefill plan.
+  const SchedulerOptions steps{.max_step_tokens = 64, .max_prefill_chunk = 64};
   std::vector<Request> requests;
   for (int i = 0; i < 8; ++i) {
     Request r;
@@ -122,24 +124,24 @@ TEST(DeviceSampling, SchedulerDrawsOnTheDevice) {
   }
   auto batch_backend = make(8);
   Counting batch_counting(*batch_backend);
-  Scheduler batch(batch_counting, {});
+  Scheduler batch(batch_counting, steps);
   const auto got = run_all(batch, requests);
   EXPECT_GT(batch_counting.drawn, 0);
   EXPECT_EQ(batch_counting.logits, 0);
   int differs_from_greedy = 0;
   for (const Request& r : requests) {
     auto alone_backend = make(1);
-    Scheduler alone(*alone_backend, {});
+    Scheduler alone(*alone_backend, steps);
     EXPECT_EQ(got.at(r.id), run_all(alone, {r}).at(r.id)) << r.id;
     Request greedy = r;
     greedy.sampling = {};
     auto greedy_backend = make(1);
     Counting greedy_counting(*greedy_backend);
-    Scheduler greedy_scheduler(greedy_counting, {});
+    Scheduler greedy_scheduler(greedy_counting, steps);
     const std::vector<int32_t> greedy_tokens = run_all(greedy_scheduler, {greedy}).at(r.id);
     EXPECT_GT(greedy_counting.greedy, 0);
     ReferenceBackend reference(model->graph, *model->weights, DType::F32, 1);
-    Scheduler reference_scheduler(reference, {});
+    Scheduler reference_scheduler(reference, steps);
     EXPECT_EQ(greedy_tokens, run_all(reference_scheduler, {greedy}).at(r.id)) << r.id;
     differs_from_greedy += got.at(r.id) != greedy_tokens;
   }

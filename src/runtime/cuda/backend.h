@@ -79,9 +79,8 @@ struct CudaOptions {
   // The fp32 scores of one MLA GEMM block stay within this many bytes (tests make it small to force
   // blocks of few query rows and heads).
   int64_t mla_scores_bytes = int64_t{512} << 20;
-  // Steps with StepInputs::draws draw their rows on the device (sample.cuh) and download the ids; off
-  // until it has run on a GPU (the emulator test checks the block's logic).
-  bool device_sampling = false;
+  // Steps with StepInputs::draws draw their rows on the device (sample.cuh) and download the ids.
+  bool device_sampling = true;
 };
 
 // Per-opcode time of one step (profile mode): measured by running the step's ops one launch each

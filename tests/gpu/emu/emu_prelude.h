@@ -142,6 +142,26 @@ inline unsigned __ballot_sync(unsigned, bool pred) {
   __syncwarp();
   return bits;
 }
+// The lanes of this warp whose v equals this lane's (every lane must call it).
+inline unsigned __match_any_sync(unsigned, unsigned v) {
+  const unsigned t = threadIdx.x, base = t - t % 32;
+  emu_block->xch[t] = v;
+  __syncwarp();
+  unsigned bits = 0;
+  for (unsigned l = 0; l < 32; ++l) bits |= (emu_block->xch[base + l] == v ? 1u : 0u) << l;
+  __syncwarp();
+  return bits;
+}
+// The sum of v over the lanes in mask (every lane of the warp must call it, each with its group's mask).
+inline unsigned __reduce_add_sync(unsigned mask, unsigned v) {
+  const unsigned t = threadIdx.x, base = t - t % 32;
+  emu_block->xch[t] = v;
+  __syncwarp();
+  unsigned sum = 0;
+  for (unsigned l = 0; l < 32; ++l) sum += (mask >> l & 1u) != 0 ? emu_block->xch[base + l] : 0u;
+  __syncwarp();
+  return sum;
+}
 // One OS thread runs every block: plain read-modify-writes are atomic, fences are no-ops.
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
   const unsigned long long old = *p;
