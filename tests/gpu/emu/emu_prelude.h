@@ -163,11 +163,6 @@ inline unsigned __reduce_add_sync(unsigned mask, unsigned v) {
   return sum;
 }
 // One OS thread runs every block: plain read-modify-writes are atomic, fences are no-ops.
-inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
-  const unsigned long long old = *p;
-  *p = old + v;
-  return old;
-}
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
   const unsigned old = *p;
   *p = old + v;
