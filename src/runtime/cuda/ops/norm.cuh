@@ -76,11 +76,13 @@ __device__ __forceinline__ void gated_norm_units(const DeviceWeight w, int64_t d
   for (int i = 0; i < kGatedNormPerLane; ++i) wj[i] = lane + 32 * i < d ? weight_flat(w, lane + 32 * i) : 0.0f;
   for (int64_t u0 = warp_id(); u0 < units; u0 += kGatedNormUnits * kWarps) {
     float o[kGatedNormUnits][kGatedNormPerLane] = {}, z[kGatedNormUnits][kGatedNormPerLane] = {};
+    float* outs[kGatedNormUnits] = {};  // at(u) once a unit: its index arithmetic is per lane
 #pragma unroll
     for (int k = 0; k < kGatedNormUnits; ++k) {
       const int64_t u = u0 + k * kWarps;
       if (u >= units) break;
       const GatedUnit p = at(u);
+      outs[k] = p.out;
 #pragma unroll
       for (int i = 0; i < kGatedNormPerLane; ++i) {
         if (lane + 32 * i < d) o[k][i] = round_act(o_act, p.o[lane + 32 * i]), z[k][i] = round_act(z_act, p.z[lane + 32 * i]);
@@ -96,7 +98,7 @@ __device__ __forceinline__ void gated_norm_units(const DeviceWeight w, int64_t d
         if (lane + 32 * i < d) sum += o[k][i] * o[k][i];
       }
       const float scale = inv_rms(warp_sum(sum), d, eps);
-      float* out = at(u).out;
+      float* out = outs[k];
 #pragma unroll
       for (int i = 0; i < kGatedNormPerLane; ++i) {
         if (lane + 32 * i < d) out[lane + 32 * i] = round_act(act, wj[i] * (o[k][i] * scale) * sigmoidf_(z[k][i]));
@@ -117,8 +119,12 @@ __device__ __noinline__ void op_gated_rms_norm(const TaskCtx& ctx) {
   const int rows = ctx.rows();
   const int64_t share_rows = share.first_row < rows ? (rows - share.first_row + share.row_stride - 1) / share.row_stride : 0;
   // Unit u: head first_head + u mod heads of row first_row + (u / heads)·row_stride, at column offset h·d.
+  // In 32 bits (a step's rows × heads are far below 2³¹): a 64-bit division and remainder a unit were
+  // ~140 instructions a lane, about as many as the unit's 4 channels a lane of arithmetic.
+  const int heads32 = static_cast<int>(heads);
   gated_norm_units(ctx.weight(0), d, ctx.attr(1), ctx.out_act(), ctx.in_act(0), ctx.in_act(1), share_rows * heads, [&](int64_t u) {
-    const int64_t row = share.first_row + u / heads * share.row_stride, col = (first_head + u % heads) * d;
+    const int q = static_cast<int>(u) / heads32, h = static_cast<int>(u) - q * heads32;
+    const int64_t row = share.first_row + static_cast<int64_t>(q) * share.row_stride, col = (first_head + h) * d;
     return GatedUnit{o_rows[row] + col, z_rows[row] + col, out[row] + col};
   });
 }
