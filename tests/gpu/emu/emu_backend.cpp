@@ -123,6 +123,7 @@ void CudaBackend::restore_slot(int slot, const SlotSnapshot& snap) {
 int64_t CudaBackend::context_tokens(int s) const { return impl_->context[static_cast<size_t>(s)]; }
 int CudaBackend::num_slots() const { return impl_->opt.num_slots; }
 DType CudaBackend::act_dtype() const { return impl_->opt.act_dtype; }
+bool CudaBackend::draws_rows() const { return false; }  // the emulated backend answers with logits
 bool CudaBackend::has_op(uint8_t op) { return is_misc_op(op) || op == uint8_t(Op::kTokens) || op == uint8_t(Op::kEmbedding) || op == uint8_t(Op::kSlice); }
 
 static void run_block(TaskCtx ctx) {
