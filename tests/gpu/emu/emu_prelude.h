@@ -1,4 +1,5 @@
-// Host emulation of the CUDA features the op bodies use: 512 cooperative fibers (ucontext) per block on
+// Host emulation of the CUDA features the op bodies use: 512 cooperative fibers (their own stack switch
+// on x86-64, ucontext elsewhere) per block on
 // one OS thread (fewer for kernels of smaller blocks: run's `threads`, a multiple of 32); __syncthreads / __syncwarp are barriers the scheduler releases when every live fiber of
 // the block / warp has arrived (a divergent barrier deadlocks and is reported). Test scaffolding only.
 #pragma once
@@ -33,12 +34,46 @@ inline float __int_as_float(int i) { return std::bit_cast<float>(i); }
 struct EmuDim3 { unsigned x = 0, y = 0, z = 0; };
 inline EmuDim3 threadIdx;  // set by the scheduler before resuming a fiber
 
+#if defined(__x86_64__)
+// A fiber switch without glibc's swapcontext, which makes a sigprocmask system call at every switch
+// (~40% of an emulator run's time went to the kernel): push the callee-saved registers, save the
+// stack pointer, load the other's, pop its registers and return into it.
+extern "C" void plow_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .weak plow_emu_switch
+  .type plow_emu_switch, @function
+plow_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size plow_emu_switch, .-plow_emu_switch
+)");
+#endif
+
 struct EmuBlock {
   enum Wait { kRun, kBlock, kWarp, kDone };
   static constexpr int kN = 512;
   static constexpr size_t kStack = 256 * 1024;
+#if defined(__x86_64__)
+  void* sched_sp = nullptr;
+  void* sp[kN];  // a waiting fiber's saved stack pointer
+#else
   ucontext_t sched;
   ucontext_t ctx[kN];
+#endif
   Wait wait[kN];
   std::vector<char> stacks = std::vector<char>(kN * kStack);
   uint32_t xch[kN];
@@ -46,25 +81,47 @@ struct EmuBlock {
   int n = kN;  // fibers of the block being run
   std::function<void()> body;
   static void entry();
+  void make(int i);    // fiber i, to start at entry()
+  void resume(int i);  // the scheduler runs fiber i until it waits or ends
+  void yield();        // the current fiber back to the scheduler
   void run(std::function<void()> fn, int threads = kN);
 };
 inline EmuBlock* emu_block = nullptr;
 inline void EmuBlock::entry() {
   emu_block->body();
   emu_block->wait[emu_block->current] = kDone;
-  swapcontext(&emu_block->ctx[emu_block->current], &emu_block->sched);
+  emu_block->yield();  // never resumed
 }
+#if defined(__x86_64__)
+inline void EmuBlock::make(int i) {
+  // The frame plow_emu_switch pops: six registers, then entry() as the return address, and a slot
+  // for entry's own return address, so its stack is aligned as after a call.
+  void** frame = reinterpret_cast<void**>(stacks.data() + static_cast<size_t>(i + 1) * kStack) - 8;
+  for (int r = 0; r < 6; ++r) frame[r] = nullptr;
+  frame[6] = reinterpret_cast<void*>(&EmuBlock::entry);
+  frame[7] = nullptr;
+  sp[i] = frame;
+}
+inline void EmuBlock::resume(int i) { plow_emu_switch(&sched_sp, sp[i]); }
+inline void EmuBlock::yield() { plow_emu_switch(&sp[current], sched_sp); }
+#else
+inline void EmuBlock::make(int i) {
+  getcontext(&ctx[i]);
+  ctx[i].uc_stack.ss_sp = stacks.data() + i * kStack;
+  ctx[i].uc_stack.ss_size = kStack;
+  ctx[i].uc_link = &sched;
+  makecontext(&ctx[i], &EmuBlock::entry, 0);
+}
+inline void EmuBlock::resume(int i) { swapcontext(&sched, &ctx[i]); }
+inline void EmuBlock::yield() { swapcontext(&ctx[current], &sched); }
+#endif
 inline void EmuBlock::run(std::function<void()> fn, int threads) {
   if (threads < 32 || threads > kN || threads % 32 != 0) { std::fprintf(stderr, "emu: a block of %d threads\n", threads); std::abort(); }
   body = std::move(fn);
   emu_block = this;
   n = threads;
   for (int i = 0; i < n; ++i) {
-    getcontext(&ctx[i]);
-    ctx[i].uc_stack.ss_sp = stacks.data() + i * kStack;
-    ctx[i].uc_stack.ss_size = kStack;
-    ctx[i].uc_link = &sched;
-    makecontext(&ctx[i], &EmuBlock::entry, 0);
+    make(i);
     wait[i] = kRun;
   }
   for (;;) {
@@ -73,7 +130,7 @@ inline void EmuBlock::run(std::function<void()> fn, int threads) {
       if (wait[i] != kRun) continue;
       current = i;
       threadIdx.x = static_cast<unsigned>(i);
-      swapcontext(&sched, &ctx[i]);
+      resume(i);
       ran = true;
     }
     int done = 0, at_block = 0;
@@ -102,7 +159,7 @@ inline void emu_wait(EmuBlock::Wait kind) {
   EmuBlock& b = *emu_block;
   const int me = b.current;
   b.wait[me] = kind;
-  swapcontext(&b.ctx[me], &b.sched);
+  b.yield();
   threadIdx.x = static_cast<unsigned>(me);
 }
 inline void __syncthreads() { emu_wait(EmuBlock::kBlock); }
