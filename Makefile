@@ -1,8 +1,9 @@
 # The two README commands:
 #   make run   installs the Debian packages, builds, and serves the bundled model over the OpenAI API
 #              (prints a curl line to try it, then blocks serving; Ctrl-C drains and exits)
-#   make test  installs, builds and runs every CPU test (unit, oracle, plan, bad input; bad input, plan
-#              files and the validator also under ASan/UBSan; the plan protocol under ThreadSanitizer)
+#   make test  installs, builds and runs every CPU test (unit, oracle, plan, bad input, the CUDA op
+#              bodies and kernels on the host emulator; bad input, plan files and the validator also
+#              under ASan/UBSan; the plan protocol under ThreadSanitizer)
 # GPU tests (CTest label `gpu`) run on the GPU machine only: `make test-gpu`.
 
 BUILD ?= build
@@ -33,6 +34,7 @@ run: build
 	$(BUILD)/bin/plow serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 test: build
+	cmake --build $(BUILD) -j $(JOBS) --target emu_tests
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE gpu
 	$(MAKE) test-asan
 	$(MAKE) test-tsan
