@@ -1,7 +1,8 @@
-// Host emulation of the CUDA features the op bodies use: 512 cooperative fibers (their own stack switch
-// on x86-64, ucontext elsewhere) per block on
-// one OS thread (fewer for kernels of smaller blocks: run's `threads`, a multiple of 32); __syncthreads / __syncwarp are barriers the scheduler releases when every live fiber of
-// the block / warp has arrived (a divergent barrier deadlocks and is reported). Test scaffolding only.
+// Host emulation of the CUDA features the op bodies use: 512 cooperative fibers per block on one OS
+// thread (fewer for kernels of smaller blocks: run's `threads`, a multiple of 32; switched by
+// plow_emu_switch on x86-64, by ucontext elsewhere); __syncthreads / __syncwarp are barriers the
+// scheduler releases when every live fiber of the block / warp has arrived (a divergent barrier
+// deadlocks and is reported). Test scaffolding only.
 #pragma once
 #include <atomic>
 #include <bit>
