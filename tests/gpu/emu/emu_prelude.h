@@ -41,7 +41,7 @@ inline EmuDim3 threadIdx;  // set by the scheduler before resuming a fiber
 // stack pointer, load the other's, pop its registers and return into it.
 extern "C" void plow_emu_switch(void** save_sp, void* load_sp);
 asm(R"(
-  .text
+  .pushsection .text
   .weak plow_emu_switch
   .type plow_emu_switch, @function
 plow_emu_switch:
@@ -61,6 +61,7 @@ plow_emu_switch:
   popq %rbp
   ret
   .size plow_emu_switch, .-plow_emu_switch
+  .popsection
 )");
 #endif
 
