@@ -33,11 +33,14 @@ Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens,
     options.disabled_rules.insert(name);
   }
   // A prefill chunk's f_b projection stays a plain linear: the cuda backend runs those as cuBLAS GEMMs
-  // (prefill_gemm.cpp), which take no epilogue, and the gate is then one pass over the chunk.
+  // (prefill_gemm.cpp), which take no epilogue, and the gate is then one pass over the chunk. Its KDA
+  // core stays unfused: the delta rule runs chunked (kda_prefill.h), the fused core token by token.
   // Nor does a prefill chunk fold a residual sum into the norm's readers: the hop they save is a
   // decode step's, and every task of a chunk would add and normalize all of its rows again.
   if (phase == PlanPhase::kPrefill) {
-    for (const char* rule : {"kda-gate-into-linear", "add-norm-into-multi-linear", "add-norm-into-router"}) options.disabled_rules.insert(rule);
+    for (const char* rule : {"kda-gate-into-linear", "kda-core-fuse", "add-norm-into-multi-linear", "add-norm-into-router"}) {
+      options.disabled_rules.insert(rule);
+    }
   }
   const CompiledGraph compiled = compile_graph(model.graph, options);
   LowerOptions lower{phase, max_tokens, workers, max_context, fingerprint_of(model)};

@@ -45,6 +45,11 @@ int Graph::add(Op op, std::vector<int> inputs, std::vector<int> weights, Attrs a
   return static_cast<int>(nodes_.size()) - 1;
 }
 
+std::vector<int> extra_states(const Node& node) {
+  if (node.op != Op::kKdaFusedCore) return {};
+  return {static_cast<int>(node.attrs.i("conv_q")), static_cast<int>(node.attrs.i("conv_k")), static_cast<int>(node.attrs.i("conv_v"))};
+}
+
 void Graph::verify() const {
   PLOW_CHECK(output_ >= 0 && output_ < static_cast<int>(nodes_.size()), "graph output {} not set", output_);
   for (size_t id = 0; id < nodes_.size(); ++id) {
@@ -54,6 +59,7 @@ void Graph::verify() const {
                "node {} ({}) arity", id, info.name);
     for (int input : node.inputs) PLOW_CHECK(input >= 0 && static_cast<size_t>(input) < id, "node {} reads later node {}", id, input);
     if (info.stateful) PLOW_CHECK(node.state >= 0 && node.state < static_cast<int>(states_.size()), "node {} state", id);
+    for (const int extra : extra_states(node)) PLOW_CHECK(extra >= 0 && extra < static_cast<int>(states_.size()), "node {} state {}", id, extra);
   }
 }
 

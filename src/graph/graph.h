@@ -56,6 +56,10 @@ struct Node {
   std::string label;         // e.g. "layers.3.mla"
 };
 
+// The states a node updates besides `state`, by id: the conv windows of kda_fused_core (attrs conv_q,
+// conv_k, conv_v); empty for every other op.
+std::vector<int> extra_states(const Node& node);
+
 class Graph {
  public:
   int add_weight(WeightDecl decl);

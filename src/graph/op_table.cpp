@@ -98,6 +98,18 @@ int64_t delta_rule_rule(const Node& node, Widths in, Weights) {
   return width;
 }
 
+// kda_fused_core: the three convs', the gate projection's and the delta rule's rules on their inputs.
+int64_t kda_fused_core_rule(const Node& node, Widths in, Weights w) {
+  const int64_t heads = node.attrs.i("heads"), width = heads * node.attrs.i("head_dim"), kernel = node.attrs.i("kernel");
+  PLOW_CHECK(in[0] == width && in[1] == width && in[2] == width && in[4] == heads,
+             "{}: the fused KDA core expects x_q, x_k, x_v of width {} and b of width {}", node.label, width, heads);
+  for (int i = 0; i < 3; ++i) expect_shape(node, w[i], {width, 1, kernel});
+  expect_shape(node, w[3], {width, in[3]});
+  PLOW_CHECK(numel(w[4]) == heads && numel(w[5]) == width, "{}: KDA gate shapes", node.label);
+  for (const char* conv : {"conv_q", "conv_k", "conv_v"}) PLOW_CHECK(node.attrs.i(conv) >= 0, "{}: {} names no state", node.label, conv);
+  return width;
+}
+
 int64_t gated_norm_rule(const Node& node, Widths in, Weights w) {
   const int64_t d = node.attrs.i("head_dim");
   PLOW_CHECK(in[0] == in[1] && in[0] == node.attrs.i("heads") * d, "{}: gated norm widths", node.label);
@@ -267,6 +279,7 @@ constexpr std::array<OpInfo, static_cast<size_t>(Op::kCount)> kOps = {{
     {Op::kLinearKdaGate, "linear_kda_gate", 1, 3, OutDType::kF32, false, linear_kda_gate_rule, Slicing::kColumns, ""},
     {Op::kAddNormMultiLinear, "add_norm_multi_linear", 2, -1, OutDType::kAct, false, add_norm_multi_linear_rule, Slicing::kColumns, ""},
     {Op::kAddNormRouterLogits, "add_norm_router_logits", 2, 2, OutDType::kF32, false, add_norm_multi_linear_rule, Slicing::kColumns, ""},
+    {Op::kKdaFusedCore, "kda_fused_core", 5, 6, OutDType::kAct, true, kda_fused_core_rule, Slicing::kHeads, "head_dim"},
 }};
 
 constexpr bool table_in_enum_order() {
@@ -294,11 +307,12 @@ bool reads_routed_experts(Op op) { return op == Op::kMoeGateUp || op == Op::kMoe
 
 bool spreads_over_workers(Op op) { return op == Op::kMlaAttention; }
 
-int64_t spread_tasks(Op op, int64_t workers, int64_t max_tokens) {
+int64_t spread_tasks(const Node& node, int64_t workers, int64_t max_tokens) {
   const auto by_rows = [&](int64_t rows_per_task) { return std::min(workers, (max_tokens + rows_per_task - 1) / rows_per_task); };
-  if (spreads_over_workers(op)) return workers;
-  if (op == Op::kMoeTopK) return by_rows(kMoeTopkRowsPerTask);
-  if (op == Op::kGatedRmsNorm) return by_rows(kGatedRmsNormRowsPerTask);
+  if (spreads_over_workers(node.op)) return workers;
+  if (node.op == Op::kMoeTopK) return by_rows(kMoeTopkRowsPerTask);
+  if (node.op == Op::kGatedRmsNorm) return by_rows(kGatedRmsNormRowsPerTask);
+  if (node.op == Op::kKdaFusedCore) return std::min(workers, node.width / node.attrs.i("head_dim") * max_tokens);
   return 0;
 }
 

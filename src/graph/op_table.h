@@ -59,6 +59,11 @@ enum class Op : uint8_t {
   // add_norm (a light op of a few tasks) that it would otherwise read, one dependency hop a layer.
   kAddNormMultiLinear,  // multi_linear(rms_norm(a + b; w); W_1..W_n), a + b rounded as kAdd   weights: w, W_1..W_n
   kAddNormRouterLogits, // [T,E] fp32 router_logits(rms_norm(a + b; w); W)                     weights: w, W [E,H]
+  // The KDA mixer's core in one op (decode plans): kda_delta_rule(conv_q(x_q), conv_k(x_k), conv_v(x_v),
+  // kda_gate(linear(f; W_fb)), σ(b)). Stateful over four states: `state` the recurrent one, attrs
+  // conv_q / conv_k / conv_v the three conv windows (state ids). Sliced by heads: a task owns every
+  // channel of its heads, so the windows of its q/k channels are its own to read and rewrite.
+  kKdaFusedCore,     // [T,P] inputs x_q, x_k, x_v [T,P], f [T,F], b [T,heads]   weights: C_q, C_k, C_v [P,1,K], W_fb [P,F], A_log, dt_bias
   kCount,
 };
 
@@ -130,8 +135,10 @@ inline constexpr int64_t kGatedRmsNormRowsPerTask = 8;
 // one per worker (spreads_over_workers); moe_topk (whole): one per kMoeTopkRowsPerTask rows, up to the
 // workers, each taking a share of the step's rows (1 for plans of ≤ 16 rows: decode keeps one task);
 // gated_rms_norm: one per kGatedRmsNormRowsPerTask rows, up to the workers (tasks past its heads only
-// when that is more than the heads), each taking whole rows in steps of many rows.
-int64_t spread_tasks(Op op, int64_t workers, int64_t max_tokens);
+// when that is more than the heads), each taking whole rows in steps of many rows; kda_fused_core: one
+// per (head, row), up to the workers, each taking a share of the step's (sequence, head) pairs.
+struct Node;
+int64_t spread_tasks(const Node& node, int64_t workers, int64_t max_tokens);
 std::string_view op_name(Op op);
 
 }  // namespace plow

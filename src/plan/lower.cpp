@@ -179,7 +179,7 @@ void add_tasks(Plan& plan, const Graph& graph, int32_t op_index, int64_t light_t
   int64_t slices = std::min<int64_t>(plan.workers, units);
   if (is_light(node.op)) slices = std::clamp<int64_t>((plan.max_tokens * node.width + light_task_elements - 1) / light_task_elements, 1, slices);
   if (node.op == Op::kRouterLogits || node.op == Op::kAddNormRouterLogits) slices = std::min<int64_t>(slices, (units + kRouterTaskColumns - 1) / kRouterTaskColumns);
-  const int64_t tasks = std::max<int64_t>(spread_tasks(node.op, plan.workers, plan.max_tokens), slices);
+  const int64_t tasks = std::max<int64_t>(spread_tasks(node, plan.workers, plan.max_tokens), slices);
   for (int64_t s = 0; s < tasks; ++s) {
     PlanTask task;
     task.op = op_index;

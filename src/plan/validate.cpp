@@ -18,8 +18,8 @@ constexpr double kMaxAttrMagnitude = 16777216.0;  // 2^24: integer casts are exa
 
 // Attributes that kernels and shape rules use as sizes: non-negative integers (≥ 1 unless listed in kZeroOk).
 const std::set<std::string_view> kSizeAttrs = {"heads", "head_dim", "nope", "rope", "v", "rank", "kernel", "experts",
-                                               "top_k", "groups", "topk_groups", "width", "offset"};
-const std::set<std::string_view> kZeroOk = {"nope", "rope", "offset"};
+                                               "top_k", "groups", "topk_groups", "width", "offset", "conv_q", "conv_k", "conv_v"};
+const std::set<std::string_view> kZeroOk = {"nope", "rope", "offset", "conv_q", "conv_k", "conv_v"};  // conv_*: state ids
 
 class Checker {
  public:
@@ -134,6 +134,10 @@ class Checker {
         reject("{} does not fit the op table: {}", describe(i), e.what());
       }
       if (graph_.node(i).width != op.width) reject("{}: width {} but its shape rule gives {}", describe(i), op.width, graph_.node(i).width);
+      for (const int extra : extra_states(graph_.node(i))) {  // kda_fused_core's conv windows
+        if (extra >= static_cast<int>(plan_.states.size())) reject("{}: state {} outside the state table", describe(i), extra);
+        if (!state_users_.insert(extra).second) reject("{}: state {} is already updated by another op", describe(i), extra);
+      }
       check_wiring(i, op);
     }
     std::vector<bool> read(plan_.weights.size(), false);
@@ -157,6 +161,15 @@ class Checker {
     switch (op.op()) {
       case Op::kShortConvSilu: expect_state(StateKind::kConvWindow, node.width, node.attrs.i("kernel") - 1); break;
       case Op::kKdaDeltaRule: expect_state(StateKind::kKdaRecurrent, node.width, node.attrs.i("heads")); break;
+      case Op::kKdaFusedCore:
+        expect_state(StateKind::kKdaRecurrent, node.width, node.attrs.i("heads"));
+        for (const int window : extra_states(node)) {
+          const StateDecl& s = plan_.states[static_cast<size_t>(window)];
+          if (s.kind != StateKind::kConvWindow || s.width != node.width || s.depth != node.attrs.i("kernel") - 1) {
+            reject("{}: conv state {} ('{}') has the wrong kind or size for this op", describe(i), window, s.label);
+          }
+        }
+        break;
       case Op::kMlaAttention: expect_state(StateKind::kMlaLatent, node.attrs.i("rank") + node.attrs.i("rope"), -1); break;
       case Op::kEmbedding:
         if (plan_.ops[static_cast<size_t>(op.inputs[0])].op() != Op::kTokens) reject("{}: embeds op {}, which is not the token ids", describe(i), op.inputs[0]);
@@ -189,7 +202,7 @@ class Checker {
       if (op.op() == Op::kTokens) reject("task {}: {} is filled by the backend and has no tasks", t, describe(task.op));
       if (op.is_view()) reject("task {}: {} is a view of its input and has no tasks", t, describe(task.op));
       // A spread op's tasks past its units own the empty slice at its end (lower.cpp add_tasks).
-      const bool spread_past_units = spread_tasks(op.op(), plan_.workers, plan_.max_tokens) > 0 && task.col_begin == op.width && task.col_end == op.width;
+      const bool spread_past_units = spread_tasks(graph_.node(task.op), plan_.workers, plan_.max_tokens) > 0 && task.col_begin == op.width && task.col_end == op.width;
       if (!spread_past_units && (task.col_begin < 0 || task.col_begin >= task.col_end || task.col_end > op.width)) {
         reject("task {} of {}: columns [{}, {}) outside [0, {})", t, describe(task.op), task.col_begin, task.col_end, op.width);
       }
@@ -228,7 +241,7 @@ class Checker {
       // Empty slices only up to the op's spread (plans from before moe_topk or gated_rms_norm spread have fewer: valid).
       const auto tasks = static_cast<int64_t>(slices.size());
       const int64_t nonempty = std::count_if(slices.begin(), slices.end(), [](const auto& s) { return s.first < s.second; });
-      const int64_t most = std::max(nonempty, spread_tasks(plan_.ops[static_cast<size_t>(i)].op(), plan_.workers, plan_.max_tokens));
+      const int64_t most = std::max(nonempty, spread_tasks(graph_.node(i), plan_.workers, plan_.max_tokens));
       if (tasks > most) reject("{}: {} tasks, at most {} ({} column slices, spread over {} workers and {} rows)", describe(i), tasks, most, nonempty, plan_.workers, plan_.max_tokens);
     }
   }

@@ -49,9 +49,32 @@ Certificate certify(const Rule& rule) {
         }
         const Checkpoint weights = random_checkpoint(lhs, seed, act, "certificate of " + rule.name);
         const BoundWeights lhs_weights(lhs, weights), rhs_weights(rhs, weights);
-        const auto inputs = random_inputs(lhs, kRows, seed, act);
-        const auto a = evaluate_graph(lhs, lhs_weights, act, kRows, inputs);
-        const auto b = evaluate_graph(rhs, rhs_weights, act, kRows, inputs);
+        std::vector<float> a, b;
+        if (lhs.states().empty()) {
+          const auto inputs = random_inputs(lhs, kRows, seed, act);
+          a = evaluate_graph(lhs, lhs_weights, act, kRows, inputs);
+          b = evaluate_graph(rhs, rhs_weights, act, kRows, inputs);
+        } else {
+          // Stateful ops: a prefill of kRows tokens in slot 0, then a decode step of three slots (slot 0
+          // reading the states the first step left); both steps' outputs and every state at the end compared.
+          std::vector<SlotState> lhs_slots = fresh_slot_states(lhs, int{kRows}), rhs_slots = fresh_slot_states(rhs, int{kRows});
+          StepInputs prefill, decode;
+          prefill.sequences = {{0, kRows}};
+          decode.sequences = {{0, 1}, {1, 1}, {2, 1}};
+          for (const StepInputs* step : {&prefill, &decode}) {
+            const auto inputs = random_inputs(lhs, kRows, seed + (step == &decode ? 100 : 0), act);
+            const auto x = evaluate_graph(lhs, lhs_weights, act, *step, lhs_slots, inputs);
+            const auto y = evaluate_graph(rhs, rhs_weights, act, *step, rhs_slots, inputs);
+            a.insert(a.end(), x.begin(), x.end());
+            b.insert(b.end(), y.begin(), y.end());
+          }
+          for (size_t slot = 0; slot < lhs_slots.size(); ++slot) {
+            for (size_t i = 0; i < lhs_slots[slot].buffers.size(); ++i) {
+              a.insert(a.end(), lhs_slots[slot].buffers[i].begin(), lhs_slots[slot].buffers[i].end());
+              b.insert(b.end(), rhs_slots[slot].buffers[i].begin(), rhs_slots[slot].buffers[i].end());
+            }
+          }
+        }
         if (a.size() != b.size()) {
           certificate.max_error = std::numeric_limits<double>::infinity();
           continue;

@@ -165,8 +165,9 @@ TEST(FusedModels, DeepModelsHaveTheExpectedFusedOps) {
     EXPECT_LT(compiled.report.cost_after, compiled.report.cost_before);
     EXPECT_LT(compiled.report.ops_after - static_cast<size_t>(count("slice")), compiled.report.ops_before) << "fewer tasks";
     EXPECT_EQ(compiled.report.saturation.stop_reason, "saturated");
-    EXPECT_EQ(count("linear_kda_gate"), c.num_layers_of(MixerKind::kKda));  // every KDA gate in its f_b projection
-    EXPECT_EQ(count("kda_gate"), 0);
+    // Every KDA core fused: its convs, its gate (f_b projection included) and β inside one op.
+    EXPECT_EQ(count("kda_fused_core"), c.num_layers_of(MixerKind::kKda));
+    for (const char* gone : {"kda_delta_rule", "short_conv_silu", "kda_gate", "linear_kda_gate", "sigmoid"}) EXPECT_EQ(count(gone), 0) << gone;
     if (c.attn_res_block_size) {
       EXPECT_EQ(count("attn_res_norm"), 2 * c.num_layers + 1);  // every AttnRes mix feeds its norm directly
       EXPECT_EQ(count("attn_res_mix"), 0);
@@ -236,14 +237,24 @@ TEST(FusedModels, DecodePlansReadTheResidualSumsTerms) {
 TEST(FusedModels, DecodePlanWithoutARule) {
   const auto model = LoadedModel::describe((fs::path(PLOW_SOURCE_DIR) / "bench/configs/kimi-linear-48b-a3b.json").string());
   auto count = [](const Plan& plan, Op op) { return std::count_if(plan.ops.begin(), plan.ops.end(), [op](const PlanOp& o) { return o.op() == op; }); };
+  auto fired = [](const Plan& plan, const char* rule) { return std::count(plan.compile.rules_fired.begin(), plan.compile.rules_fired.end(), rule); };
   const int64_t kda_layers = model->config.num_layers_of(MixerKind::kKda);
   const Plan with = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64);
-  EXPECT_EQ(count(with, Op::kLinearKdaGate), kda_layers);
-  EXPECT_EQ(count(with, Op::kKdaGate), 0);
-  const Plan without = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements, {"kda-gate-into-linear"});
+  EXPECT_EQ(count(with, Op::kKdaFusedCore), kda_layers);
+  EXPECT_EQ(count(with, Op::kKdaDeltaRule), 0);
+  EXPECT_EQ(count(with, Op::kLinearKdaGate), 0);
+  const Plan no_core = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements, {"kda-core-fuse"});
+  EXPECT_EQ(count(no_core, Op::kKdaFusedCore), 0);
+  EXPECT_EQ(count(no_core, Op::kKdaDeltaRule), kda_layers);
+  EXPECT_EQ(count(no_core, Op::kLinearKdaGate), kda_layers);
+  EXPECT_EQ(fired(no_core, "kda-core-fuse"), 0);
+  const Plan without = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements, {"kda-core-fuse", "kda-gate-into-linear"});
   EXPECT_EQ(count(without, Op::kLinearKdaGate), 0);
   EXPECT_EQ(count(without, Op::kKdaGate), kda_layers);
-  EXPECT_EQ(std::count(without.compile.rules_fired.begin(), without.compile.rules_fired.end(), "kda-gate-into-linear"), 0);
+  EXPECT_EQ(fired(without, "kda-gate-into-linear"), 0);
+  const Plan prefill = compile_plan(*model, PlanPhase::kPrefill, 64, 8, 64);  // the chunked delta rule, plain linears
+  EXPECT_EQ(count(prefill, Op::kKdaFusedCore), 0);
+  EXPECT_EQ(count(prefill, Op::kKdaDeltaRule), kda_layers);
   try {
     compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements, {"kda-gate-into-linears"});
     ADD_FAILURE() << "an unknown rule was accepted";

@@ -204,6 +204,37 @@ OpCase kda_delta_rule(int64_t heads, int64_t d, bool bounded, float gate_std = 1
           {128, 2, 1.0, 0.01}};
 }
 
+// The KDA mixer's core in one op (kda_fused_core, the compiler's kda-core-fuse in decode plans): three
+// convs over their own windows, the gate's f_b projection (f of f_width columns: a multiple of 4 takes
+// the bf16 body's four-column loads, others its scalar path), β and the delta rule. Every step of the
+// script, so prefill-sized sequences (33, 70: two of its 64-token tiles) run token by token too.
+OpCase kda_fused_core(int64_t heads, int64_t d, bool bounded, int64_t f_width, int64_t kernel) {
+  return {"kda_fused_core_h" + std::to_string(heads) + "_d" + std::to_string(d) + "_f" + std::to_string(f_width) + "_k" + std::to_string(kernel) +
+              (bounded ? "_bounded" : ""),
+          Op::kKdaFusedCore,
+          [=](CaseGraph& g) {
+            const int64_t width = heads * d;
+            std::vector<int> inputs, weights;
+            Attrs attrs = gate_attrs(heads, d, bounded);
+            attrs.set("kernel", double(kernel));
+            for (const char* name : {"q", "k", "v"}) {
+              inputs.push_back(g.embed(width));
+              weights.push_back(g.weight({std::string(name) + "_conv", {width, 1, kernel}, 0.0f, 0.5f}));
+              attrs.set(std::string("conv_") + name, g.graph.add_state({StateKind::kConvWindow, width, kernel - 1, std::string(name) + "_window"}));
+            }
+            inputs.push_back(g.embed(f_width));
+            inputs.push_back(g.embed(heads));
+            weights.push_back(g.weight({"f_b", {width, f_width}, 0.0f, 1.0f / std::sqrt(float(f_width))}));
+            weights.push_back(g.weight({"A_log", {heads}, 1.0f, 0.8f, true}));
+            weights.push_back(g.weight({"dt_bias", {width}, 0.0f, 0.5f, true}));
+            const int state = g.graph.add_state({StateKind::kKdaRecurrent, width, heads, "state"});
+            g.op(Op::kKdaFusedCore, inputs, weights, attrs, state);
+          },
+          // The delta rule's bound (the GPU's token-by-token form against the CPU's chunked one) with the
+          // convs' and the gate projection's own reassociation in front of it.
+          {128, 2, 1.0, 0.01}};
+}
+
 // Prefill-sized sequences (the GPU's chunked form, C = 64) beside short and decode ones in the same
 // steps: 65 = a chunk and one, 130 = two and two, 300 = four and 44, 16 and 15 either side of the
 // chunked threshold (kKdaChunkedMinTokens), 3 and 1 token by token; decode steps read the chunked states.
@@ -353,6 +384,15 @@ std::vector<OpCase> cases() {
   for (auto [heads, d] : {std::pair{1, 16}, {2, 32}, {3, 64}, {2, 128}, {4, 128}}) all.push_back(kda_delta_rule(heads, d, false));
   all.push_back(kda_delta_rule(2, 64, true));
   all.push_back(kda_delta_rule(1, 24, false));  // a head dim that is no power of two (padded to 32)
+  all.push_back(kda_fused_core(2, 32, false, 32, 4));
+  all.push_back(kda_fused_core(3, 64, true, 48, 4));
+  all.push_back(kda_fused_core(1, 24, true, 21, 3));  // head dim padded to 32; f off the four-column loads
+  all.push_back(kda_fused_core(2, 128, false, 128, 4));  // the 48B's head shape
+  {  // the 48B layer's plan: a task per (sequence, head) pair
+    OpCase c = kda_fused_core(4, 128, true, 128, 4);
+    c.workers = 132;
+    all.push_back(std::move(c));
+  }
   for (auto [heads, d, bounded] : {std::tuple{2, 32, false}, {1, 32, true}, {3, 64, false}, {2, 64, true}, {1, 128, false}, {2, 128, true}, {1, 24, true}}) {
     all.push_back(kda_prefill(heads, d, bounded));
   }
@@ -393,7 +433,8 @@ std::vector<OpCase> cases() {
   // Inputs through views (plan slices read in place): one case per body that reads activations.
   for (OpCase c : {elementwise("add_130", Op::kAdd, 130, 2, {}, exact), elementwise("silu_mul_257", Op::kSiluMul, 257, 2, {}, two_roundings),
                    elementwise("sigmoid_96", Op::kSigmoid, 96, 1, {}, transcendental, true), rms_norm(257), add_norm(96), gated_rms_norm(3, 32),
-                   short_conv(130, 4), kda_gate(3, 32, true, 1.0f), kda_delta_rule(2, 64, false), mla(2, 16, 8, 16, 32), attn_res(3, 257, false),
+                   short_conv(130, 4), kda_gate(3, 32, true, 1.0f), kda_delta_rule(2, 64, false), kda_fused_core(2, 64, false, 64, 4),
+                   mla(2, 16, 8, 16, 32), attn_res(3, 257, false),
                    attn_res(3, 130, true)}) {
     all.push_back(viewed(std::move(c)));
   }

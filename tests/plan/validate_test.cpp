@@ -377,6 +377,28 @@ TEST(ValidatePlan, ShapesAndStatesAreRederived) {
   expect_rejected(plan, "not an earlier op");
 }
 
+// kda_fused_core updates four states: its own (the recurrent one) and the conv windows its attrs name.
+TEST(ValidatePlan, FusedKdaCoreStates) {
+  const Plan fused = fused_plan();
+  const int32_t core = first_op(fused, Op::kKdaFusedCore);
+  validate_plan(fused, any_op);
+  Plan plan = fused;
+  plan.ops[static_cast<size_t>(core)].attrs.set("conv_k", plan.ops[static_cast<size_t>(core)].attrs.get("conv_q"));
+  expect_rejected(plan, "already updated by another op");
+  plan = fused;
+  plan.ops[static_cast<size_t>(core)].attrs.set("conv_v", plan.ops[static_cast<size_t>(core)].state);
+  expect_rejected(plan, "already updated by another op");
+  plan = fused;  // the next layer's recurrent state named as a conv window
+  plan.ops[static_cast<size_t>(core)].attrs.set("conv_v", plan.ops[static_cast<size_t>(first_op(fused, Op::kKdaFusedCore, 1))].state);
+  expect_rejected(plan, "conv state");
+  plan = fused;
+  plan.ops[static_cast<size_t>(core)].attrs.set("conv_q", static_cast<double>(plan.states.size()));
+  expect_rejected(plan, "outside the state table");
+  plan = fused;
+  plan.ops[static_cast<size_t>(core)].attrs.set("conv_q", -1);
+  expect_rejected(plan, "must be an integer >= 0");
+}
+
 TEST(ValidatePlan, CountsAreBounded) {
   Plan plan = tiny_plan();
   plan.workers = 5000;

@@ -55,6 +55,68 @@ Rule kda_gate_into_linear() {
   return r;
 }
 
+// The KDA mixer's core in one op: the q/k/v convs, the gate (its f_b projection included) and β no
+// longer a dependency level between the layer's projections and its delta rule. The fused op owns the
+// convs' windows (attrs conv_q/k/v), so each conv may be read by the delta rule alone.
+Rule kda_core_fuse() {
+  Rule r;
+  r.name = "kda-core-fuse";
+  r.definition =
+      "(kda_delta_rule@core (short_conv_silu@cq ?xq) (short_conv_silu@ck ?xk) (short_conv_silu@cv ?xv) (kda_gate@gate (linear@fb ?f)) "
+      "(sigmoid ?b)) => (kda_fused_core ?xq ?xk ?xv ?f ?b | cq.C ck.C cv.C fb.W gate.A_log gate.dt_bias; state core.state, "
+      "conv_q cq.state, conv_k ck.state, conv_v cv.state), if each conv is read by core alone and the kernels agree";
+  const auto conv = [](const char* bind, const char* var) { return Pattern::n(Op::kShortConvSilu, bind, {Pattern::v(var)}); };
+  r.lhs = Pattern::n(Op::kKdaDeltaRule, "core",
+                     {conv("cq", "xq"), conv("ck", "xk"), conv("cv", "xv"),
+                      Pattern::n(Op::kKdaGate, "gate", {Pattern::n(Op::kLinear, "fb", {Pattern::v("f")})}),
+                      Pattern::n(Op::kSigmoid, "beta", {Pattern::v("b")})});
+  r.guard = [](const EGraph& g, const Match& m) {
+    const double kernel = symbol_of(g, m, "cq").attrs.get("kernel");
+    for (const char* bind : {"cq", "ck", "cv"}) {
+      if (symbol_of(g, m, bind).attrs.get("kernel") != kernel) return false;
+      for (const auto& [parent, cls] : g.parents(m.node_classes.at(bind))) {
+        if (g.find(cls) != g.find(m.root)) return false;  // another reader would need the conv's own window update
+      }
+    }
+    return true;
+  };
+  r.apply = [](EGraph& g, const Match& m) -> std::optional<ClassId> {
+    const Symbol& core = symbol_of(g, m, "core");
+    const Symbol& gate = symbol_of(g, m, "gate");
+    Symbol fused;
+    fused.op = Op::kKdaFusedCore;
+    fused.attrs = gate.attrs;  // heads, head_dim, lower_bound (K3)
+    fused.attrs.set("kernel", symbol_of(g, m, "cq").attrs.get("kernel"));
+    fused.attrs.set("conv_q", symbol_of(g, m, "cq").state).set("conv_k", symbol_of(g, m, "ck").state).set("conv_v", symbol_of(g, m, "cv").state);
+    fused.weights = {symbol_of(g, m, "cq").weights[0], symbol_of(g, m, "ck").weights[0], symbol_of(g, m, "cv").weights[0],
+                     symbol_of(g, m, "fb").weights[0], gate.weights[0], gate.weights[1]};
+    fused.state = core.state;
+    fused.width = core.width;
+    fused.label = core.label;
+    return g.add(fused, {m.vars.at("xq"), m.vars.at("xk"), m.vars.at("xv"), m.vars.at("f"), m.vars.at("b")});
+  };
+  r.instance = [](int64_t n) {
+    const int64_t heads = 2, d = n, width = heads * d, kernel = n % 2 != 0 ? 4 : 3;
+    Graph g;
+    int qkv[3];
+    const char* names[3] = {"q", "k", "v"};
+    for (int j = 0; j < 3; ++j) {
+      const int window = g.add_state({StateKind::kConvWindow, width, kernel - 1, fmt::format("{}_conv", names[j])});
+      qkv[j] = g.add(Op::kShortConvSilu, {rules::input(g, width, names[j])}, {rules::weight(g, fmt::format("kda.{}_conv1d.weight", names[j]), {width, 1, kernel})},
+                     {{"kernel", static_cast<double>(kernel)}}, fmt::format("{}_conv", names[j]), window);
+    }
+    Attrs attrs{{"heads", static_cast<double>(heads)}, {"head_dim", static_cast<double>(d)}};
+    if (n % 2 != 0) attrs.set("lower_bound", -5.0);  // odd instances certify the K3 bounded gate
+    const int gate = g.add(Op::kKdaGate, {rules::linear(g, rules::input(g, n + 1, "f"), width, "f_b")},
+                           {rules::weight(g, "kda.A_log", {heads}), rules::weight(g, "kda.dt_bias", {width})}, attrs, "gate");
+    const int beta = g.add(Op::kSigmoid, {rules::input(g, heads, "b")}, {}, {}, "beta");
+    const int state = g.add_state({StateKind::kKdaRecurrent, width, heads, "state"});
+    return rules::finish(g, g.add(Op::kKdaDeltaRule, {qkv[0], qkv[1], qkv[2], gate, beta}, {}, {{"heads", static_cast<double>(heads)}, {"head_dim", static_cast<double>(d)}},
+                                  "core", state));
+  };
+  return r;
+}
+
 Rule mla_output_gate() {
   Rule r;
   r.name = "mla-out-gate-fuse";
@@ -125,7 +187,7 @@ Rule attn_res_norm() {
 }  // namespace
 
 std::vector<Rule> attention_rules() {
-  return {kda_gate_into_linear(), kda_gated_norm(), mla_output_gate(), add_into_norm(), attn_res_norm()};
+  return {kda_gate_into_linear(), kda_core_fuse(), kda_gated_norm(), mla_output_gate(), add_into_norm(), attn_res_norm()};
 }
 
 }  // namespace plow

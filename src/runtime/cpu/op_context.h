@@ -96,6 +96,7 @@ void cpu_add_norm_router_logits(OpContext&);
 void cpu_slice(OpContext&);
 void cpu_linear_add(OpContext&);
 void cpu_linear_kda_gate(OpContext&);
+void cpu_kda_fused_core(OpContext&);
 void cpu_gate_up_act(OpContext&);
 void cpu_act_linear(OpContext&);
 void cpu_moe_down_add(OpContext&);

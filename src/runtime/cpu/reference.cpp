@@ -95,16 +95,28 @@ StepOutput ReferenceBackend::step(const StepInputs& inputs) {
   return result;
 }
 
-std::vector<float> evaluate_graph(const Graph& graph, const BoundWeights& weights, DType act_dtype, int64_t rows,
-                                  const std::map<std::string, std::vector<float>>& inputs) {
+std::vector<SlotState> fresh_slot_states(const Graph& graph, int num_slots) {
+  std::vector<SlotState> slots(static_cast<size_t>(num_slots));
+  for (SlotState& slot : slots) {
+    for (const StateDecl& decl : graph.states()) slot.buffers.emplace_back(initial_state_size(decl), 0.0f);
+  }
+  return slots;
+}
+
+std::vector<float> evaluate_graph(const Graph& graph, const BoundWeights& weights, DType act_dtype, const StepInputs& step,
+                                  std::span<SlotState> slots, const std::map<std::string, std::vector<float>>& inputs) {
+  int64_t rows = 0;
+  for (const SequenceStep& seq : step.sequences) {
+    PLOW_CHECK(seq.query_tokens > 0 && (slots.empty() || (seq.slot >= 0 && static_cast<size_t>(seq.slot) < slots.size())),
+               "evaluate_graph: sequence in slot {}", seq.slot);
+    rows += seq.query_tokens;
+  }
   const std::vector<Node>& nodes = graph.nodes();
   std::vector<std::vector<float>> values(nodes.size());
-  StepInputs step;
-  step.token_ids.assign(static_cast<size_t>(rows), 0);
-  step.sequences = {{0, rows}};
   for (size_t id = 0; id < nodes.size(); ++id) {
     const Node& node = nodes[id];
-    PLOW_CHECK(!op_info(node.op).stateful && node.op != Op::kTokens, "evaluate_graph: {} needs sequence state", node.label);
+    PLOW_CHECK(node.op != Op::kTokens, "evaluate_graph: {} needs token ids", node.label);
+    PLOW_CHECK(!op_info(node.op).stateful || !slots.empty(), "evaluate_graph: {} needs sequence state", node.label);
     if (node.op == Op::kInput) {
       auto it = inputs.find(node.label);
       PLOW_CHECK(it != inputs.end() && it->second.size() == static_cast<size_t>(rows * node.width),
@@ -119,10 +131,21 @@ std::vector<float> evaluate_graph(const Graph& graph, const BoundWeights& weight
     for (int w : node.weights) bound.push_back(&weights[w]);
     const CpuOpFn kernel = cpu_kernel(node.op);
     PLOW_CHECK(kernel != nullptr, "no CPU kernel for {}", op_name(node.op));
-    OpContext ctx{node, args, bound, values[id].data(), rows, act_dtype, step, {}};
+    OpContext ctx{node, args, bound, values[id].data(), rows, act_dtype, step, slots};
     kernel(ctx);
   }
+  for (const SequenceStep& seq : step.sequences) {
+    if (!slots.empty()) slots[static_cast<size_t>(seq.slot)].context_tokens += seq.query_tokens;
+  }
   return values[static_cast<size_t>(graph.output())];
+}
+
+std::vector<float> evaluate_graph(const Graph& graph, const BoundWeights& weights, DType act_dtype, int64_t rows,
+                                  const std::map<std::string, std::vector<float>>& inputs) {
+  StepInputs step;
+  step.token_ids.assign(static_cast<size_t>(rows), 0);
+  step.sequences = {{0, rows}};
+  return evaluate_graph(graph, weights, act_dtype, step, {}, inputs);
 }
 
 }  // namespace plow

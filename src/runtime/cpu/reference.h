@@ -5,6 +5,7 @@
 
 #include <array>
 #include <map>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -46,5 +47,12 @@ class ReferenceBackend : public Backend {
 // sides of a rewrite rule for its certificate.
 std::vector<float> evaluate_graph(const Graph& graph, const BoundWeights& weights, DType act_dtype, int64_t rows,
                                   const std::map<std::string, std::vector<float>>& inputs);
+
+// The same for one step of `step.sequences` (rows: their tokens; token ids unused) over slots whose
+// states stateful ops read and update (fresh_slot_states: zero windows and KDA states, empty MLA
+// caches): the certificates of rules over stateful ops run two steps and compare the states too.
+std::vector<float> evaluate_graph(const Graph& graph, const BoundWeights& weights, DType act_dtype, const StepInputs& step,
+                                  std::span<SlotState> slots, const std::map<std::string, std::vector<float>>& inputs);
+std::vector<SlotState> fresh_slot_states(const Graph& graph, int num_slots);
 
 }  // namespace plow

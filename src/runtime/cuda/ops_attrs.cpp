@@ -85,6 +85,19 @@ bool pack_misc_attrs(const PlanOp& op, float* attr) {
       attr[0] = static_cast<float>(d);
       return true;
     }
+    case Op::kKdaFusedCore: {
+      const int64_t d = integer(op, "head_dim"), kernel = integer(op, "kernel");
+      if (d < 1 || d > kKdaMaxHeadDim) fail("{}: cuda KDA supports head_dim ≤ {}, found {}", op.label, kKdaMaxHeadDim, d);
+      if (kernel < 1 || kernel > kShortConvMaxKernel) fail("{}: conv kernel {} outside 1..{}", op.label, kernel, kShortConvMaxKernel);
+      attr[0] = static_cast<float>(d);
+      attr[1] = op.attrs.has("lower_bound") ? 1.0f : 0.0f;
+      attr[2] = op.attrs.has("lower_bound") ? value(op, "lower_bound") : 0.0f;
+      attr[3] = static_cast<float>(kernel);
+      attr[4] = value(op, "conv_q");
+      attr[5] = value(op, "conv_k");
+      attr[6] = value(op, "conv_v");
+      return true;
+    }
     case Op::kMlaAttention:
       pack_mla(op, attr);
       return true;

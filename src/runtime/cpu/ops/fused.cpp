@@ -11,12 +11,13 @@ namespace plow {
 
 namespace {
 
-// Runs the kernel of a stateless `op` as a sub-step of `ctx`; returns [rows, width] (only columns
-// [begin, end) are written when a slice is asked for).
+// Runs the kernel of `op` as a sub-step of `ctx`; returns [rows, width] (only columns [begin, end) are
+// written when a slice is asked for). A stateful op reads and updates the slots' state `state`.
 std::vector<float> run_sub(const OpContext& ctx, Op op, Attrs attrs, int64_t width, std::vector<Activation> inputs,
-                           std::vector<const BoundWeight*> weights, int64_t begin = 0, int64_t end = -1) {
+                           std::vector<const BoundWeight*> weights, int64_t begin = 0, int64_t end = -1, int state = -1) {
   Node sub;
   sub.op = op;
+  sub.state = state;
   sub.attrs = std::move(attrs);
   sub.width = width;
   sub.dtype = op_info(op).out_dtype;
@@ -119,6 +120,26 @@ void cpu_linear_kda_gate(OpContext& ctx) {
   const auto f = run_sub(ctx, Op::kLinear, {}, width, {ctx.inputs[0]}, {ctx.weights[0]}, ctx.begin(), ctx.end());
   const auto gate = run_sub(ctx, Op::kKdaGate, ctx.node.attrs, width, {{f.data(), width}}, {ctx.weights[1], ctx.weights[2]}, ctx.begin(), ctx.end());
   copy_columns(ctx, gate, width, 0, ctx.begin(), ctx.end());
+}
+
+// The three convs (each over the slice's channels, with its own window), the gate's projection and
+// gate over them, β over every head, then the delta rule over the slice's heads (whole heads:
+// Slicing::kHeads, so the channels whose windows this call rewrites are read by no other task).
+void cpu_kda_fused_core(OpContext& ctx) {
+  const int64_t width = ctx.node.width, heads = ctx.inputs[4].width, begin = ctx.begin(), end = ctx.end();
+  const Attrs conv_attrs{{"kernel", ctx.node.attrs.get("kernel")}};
+  const std::vector<int> windows = extra_states(ctx.node);
+  std::vector<float> conv[3];
+  for (size_t i = 0; i < 3; ++i) {
+    conv[i] = run_sub(ctx, Op::kShortConvSilu, conv_attrs, width, {ctx.inputs[i]}, {ctx.weights[i]}, begin, end, windows[i]);
+  }
+  const auto f = run_sub(ctx, Op::kLinear, {}, width, {ctx.inputs[3]}, {ctx.weights[3]}, begin, end);
+  const auto gate = run_sub(ctx, Op::kKdaGate, ctx.node.attrs, width, {{f.data(), width}}, {ctx.weights[4], ctx.weights[5]}, begin, end);
+  const auto beta = run_sub(ctx, Op::kSigmoid, {}, heads, {ctx.inputs[4]}, {});
+  const auto core = run_sub(ctx, Op::kKdaDeltaRule, ctx.node.attrs, width,
+                            {{conv[0].data(), width}, {conv[1].data(), width}, {conv[2].data(), width}, {gate.data(), width}, {beta.data(), heads}}, {},
+                            begin, end, ctx.node.state);
+  copy_columns(ctx, core, width, 0, begin, end);
 }
 
 void cpu_gate_up_act(OpContext& ctx) {

@@ -32,6 +32,7 @@ CpuOpFn cpu_kernel(Op op) {
     case Op::kSlice: return cpu_slice;
     case Op::kLinearAdd: return cpu_linear_add;
     case Op::kLinearKdaGate: return cpu_linear_kda_gate;
+    case Op::kKdaFusedCore: return cpu_kda_fused_core;
     case Op::kGateUpAct: return cpu_gate_up_act;
     case Op::kActLinear: return cpu_act_linear;
     case Op::kMoeDownAdd: return cpu_moe_down_add;

@@ -4,6 +4,8 @@
 // The two forms agree to fp32 rounding (MODEL.md §6 derivation, tests/unit/kda_test.cpp).
 #pragma once
 
+#include <type_traits>
+
 #include "runtime/cuda/ops/common.cuh"
 #include "runtime/cuda/ops/limits.h"
 
@@ -439,22 +441,220 @@ __device__ __noinline__ void kda_delta_rule(const TaskCtx& ctx) {
   if (chunks > 0) op_leave(ctx, ctx.op->sync + 2);
 }
 
-// kKdaDeltaRule (head columns): q, k, v [T, P] (act), g [T, P] fp32 log-decay, β [T, heads] fp32 → o [T, P].
-// attrs: [0] head_dim (≤ 128; pack_misc_attrs refuses larger). State fp32 [heads, d, d] per slot.
-__device__ __noinline__ void op_kda_delta_rule(const TaskCtx& ctx) {
+// fn(std::integral_constant<int, D>) for the op's head dim (attr 0) rounded up to 16, 32, 64 or 128, the
+// bodies' instantiations; a larger one reports kErrOpcode (pack_misc_attrs refuses it on the host).
+template <typename Fn>
+__device__ __forceinline__ void by_head_dim(const TaskCtx& ctx, Fn fn) {
+  static_assert(kKdaMaxHeadDim == 128, "the largest instantiation below");
   const int d = static_cast<int>(ctx.attr(0));
   if (d <= 16) {
-    kda_delta_rule<16>(ctx);
+    fn(std::integral_constant<int, 16>{});
   } else if (d <= 32) {
-    kda_delta_rule<32>(ctx);
+    fn(std::integral_constant<int, 32>{});
   } else if (d <= 64) {
-    kda_delta_rule<64>(ctx);
+    fn(std::integral_constant<int, 64>{});
   } else if (d <= kKdaMaxHeadDim) {
-    static_assert(kKdaMaxHeadDim == 128, "the largest instantiation below");
-    kda_delta_rule<128>(ctx);
+    fn(std::integral_constant<int, 128>{});
   } else if (threadIdx.x == 0) {
     report_error(ctx, kErrOpcode);
   }
+}
+
+// kKdaDeltaRule (head columns): q, k, v [T, P] (act), g [T, P] fp32 log-decay, β [T, heads] fp32 → o [T, P].
+// attrs: [0] head_dim (≤ 128; pack_misc_attrs refuses larger). State fp32 [heads, d, d] per slot.
+__device__ __noinline__ void op_kda_delta_rule(const TaskCtx& ctx) {
+  by_head_dim(ctx, [&](auto padded) { kda_delta_rule<decltype(padded)::value>(ctx); });
+}
+
+// ---- kKdaFusedCore: the KDA mixer's core in one op (op_table.h; cpu: cpu_kda_fused_core) ----------------
+
+// The slot's buffer of state `id` of the step's state table (kda_fused_core's conv windows, attrs).
+__device__ __forceinline__ float* state_by_id(const TaskCtx& ctx, int id, int slot) {
+  const DeviceState& state = ctx.step->states[id];
+  return static_cast<float*>(state.base) + static_cast<int64_t>(slot) * state.slot_elems;
+}
+
+// The gate of rows [0, d) of head h for step row `row` into sdecay (exp g, as kda_stage stages it):
+// z = round(f·W_fb[h·d + j]ᵀ) + dt_bias, g as kda_gate. A warp takes rows j = warp + kWarps·i, its lanes
+// four columns of f at a time (bf16 weights: one 8-byte load a row), f loaded once for all its rows.
+template <int D>
+__device__ __forceinline__ void fused_gate_rows(const TaskCtx& ctx, int64_t row, int64_t h, int d, float* sdecay) {
+  constexpr int kRowsPerWarp = (D + kWarps - 1) / kWarps;
+  const DeviceWeight& w = ctx.weight(3);
+  const float rate = expf(weight_flat(ctx.weight(4), h));
+  const bool bounded = ctx.attr(1) != 0.0f;
+  const float lower_bound = ctx.attr(2);
+  const int64_t n = ctx.in_width(3);
+  const float* f = ctx.in(3, row);
+  const int32_t f_act = ctx.in_act(3), act = ctx.op->act;
+  const int lane = lane_id(), warp = warp_id();
+  float acc[kRowsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) acc[i] = 0.0f;
+  if (w.type == kWBF16 && n % 4 == 0) {
+    const auto* rows = reinterpret_cast<const __nv_bfloat16*>(w.data) + h * d * n;
+    for (int64_t c = 4 * lane; c < n; c += 128) {
+      const float x0 = round_act(f_act, f[c]), x1 = round_act(f_act, f[c + 1]), x2 = round_act(f_act, f[c + 2]), x3 = round_act(f_act, f[c + 3]);
+      uint2 raw[kRowsPerWarp];
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const int j = warp + kWarps * i;
+        raw[i] = j < d ? *reinterpret_cast<const uint2*>(rows + j * n + c) : uint2{0, 0};
+      }
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        acc[i] += __uint_as_float(raw[i].x << 16) * x0;
+        acc[i] += __uint_as_float(raw[i].x & 0xffff0000u) * x1;
+        acc[i] += __uint_as_float(raw[i].y << 16) * x2;
+        acc[i] += __uint_as_float(raw[i].y & 0xffff0000u) * x3;
+      }
+    }
+  } else {
+    for (int64_t c = lane; c < n; c += 32) {
+      const float x = round_act(f_act, f[c]);
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const int j = warp + kWarps * i;
+        if (j < d) acc[i] += weight_at(w, 0, h * d + j, c) * x;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const float dot = warp_sum(acc[i]);
+    const int j = warp + kWarps * i;
+    if (lane == 0 && j < d) {
+      const float z = round_act(act, dot) + weight_flat(ctx.weight(5), h * d + j);
+      sdecay[j] = expf(kda_gate_rate(z, rate, bounded, lower_bound));
+    }
+  }
+}
+
+// One (sequence, head) pair: tiles of at most kTile tokens staged as kda_stage stages them (the convs of
+// the head's q/k/v channels from their windows and input rows, q and k then normalized in place, exp of
+// the gate, β), the delta rule over every value group of the head with the tile's tokens, then the
+// head's new conv windows. A thread owns a (conv, channel) pair throughout: it reads the old window
+// while staging and writes the new one last, and no other task touches this sequence's channels of h.
+template <int D>
+__device__ void fused_core_pair(const TaskCtx& ctx, int s, int64_t h, int d) {
+  using L = KdaLayout<D>;
+  const StepView& step = *ctx.step;
+  const int first = step.seq_first_row[s], tokens = step.seq_tokens[s], slot = step.seq_slot[s];
+  const int kernel = static_cast<int>(ctx.attr(3)), keep = kernel - 1;
+  const int32_t act = ctx.op->act;
+  const int tid = static_cast<int>(threadIdx.x), lane = lane_id();
+  float* sq = smem_floats(ctx);
+  float* sk = sq + L::kTile * D;
+  float* sdecay = sk + L::kTile * D;
+  float* sv = sdecay + L::kTile * D;
+  float* sbeta = sv + L::kTile * D;
+  float* windows[3];
+  for (int i = 0; i < 3; ++i) windows[i] = state_by_id(ctx, static_cast<int>(ctx.attr(4 + i)), slot);
+  float* S_base = state_of(ctx, slot) + h * d * d;  // [d, d]: S[j][c]
+  const int c = tid / L::kPerCol, r = tid % L::kPerCol;
+  for (int t0 = 0; t0 < tokens; t0 += L::kTile) {
+    const int n = tokens - t0 < L::kTile ? tokens - t0 : L::kTile;
+    // The convs: q and k raw (normalized below), v final; padded channels zero.
+    for (int u = tid; u < 3 * D; u += kThreads) {
+      const int which = u / D, j = u % D;
+      float* dst = which == 0 ? sq : which == 1 ? sk : sv;
+      if (j >= d) {
+        for (int t = 0; t < n; ++t) dst[t * D + j] = 0.0f;
+        continue;
+      }
+      const int64_t channel = h * d + j;
+      const DeviceWeight& taps = ctx.weight(which);
+      const Rows<const float> x = ctx.in_rows(which);
+      const int32_t x_act = ctx.in_act(which);
+      for (int t = 0; t < n; ++t) {
+        float sum = 0.0f;
+        for (int k = 0; k < kernel; ++k) sum += weight_flat(taps, channel * kernel + k) * conv_history(windows[which], x, x_act, first, keep, t0 + t + k, channel);
+        dst[t * D + j] = round_act(act, siluf_(sum));
+      }
+    }
+    for (int t = tid; t < n; t += kThreads) sbeta[t] = sigmoidf_(round_act(ctx.in_act(4), ctx.in(4, first + t0 + t)[h]));
+    for (int t = 0; t < n; ++t) {
+      fused_gate_rows<D>(ctx, first + t0 + t, h, d, sdecay + t * D);
+      for (int j = d + tid; j < D; j += kThreads) sdecay[t * D + j] = 1.0f;
+    }
+    __syncthreads();
+    // q̂ = l2n(q)/√d, k̂ = l2n(k) in place, a warp a (token, q|k) row (kda_stage's arithmetic).
+    {
+      constexpr int kPerLane = D >= 32 ? D / 32 : 1;
+      const float q_scale = 1.0f / sqrtf(static_cast<float>(d));
+      for (int u = warp_id(); u < 2 * n; u += kWarps) {
+        float* row = (u % 2 == 0 ? sq : sk) + (u / 2) * D;
+        float v[kPerLane];
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) v[i] = lane + 32 * i < d ? row[lane + 32 * i] : 0.0f;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+          if (lane + 32 * i < d) sum += v[i] * v[i];
+        }
+        const float norm = sqrtf(warp_sum(sum) + 1e-6f);
+        const float scale = u % 2 == 0 ? q_scale : 1.0f;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+          if (lane + 32 * i < d) row[lane + 32 * i] = v[i] / norm * scale;
+        }
+      }
+    }
+    __syncthreads();
+    // Every value group of the head over the tile; the next group's state slice loads meanwhile.
+    auto load = [&](int c0, float (&S)[L::kRows]) {
+#pragma unroll
+      for (int i = 0; i < L::kRows; ++i) {
+        const int j = r + L::kPerCol * i;
+        S[i] = c < L::kCols && c0 + c < d && j < d ? S_base[j * d + c0 + c] : 0.0f;
+      }
+    };
+    float S[L::kRows];
+    load(0, S);
+    for (int c0 = 0; c0 < d; c0 += L::kCols) {
+      const int cols = d - c0 < L::kCols ? d - c0 : L::kCols;
+      float S_next[L::kRows] = {};
+      if (c0 + L::kCols < d) load(c0 + L::kCols, S_next);
+      kda_tokens<D>(ctx, first + t0, 0, n, h, d, c0, cols, S);
+#pragma unroll
+      for (int i = 0; i < L::kRows; ++i) {
+        const int j = r + L::kPerCol * i;
+        if (c < cols && j < d) S_base[j * d + c0 + c] = S[i];
+        S[i] = S_next[i];
+      }
+    }
+    __syncthreads();  // the staged tile is overwritten next
+  }
+  // New windows = history[tokens, tokens + keep), by the thread that read the old ones (ascending i
+  // reads position tokens + i ≥ i + 1, never an entry already rewritten).
+  for (int u = tid; u < 3 * D; u += kThreads) {
+    const int which = u / D, j = u % D;
+    if (j >= d) continue;
+    const int64_t channel = h * d + j;
+    const Rows<const float> x = ctx.in_rows(which);
+    for (int i = 0; i < keep; ++i) windows[which][channel * keep + i] = conv_history(windows[which], x, ctx.in_act(which), first, keep, tokens + i, channel);
+  }
+}
+
+// kKdaFusedCore: kda_delta_rule(conv_q(x_q), conv_k(x_k), conv_v(x_v), kda_gate(f·W_fbᵀ), σ(b)) for the
+// step's (sequence, head) pairs, a task a contiguous share of them (sequence-major; spread_tasks gives
+// the op a task per pair up to the workers: the plan's column slices are not used, its consumers and
+// overwriters wait for every task). inputs x_q, x_k, x_v [T, P], f [T, F], b [T, heads] (act);
+// weights C_q, C_k, C_v [P, 1, K], W_fb [P, F], A_log [heads], dt_bias [P]; attrs [0] head_dim, [1]
+// bounded, [2] lower_bound, [3] kernel K, [4..6] the conv windows' states (conv_q, conv_k, conv_v).
+// State: the recurrent one, fp32 [heads, d, d] per slot.
+template <int D>
+__device__ __noinline__ void kda_fused_core(const TaskCtx& ctx) {
+  const int d = static_cast<int>(ctx.attr(0));
+  const int heads = static_cast<int>(ctx.op->width / d);
+  const int64_t pairs = static_cast<int64_t>(ctx.step->num_seqs) * heads, tasks = ctx.op->tasks;
+  for (int64_t p = pairs * ctx.task / tasks; p < pairs * (ctx.task + 1) / tasks; ++p) {
+    fused_core_pair<D>(ctx, static_cast<int>(p / heads), p % heads, d);
+  }
+}
+
+__device__ __noinline__ void op_kda_fused_core(const TaskCtx& ctx) {
+  by_head_dim(ctx, [&](auto padded) { kda_fused_core<decltype(padded)::value>(ctx); });
 }
 
 }  // namespace plow::cuda

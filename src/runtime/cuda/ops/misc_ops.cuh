@@ -27,6 +27,7 @@ __device__ inline bool run_misc_op(const TaskCtx& ctx) {
     case Op::kShortConvSilu: op_short_conv_silu(ctx); return true;
     case Op::kKdaGate: op_kda_gate(ctx); return true;
     case Op::kKdaDeltaRule: op_kda_delta_rule(ctx); return true;
+    case Op::kKdaFusedCore: op_kda_fused_core(ctx); return true;
     case Op::kMlaAttention: op_mla_attention(ctx); return true;
     case Op::kSigmoid: op_sigmoid(ctx); return true;
     case Op::kSiluMul: op_silu_mul(ctx); return true;
@@ -45,7 +46,7 @@ __device__ inline bool run_misc_op(const TaskCtx& ctx) {
 __host__ __device__ constexpr bool is_misc_op(uint8_t opcode) {
   switch (static_cast<Op>(opcode)) {
     case Op::kEmbedding: case Op::kRmsNorm: case Op::kGatedRmsNorm: case Op::kAddNorm: case Op::kShortConvSilu: case Op::kKdaGate:
-    case Op::kKdaDeltaRule: case Op::kMlaAttention: case Op::kSigmoid: case Op::kSiluMul: case Op::kAdd:
+    case Op::kKdaDeltaRule: case Op::kKdaFusedCore: case Op::kMlaAttention: case Op::kSigmoid: case Op::kSiluMul: case Op::kAdd:
     case Op::kSituMul: case Op::kSigmoidMul: case Op::kMoeTopK: case Op::kAttnResMix:
     case Op::kAttnResNorm: case Op::kAllReduce:
       return true;
