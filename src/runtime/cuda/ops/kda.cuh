@@ -530,6 +530,32 @@ __device__ __forceinline__ void fused_gate_rows(const TaskCtx& ctx, int64_t row,
   }
 }
 
+// Conv + SiLU of one channel for tokens [t0, t0 + n) of a sequence (history position t0 + t + k of
+// token t, kernel K at compile time): its taps and the K − 1 history values before the first token
+// loaded together, then sliding down the tokens; outputs at dst[t·D]. The same sum term by term as
+// op_short_conv_silu's (ascending taps from 0).
+template <int K, int D>
+__device__ __forceinline__ void fused_conv_channel(const DeviceWeight& taps, Rows<const float> x, int32_t x_act, int32_t act, const float* window,
+                                                   int first, int t0, int n, int64_t channel, float* dst) {
+  constexpr int keep = K - 1;
+  float w[K], hist[keep];
+#pragma unroll
+  for (int k = 0; k < K; ++k) w[k] = weight_flat(taps, channel * K + k);
+#pragma unroll
+  for (int k = 0; k < keep; ++k) hist[k] = conv_history(window, x, x_act, first, keep, t0 + k, channel);
+  for (int t = 0; t < n; ++t) {
+    const float v = round_act(x_act, x[first + t0 + t][channel]);  // history position t0 + t + keep
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < keep; ++k) sum += w[k] * hist[k];
+    sum += w[keep] * v;
+    dst[t * D] = round_act(act, siluf_(sum));
+#pragma unroll
+    for (int k = 0; k + 1 < keep; ++k) hist[k] = hist[k + 1];
+    hist[keep - 1] = v;
+  }
+}
+
 // One (sequence, head) pair: tiles of at most kTile tokens staged as kda_stage stages them (the convs of
 // the head's q/k/v channels from their windows and input rows, q and k then normalized in place, exp of
 // the gate, β), the delta rule over every value group of the head with the tile's tokens, then the
@@ -566,6 +592,10 @@ __device__ void fused_core_pair(const TaskCtx& ctx, int s, int64_t h, int d) {
       const DeviceWeight& taps = ctx.weight(which);
       const Rows<const float> x = ctx.in_rows(which);
       const int32_t x_act = ctx.in_act(which);
+      if (kernel == 4) {  // Kimi Linear, K3
+        fused_conv_channel<4, D>(taps, x, x_act, act, windows[which], first, t0, n, channel, dst + j);
+        continue;
+      }
       for (int t = 0; t < n; ++t) {
         float sum = 0.0f;
         for (int k = 0; k < kernel; ++k) sum += weight_flat(taps, channel * kernel + k) * conv_history(windows[which], x, x_act, first, keep, t0 + t + k, channel);
