@@ -98,14 +98,23 @@ int64_t delta_rule_rule(const Node& node, Widths in, Weights) {
   return width;
 }
 
-// kda_fused_core: the three convs', the gate projection's and the delta rule's rules on their inputs.
+// kda_fused_core: the three convs', the gate projection's and the delta rule's rules on their inputs;
+// with a sixth input g, the output gate's projection W_gb [P, G] and the gated norm's weight [d].
 int64_t kda_fused_core_rule(const Node& node, Widths in, Weights w) {
-  const int64_t heads = node.attrs.i("heads"), width = heads * node.attrs.i("head_dim"), kernel = node.attrs.i("kernel");
+  const int64_t heads = node.attrs.i("heads"), d = node.attrs.i("head_dim"), width = heads * d, kernel = node.attrs.i("kernel");
+  const bool gated = in.size() == 6;
+  PLOW_CHECK((in.size() == 5 && w.size() == 6) || (gated && w.size() == 8), "{}: the fused KDA core takes 5 inputs and 6 weights, or 6 and 8",
+             node.label);
   PLOW_CHECK(in[0] == width && in[1] == width && in[2] == width && in[4] == heads,
              "{}: the fused KDA core expects x_q, x_k, x_v of width {} and b of width {}", node.label, width, heads);
   for (int i = 0; i < 3; ++i) expect_shape(node, w[i], {width, 1, kernel});
   expect_shape(node, w[3], {width, in[3]});
   PLOW_CHECK(numel(w[4]) == heads && numel(w[5]) == width, "{}: KDA gate shapes", node.label);
+  if (gated) {
+    expect_shape(node, w[6], {width, in[5]});
+    expect_shape(node, w[7], {d});
+    PLOW_CHECK(node.attrs.has("eps"), "{}: the gated norm needs eps", node.label);
+  }
   for (const char* conv : {"conv_q", "conv_k", "conv_v"}) PLOW_CHECK(node.attrs.i(conv) >= 0, "{}: {} names no state", node.label, conv);
   return width;
 }
@@ -279,7 +288,7 @@ constexpr std::array<OpInfo, static_cast<size_t>(Op::kCount)> kOps = {{
     {Op::kLinearKdaGate, "linear_kda_gate", 1, 3, OutDType::kF32, false, linear_kda_gate_rule, Slicing::kColumns, ""},
     {Op::kAddNormMultiLinear, "add_norm_multi_linear", 2, -1, OutDType::kAct, false, add_norm_multi_linear_rule, Slicing::kColumns, ""},
     {Op::kAddNormRouterLogits, "add_norm_router_logits", 2, 2, OutDType::kF32, false, add_norm_multi_linear_rule, Slicing::kColumns, ""},
-    {Op::kKdaFusedCore, "kda_fused_core", 5, 6, OutDType::kAct, true, kda_fused_core_rule, Slicing::kHeads, "head_dim"},
+    {Op::kKdaFusedCore, "kda_fused_core", -1, -1, OutDType::kAct, true, kda_fused_core_rule, Slicing::kHeads, "head_dim"},
 }};
 
 constexpr bool table_in_enum_order() {

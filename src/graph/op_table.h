@@ -60,10 +60,12 @@ enum class Op : uint8_t {
   kAddNormMultiLinear,  // multi_linear(rms_norm(a + b; w); W_1..W_n), a + b rounded as kAdd   weights: w, W_1..W_n
   kAddNormRouterLogits, // [T,E] fp32 router_logits(rms_norm(a + b; w); W)                     weights: w, W [E,H]
   // The KDA mixer's core in one op (decode plans): kda_delta_rule(conv_q(x_q), conv_k(x_k), conv_v(x_v),
-  // kda_gate(linear(f; W_fb)), σ(b)). Stateful over four states: `state` the recurrent one, attrs
-  // conv_q / conv_k / conv_v the three conv windows (state ids). Sliced by heads: a task owns every
-  // channel of its heads, so the windows of its q/k channels are its own to read and rewrite.
-  kKdaFusedCore,     // [T,P] inputs x_q, x_k, x_v [T,P], f [T,F], b [T,heads]   weights: C_q, C_k, C_v [P,1,K], W_fb [P,F], A_log, dt_bias
+  // kda_gate(linear(f; W_fb)), σ(b)), and with a sixth input g its output norm too:
+  // gated_rms_norm(core, linear(g; W_gb); w) (attr eps). Stateful over four states: `state` the
+  // recurrent one, attrs conv_q / conv_k / conv_v the three conv windows (state ids). Sliced by heads: a
+  // task owns every channel of its heads, so the windows of its q/k channels are its own to rewrite.
+  kKdaFusedCore,     // [T,P] inputs x_q, x_k, x_v [T,P], f [T,F], b [T,heads][, g [T,G]]
+                     //       weights: C_q, C_k, C_v [P,1,K], W_fb [P,F], A_log, dt_bias[, W_gb [P,G], w [d]]
   kCount,
 };
 

@@ -172,7 +172,7 @@ TEST(FusedModels, DeepModelsHaveTheExpectedFusedOps) {
       EXPECT_EQ(count("attn_res_norm"), 2 * c.num_layers + 1);  // every AttnRes mix feeds its norm directly
       EXPECT_EQ(count("attn_res_mix"), 0);
     } else {
-      EXPECT_EQ(count("gated_norm_linear"), c.num_layers_of(MixerKind::kKda));  // every KDA o_proj reads its gated norm
+      EXPECT_EQ(count("gated_norm_linear"), 0);  // every KDA output norm inside its fused core (kda-core-gated-norm)
       EXPECT_EQ(count("gate_up_act"), c.num_layers);                           // dense FFN or shared experts, per layer
       EXPECT_EQ(count("silu_mul"), 0);
     }
@@ -241,12 +241,22 @@ TEST(FusedModels, DecodePlanWithoutARule) {
   const int64_t kda_layers = model->config.num_layers_of(MixerKind::kKda);
   const Plan with = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64);
   EXPECT_EQ(count(with, Op::kKdaFusedCore), kda_layers);
+  for (const PlanOp& op : with.ops) {  // the output norm inside: o_proj a plain linear of the normed heads
+    if (op.op() == Op::kKdaFusedCore) {
+      EXPECT_EQ(op.inputs.size(), 6u) << op.label;
+    }
+  }
+  EXPECT_EQ(count(with, Op::kGatedNormLinear), 0);
+  const Plan no_norm = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements, {"kda-core-gated-norm"});
+  EXPECT_EQ(count(no_norm, Op::kKdaFusedCore), kda_layers);
+  EXPECT_EQ(count(no_norm, Op::kGatedNormLinear), kda_layers);
   EXPECT_EQ(count(with, Op::kKdaDeltaRule), 0);
   EXPECT_EQ(count(with, Op::kLinearKdaGate), 0);
   const Plan no_core = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements, {"kda-core-fuse"});
   EXPECT_EQ(count(no_core, Op::kKdaFusedCore), 0);
   EXPECT_EQ(count(no_core, Op::kKdaDeltaRule), kda_layers);
   EXPECT_EQ(count(no_core, Op::kLinearKdaGate), kda_layers);
+  EXPECT_EQ(count(no_core, Op::kGatedNormLinear), kda_layers);
   EXPECT_EQ(fired(no_core, "kda-core-fuse"), 0);
   const Plan without = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements, {"kda-core-fuse", "kda-gate-into-linear"});
   EXPECT_EQ(count(without, Op::kLinearKdaGate), 0);

@@ -208,9 +208,11 @@ OpCase kda_delta_rule(int64_t heads, int64_t d, bool bounded, float gate_std = 1
 // convs over their own windows, the gate's f_b projection (f of f_width columns: a multiple of 4 takes
 // the bf16 body's four-column loads, others its scalar path), β and the delta rule. Every step of the
 // script, so prefill-sized sequences (33, 70: two of its 64-token tiles) run token by token too.
-OpCase kda_fused_core(int64_t heads, int64_t d, bool bounded, int64_t f_width, int64_t kernel) {
+// With g_width > 0, the output norm too (kda-core-gated-norm): g [T, g_width] through W_gb, the gated
+// RMSNorm over each head of the core's output.
+OpCase kda_fused_core(int64_t heads, int64_t d, bool bounded, int64_t f_width, int64_t kernel, int64_t g_width = 0) {
   return {"kda_fused_core_h" + std::to_string(heads) + "_d" + std::to_string(d) + "_f" + std::to_string(f_width) + "_k" + std::to_string(kernel) +
-              (bounded ? "_bounded" : ""),
+              (bounded ? "_bounded" : "") + (g_width > 0 ? "_norm_g" + std::to_string(g_width) : ""),
           Op::kKdaFusedCore,
           [=](CaseGraph& g) {
             const int64_t width = heads * d;
@@ -227,14 +229,21 @@ OpCase kda_fused_core(int64_t heads, int64_t d, bool bounded, int64_t f_width, i
             weights.push_back(g.weight({"f_b", {width, f_width}, 0.0f, 1.0f / std::sqrt(float(f_width))}));
             weights.push_back(g.weight({"A_log", {heads}, 1.0f, 0.8f, true}));
             weights.push_back(g.weight({"dt_bias", {width}, 0.0f, 0.5f, true}));
+            if (g_width > 0) {
+              inputs.push_back(g.embed(g_width));
+              weights.push_back(g.weight({"g_b", {width, g_width}, 0.0f, 1.0f / std::sqrt(float(g_width))}));
+              weights.push_back(g.weight(norm_weight("o_norm", d)));
+              attrs.set("eps", 1e-5);
+            }
             const int state = g.graph.add_state({StateKind::kKdaRecurrent, width, heads, "state"});
             g.op(Op::kKdaFusedCore, inputs, weights, attrs, state);
           },
           // fp32: the delta rule's bound (the GPU's token-by-token form against the CPU's chunked one, 128)
           // with the convs' sums (FMAs on the GPU) and the gate's f_b dots (another order) in front of it:
           // ≤ 38 units on the host emulator where kda_delta_rule alone shows ≤ 5, so 256. bf16: one rounding
-          // of that, as the delta rule's (emulator ≤ 0.84).
-          {256, 2, 1.0, 0.01}};
+          // of that, as the delta rule's (emulator ≤ 0.84); with the norm, one more rounding after a
+          // flipped one of the core's outputs (emulator ≤ 1.19), so 3.
+          {256, g_width > 0 ? 3.0 : 2.0, 1.0, 0.01}};
 }
 
 // Prefill-sized sequences (the GPU's chunked form, C = 64) beside short and decode ones in the same
@@ -390,8 +399,11 @@ std::vector<OpCase> cases() {
   all.push_back(kda_fused_core(3, 64, true, 48, 4));
   all.push_back(kda_fused_core(1, 24, true, 21, 3));  // head dim padded to 32; f off the four-column loads
   all.push_back(kda_fused_core(2, 128, false, 128, 4));  // the 48B's head shape
+  all.push_back(kda_fused_core(3, 64, true, 48, 4, 64));
+  all.push_back(kda_fused_core(1, 24, false, 21, 3, 13));  // g off the four-column loads
+  all.push_back(kda_fused_core(2, 128, false, 128, 4, 128));  // the 48B layer's fused op
   {  // the 48B layer's plan: a task per (sequence, head) pair
-    OpCase c = kda_fused_core(4, 128, true, 128, 4);
+    OpCase c = kda_fused_core(4, 128, true, 128, 4, 128);
     c.workers = 132;
     all.push_back(std::move(c));
   }
@@ -435,7 +447,7 @@ std::vector<OpCase> cases() {
   // Inputs through views (plan slices read in place): one case per body that reads activations.
   for (OpCase c : {elementwise("add_130", Op::kAdd, 130, 2, {}, exact), elementwise("silu_mul_257", Op::kSiluMul, 257, 2, {}, two_roundings),
                    elementwise("sigmoid_96", Op::kSigmoid, 96, 1, {}, transcendental, true), rms_norm(257), add_norm(96), gated_rms_norm(3, 32),
-                   short_conv(130, 4), kda_gate(3, 32, true, 1.0f), kda_delta_rule(2, 64, false), kda_fused_core(2, 64, false, 64, 4),
+                   short_conv(130, 4), kda_gate(3, 32, true, 1.0f), kda_delta_rule(2, 64, false), kda_fused_core(2, 64, false, 64, 4, 64),
                    mla(2, 16, 8, 16, 32), attn_res(3, 257, false),
                    attn_res(3, 130, true)}) {
     all.push_back(viewed(std::move(c)));

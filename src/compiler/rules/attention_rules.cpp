@@ -117,6 +117,68 @@ Rule kda_core_fuse() {
   return r;
 }
 
+// The output gate's low-rank projection and the gated norm inside the fused core (a task holds whole
+// heads, the norm's unit): the g_b linear's tasks (a worker each at batch 1) and its buffer go, and
+// o_proj reads the normed heads as a plain linear. Only a low-rank gate (its input at most 4 heads
+// wide: K3's full-rank gate would put a hidden-wide projection in every task), and only when nothing
+// but this norm (or o_proj's gated_norm_linear over the same two classes, the same value) reads the
+// core: extracting both cores would update the states twice.
+Rule kda_core_gated_norm() {
+  Rule r;
+  r.name = "kda-core-gated-norm";
+  r.definition =
+      "(gated_rms_norm@gn (kda_fused_core@core ?xq ?xk ?xv ?f ?b) (linear@gb ?g)) => (kda_fused_core ?xq ?xk ?xv ?f ?b ?g | core.weights gb.W "
+      "gn.w; core.attrs, eps gn.eps; state core.state), if width(g) <= 4 head_dim and core is read by gn (or gated_norm_linear(core, gb)) alone";
+  r.lhs = Pattern::n(Op::kGatedRmsNorm, "gn", {Pattern::n(Op::kKdaFusedCore, "core", {Pattern::v("xq"), Pattern::v("xk"), Pattern::v("xv"), Pattern::v("f"),
+                                                                                    Pattern::v("b")}),
+                                              Pattern::n(Op::kLinear, "gb", {Pattern::v("g")})});
+  r.guard = [](const EGraph& g, const Match& m) {
+    const Symbol& core = symbol_of(g, m, "core");
+    if (g.width(m.vars.at("g")) > 4 * core.attrs.i("head_dim")) return false;
+    const ClassId core_class = g.find(m.node_classes.at("core")), z_class = g.find(m.node_classes.at("gb"));
+    for (const auto& [parent, cls] : g.parents(core_class)) {
+      if (g.find(cls) == g.find(m.root)) continue;
+      const bool same_norm = g.symbol(parent.symbol).op == Op::kGatedNormLinear && parent.children.size() == 2 &&
+                             g.find(parent.children[0]) == core_class && g.find(parent.children[1]) == z_class;
+      if (!same_norm) return false;
+    }
+    return true;
+  };
+  r.apply = [](EGraph& g, const Match& m) -> std::optional<ClassId> {
+    const Symbol& core = symbol_of(g, m, "core");
+    const Symbol& gn = symbol_of(g, m, "gn");
+    Symbol fused = core;
+    fused.attrs.set("eps", gn.attrs.get("eps"));
+    fused.weights.push_back(symbol_of(g, m, "gb").weights[0]);
+    fused.weights.push_back(gn.weights[0]);
+    fused.label = gn.label;
+    return g.add(fused, {m.vars.at("xq"), m.vars.at("xk"), m.vars.at("xv"), m.vars.at("f"), m.vars.at("b"), m.vars.at("g")});
+  };
+  r.instance = [](int64_t n) {
+    const int64_t heads = 2, d = n, width = heads * d, kernel = 4;
+    Graph g;
+    Attrs attrs{{"heads", static_cast<double>(heads)}, {"head_dim", static_cast<double>(d)}, {"kernel", static_cast<double>(kernel)}};
+    if (n % 2 != 0) attrs.set("lower_bound", -5.0);
+    std::vector<int> inputs, weights;
+    for (const char* name : {"q", "k", "v"}) {
+      inputs.push_back(rules::input(g, width, name));
+      weights.push_back(rules::weight(g, fmt::format("kda.{}_conv1d.weight", name), {width, 1, kernel}));
+      attrs.set(fmt::format("conv_{}", name), g.add_state({StateKind::kConvWindow, width, kernel - 1, fmt::format("{}_conv", name)}));
+    }
+    inputs.push_back(rules::input(g, n + 1, "f"));
+    inputs.push_back(rules::input(g, heads, "b"));
+    weights.push_back(rules::weight(g, "kda.f_b_proj.weight", {width, n + 1}));
+    weights.push_back(rules::weight(g, "kda.A_log", {heads}));
+    weights.push_back(rules::weight(g, "kda.dt_bias", {width}));
+    const int state = g.add_state({StateKind::kKdaRecurrent, width, heads, "state"});
+    const int core = g.add(Op::kKdaFusedCore, inputs, weights, attrs, "core", state);
+    const int z = rules::linear(g, rules::input(g, n - 1, "g"), width, "g_b");
+    Attrs norm_attrs{{"heads", static_cast<double>(heads)}, {"head_dim", static_cast<double>(d)}, {"eps", 1e-5}};
+    return rules::finish(g, g.add(Op::kGatedRmsNorm, {core, z}, {rules::weight(g, "kda.o_norm.weight", {d})}, norm_attrs, "o_norm"));
+  };
+  return r;
+}
+
 Rule mla_output_gate() {
   Rule r;
   r.name = "mla-out-gate-fuse";
@@ -187,7 +249,7 @@ Rule attn_res_norm() {
 }  // namespace
 
 std::vector<Rule> attention_rules() {
-  return {kda_gate_into_linear(), kda_core_fuse(), kda_gated_norm(), mla_output_gate(), add_into_norm(), attn_res_norm()};
+  return {kda_gate_into_linear(), kda_core_fuse(), kda_core_gated_norm(), kda_gated_norm(), mla_output_gate(), add_into_norm(), attn_res_norm()};
 }
 
 }  // namespace plow

@@ -211,17 +211,30 @@ Rule add_norm_into_router() {
 
 // Not where h is a moe_down: routed-shared-combine folds that add into the routed experts' down
 // projection instead, so the shared expert's projection runs beside the routed experts (in the
-// top-k's shadow, schedule.h) and not one dependency hop after them.
+// top-k's shadow, schedule.h) and not one dependency hop after them. Nor where y is a KDA output norm
+// with a low-rank gate (z = linear(g) of g at most 4 heads wide), the norm kda-core-gated-norm folds
+// into the fused core in decode plans, o_proj then a plain linear: that residual add stays an add,
+// which the next layer's router and projections read as its two terms (add-norm-into-router /
+// -multi-linear, as when o_proj is a gated_norm_linear); a linear_add's sum would need a norm op of its
+// own before them, one dependency hop more. (K3's full-rank gate keeps its linear_add.)
 Rule linear_residual(bool linear_first) {
   Rule r;
   r.name = linear_first ? "linear-residual-add-commuted" : "linear-residual-add";
-  r.definition = linear_first ? "(add@a (linear@lin ?y) ?h) => (linear_add ?y ?h | lin.W), h no moe_down"
-                              : "(add@a ?h (linear@lin ?y)) => (linear_add ?y ?h | lin.W), h no moe_down";
+  r.definition = linear_first ? "(add@a (linear@lin ?y) ?h) => (linear_add ?y ?h | lin.W), h no moe_down, y no low-rank-gated KDA output norm"
+                              : "(add@a ?h (linear@lin ?y)) => (linear_add ?y ?h | lin.W), h no moe_down, y no low-rank-gated KDA output norm";
   const Pattern lin = Pattern::n(Op::kLinear, "lin", {Pattern::v("y")});
   r.lhs = linear_first ? Pattern::n(Op::kAdd, "a", {lin, Pattern::v("h")}) : Pattern::n(Op::kAdd, "a", {Pattern::v("h"), lin});
   r.apply = [](EGraph& g, const Match& m) -> std::optional<ClassId> {
     for (const ENode& node : g.nodes(m.vars.at("h"))) {
       if (g.symbol(node.symbol).op == Op::kMoeDown) return std::nullopt;
+    }
+    for (const ENode& node : g.nodes(m.vars.at("y"))) {
+      const Symbol& norm = g.symbol(node.symbol);
+      if (norm.op != Op::kGatedRmsNorm) continue;
+      for (const ENode& z : g.nodes(node.children[1])) {
+        const bool low_rank = g.symbol(z.symbol).op == Op::kLinear && g.width(z.children[0]) <= 4 * norm.attrs.i("head_dim");
+        if (low_rank) return std::nullopt;
+      }
     }
     const Symbol& l = symbol_of(g, m, "lin");
     return add_fused(g, Op::kLinearAdd, {}, {l.weights[0]}, {m.vars.at("y"), m.vars.at("h")}, l.width, symbol_of(g, m, "a").label);

@@ -96,6 +96,7 @@ bool pack_misc_attrs(const PlanOp& op, float* attr) {
       attr[4] = value(op, "conv_q");
       attr[5] = value(op, "conv_k");
       attr[6] = value(op, "conv_v");
+      attr[7] = op.attrs.has("eps") ? value(op, "eps") : 0.0f;  // the output norm's (six inputs)
       return true;
     }
     case Op::kMlaAttention:

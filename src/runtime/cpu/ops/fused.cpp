@@ -124,7 +124,8 @@ void cpu_linear_kda_gate(OpContext& ctx) {
 
 // The three convs (each over the slice's channels, with its own window), the gate's projection and
 // gate over them, β over every head, then the delta rule over the slice's heads (whole heads:
-// Slicing::kHeads, so the channels whose windows this call rewrites are read by no other task).
+// Slicing::kHeads, so the channels whose windows this call rewrites are read by no other task); with a
+// sixth input, the output gate's projection and the gated norm over them.
 void cpu_kda_fused_core(OpContext& ctx) {
   const int64_t width = ctx.node.width, heads = ctx.inputs[4].width, begin = ctx.begin(), end = ctx.end();
   const Attrs conv_attrs{{"kernel", ctx.node.attrs.get("kernel")}};
@@ -139,7 +140,13 @@ void cpu_kda_fused_core(OpContext& ctx) {
   const auto core = run_sub(ctx, Op::kKdaDeltaRule, ctx.node.attrs, width,
                             {{conv[0].data(), width}, {conv[1].data(), width}, {conv[2].data(), width}, {gate.data(), width}, {beta.data(), heads}}, {},
                             begin, end, ctx.node.state);
-  copy_columns(ctx, core, width, 0, begin, end);
+  if (ctx.inputs.size() == 5) {
+    copy_columns(ctx, core, width, 0, begin, end);
+    return;
+  }
+  const auto z = run_sub(ctx, Op::kLinear, {}, width, {ctx.inputs[5]}, {ctx.weights[6]}, begin, end);
+  const auto normed = run_sub(ctx, Op::kGatedRmsNorm, ctx.node.attrs, width, {{core.data(), width}, {z.data(), width}}, {ctx.weights[7]}, begin, end);
+  copy_columns(ctx, normed, width, 0, begin, end);
 }
 
 void cpu_gate_up_act(OpContext& ctx) {

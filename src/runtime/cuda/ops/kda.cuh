@@ -8,6 +8,7 @@
 
 #include "runtime/cuda/ops/common.cuh"
 #include "runtime/cuda/ops/limits.h"
+#include "runtime/cuda/ops/norm.cuh"
 
 namespace plow::cuda {
 
@@ -474,19 +475,17 @@ __device__ __forceinline__ float* state_by_id(const TaskCtx& ctx, int id, int sl
   return static_cast<float*>(state.base) + static_cast<int64_t>(slot) * state.slot_elems;
 }
 
-// The gate of rows [0, d) of head h for step row `row` into sdecay (exp g, as kda_stage stages it):
-// z = round(f·W_fb[h·d + j]ᵀ) + dt_bias, g as kda_gate. A warp takes rows j = warp + kWarps·i, its lanes
-// four columns of f at a time (bf16 weights: one 8-byte load a row), f loaded once for all its rows.
-template <int D>
-__device__ __forceinline__ void fused_gate_rows(const TaskCtx& ctx, int64_t row, int64_t h, int d, float* sdecay) {
+// Σ_c W[h·d + j][c]·x[c] for the rows j ∈ [0, d) of head h, W = weight `wi`, x = input `in` of step row
+// `row` (rounded to its in_act as loaded); emit(j, dot) from lane 0 of the warp owning row j. A warp takes
+// rows j = warp + kWarps·i, its lanes four columns of x at a time (bf16 rows: one 8-byte load a row),
+// x loaded once for all of its rows: the f_b projection of the gate, g_b of the output gate.
+template <int D, class Emit>
+__device__ __forceinline__ void head_rows_dot(const TaskCtx& ctx, int wi, int in, int64_t row, int64_t h, int d, Emit emit) {
   constexpr int kRowsPerWarp = (D + kWarps - 1) / kWarps;
-  const DeviceWeight& w = ctx.weight(3);
-  const float rate = expf(weight_flat(ctx.weight(4), h));
-  const bool bounded = ctx.attr(1) != 0.0f;
-  const float lower_bound = ctx.attr(2);
-  const int64_t n = ctx.in_width(3);
-  const float* f = ctx.in(3, row);
-  const int32_t f_act = ctx.in_act(3), act = ctx.op->act;
+  const DeviceWeight& w = ctx.weight(wi);
+  const int64_t n = ctx.in_width(in);
+  const float* x = ctx.in(in, row);
+  const int32_t x_act = ctx.in_act(in);
   const int lane = lane_id(), warp = warp_id();
   float acc[kRowsPerWarp];
 #pragma unroll
@@ -494,7 +493,7 @@ __device__ __forceinline__ void fused_gate_rows(const TaskCtx& ctx, int64_t row,
   if (w.type == kWBF16 && n % 4 == 0) {
     const auto* rows = reinterpret_cast<const __nv_bfloat16*>(w.data) + h * d * n;
     for (int64_t c = 4 * lane; c < n; c += 128) {
-      const float x0 = round_act(f_act, f[c]), x1 = round_act(f_act, f[c + 1]), x2 = round_act(f_act, f[c + 2]), x3 = round_act(f_act, f[c + 3]);
+      const float x0 = round_act(x_act, x[c]), x1 = round_act(x_act, x[c + 1]), x2 = round_act(x_act, x[c + 2]), x3 = round_act(x_act, x[c + 3]);
       uint2 raw[kRowsPerWarp];
 #pragma unroll
       for (int i = 0; i < kRowsPerWarp; ++i) {
@@ -511,11 +510,11 @@ __device__ __forceinline__ void fused_gate_rows(const TaskCtx& ctx, int64_t row,
     }
   } else {
     for (int64_t c = lane; c < n; c += 32) {
-      const float x = round_act(f_act, f[c]);
+      const float xc = round_act(x_act, x[c]);
 #pragma unroll
       for (int i = 0; i < kRowsPerWarp; ++i) {
         const int j = warp + kWarps * i;
-        if (j < d) acc[i] += weight_at(w, 0, h * d + j, c) * x;
+        if (j < d) acc[i] += weight_at(w, 0, h * d + j, c) * xc;
       }
     }
   }
@@ -523,10 +522,7 @@ __device__ __forceinline__ void fused_gate_rows(const TaskCtx& ctx, int64_t row,
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const float dot = warp_sum(acc[i]);
     const int j = warp + kWarps * i;
-    if (lane == 0 && j < d) {
-      const float z = round_act(act, dot) + weight_flat(ctx.weight(5), h * d + j);
-      sdecay[j] = expf(kda_gate_rate(z, rate, bounded, lower_bound));
-    }
+    if (lane == 0 && j < d) emit(j, dot);
   }
 }
 
@@ -603,8 +599,14 @@ __device__ void fused_core_pair(const TaskCtx& ctx, int s, int64_t h, int d) {
       }
     }
     for (int t = tid; t < n; t += kThreads) sbeta[t] = sigmoidf_(round_act(ctx.in_act(4), ctx.in(4, first + t0 + t)[h]));
+    // The gate: z = round(f·W_fbᵀ) + dt_bias, g as kda_gate, staged as exp(g) (kda_stage).
+    const float rate = expf(weight_flat(ctx.weight(4), h));
+    const bool bounded = ctx.attr(1) != 0.0f;
+    const float lower_bound = ctx.attr(2);
     for (int t = 0; t < n; ++t) {
-      fused_gate_rows<D>(ctx, first + t0 + t, h, d, sdecay + t * D);
+      head_rows_dot<D>(ctx, 3, 3, first + t0 + t, h, d, [&](int j, float dot) {
+        sdecay[t * D + j] = expf(kda_gate_rate(round_act(act, dot) + weight_flat(ctx.weight(5), h * d + j), rate, bounded, lower_bound));
+      });
       for (int j = d + tid; j < D; j += kThreads) sdecay[t * D + j] = 1.0f;
     }
     __syncthreads();
@@ -653,7 +655,18 @@ __device__ void fused_core_pair(const TaskCtx& ctx, int s, int64_t h, int d) {
         S[i] = S_next[i];
       }
     }
-    __syncthreads();  // the staged tile is overwritten next
+    __syncthreads();  // the staged tile is overwritten next (and the tile's outputs are all written)
+    if (ctx.op->num_inputs == 6) {
+      // The output norm over the tile's outputs in place (rounded as the core's, gated_rms_norm's
+      // arithmetic): z = round(g·W_gbᵀ) staged where exp(g) was, then a unit a token.
+      for (int t = 0; t < n; ++t) head_rows_dot<D>(ctx, 6, 5, first + t0 + t, h, d, [&](int j, float dot) { sdecay[t * D + j] = round_act(act, dot); });
+      __syncthreads();
+      gated_norm_units(ctx.weight(7), d, ctx.attr(7), ctx.out_act(), kAF32, kAF32, n, [&](int64_t u) {
+        float* o = ctx.out(first + t0 + u) + h * d;
+        return GatedUnit{o, sdecay + u * D, o};
+      });
+      __syncthreads();
+    }
   }
   // New windows = history[tokens, tokens + keep), by the thread that read the old ones (ascending i
   // reads position tokens + i ≥ i + 1, never an entry already rewritten).
@@ -669,9 +682,10 @@ __device__ void fused_core_pair(const TaskCtx& ctx, int s, int64_t h, int d) {
 // kKdaFusedCore: kda_delta_rule(conv_q(x_q), conv_k(x_k), conv_v(x_v), kda_gate(f·W_fbᵀ), σ(b)) for the
 // step's (sequence, head) pairs, a task a contiguous share of them (sequence-major; spread_tasks gives
 // the op a task per pair up to the workers: the plan's column slices are not used, its consumers and
-// overwriters wait for every task). inputs x_q, x_k, x_v [T, P], f [T, F], b [T, heads] (act);
-// weights C_q, C_k, C_v [P, 1, K], W_fb [P, F], A_log [heads], dt_bias [P]; attrs [0] head_dim, [1]
-// bounded, [2] lower_bound, [3] kernel K, [4..6] the conv windows' states (conv_q, conv_k, conv_v).
+// overwriters wait for every task). inputs x_q, x_k, x_v [T, P], f [T, F], b [T, heads] (act), and g
+// [T, G] when the output norm is in (six inputs); weights C_q, C_k, C_v [P, 1, K], W_fb [P, F], A_log
+// [heads], dt_bias [P], then W_gb [P, G] and the norm's w [d]; attrs [0] head_dim, [1] bounded, [2]
+// lower_bound, [3] kernel K, [4..6] the conv windows' states (conv_q, conv_k, conv_v), [7] the norm's ε.
 // State: the recurrent one, fp32 [heads, d, d] per slot.
 template <int D>
 __device__ __noinline__ void kda_fused_core(const TaskCtx& ctx) {
