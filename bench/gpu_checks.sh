@@ -2,7 +2,7 @@
 # GPU checks on a machine with an H100/H200, from binaries built elsewhere (BIN, default build/bin):
 # the five gpu test binaries, then compute-sanitizer memcheck and racecheck on a small plan (the
 # megakernel and eager), on split-KV MLA at the real head shape and on chunked KDA (tensor-core phases,
-# strong decays; 132 workers at the 48B head dim). Logs go to OUT (default /tmp/plow-gpu); a summary is printed last.
+# strong decays; 132 workers at the 48B head dim) and on the fused KDA decode op. Logs go to OUT (default /tmp/plow-gpu); a summary is printed last.
 # plow and cuda_server_tests link Debian's libcpp-httplib.so.0.11 (and brotli), which the GPU machine's
 # Ubuntu lacks: copy them along and put their folder on LD_LIBRARY_PATH (a binary that cannot start
 # reports rc 127 and the loader's message below).
@@ -35,5 +35,10 @@ run racecheck_mla 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BI
 kda='Ops/CudaOpTest.MatchesReference/kda_prefill_h2_d64_strong_f32_*'  # the worker count suffix follows the case's index
 run memcheck_kda 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$kda:*kda_prefill_h4_d128_bounded_bf16_w132"
 run racecheck_kda 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$kda"
+# The fused KDA decode op: a task per (sequence, head) owning its conv windows (the 48B head shape on 132
+# workers with the output norm, and a kernel-3 case with an odd head dim).
+fused='Ops/CudaOpTest.MatchesReference/kda_fused_core_h4_d128*:Ops/CudaOpTest.MatchesReference/kda_fused_core_h1_d24_f21_k3_norm*'
+run memcheck_fused_core 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$fused"
+run racecheck_fused_core 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$fused"
 for line in "${summary[@]}"; do echo "$line"; done
 grep -h -E '^\[  FAILED  \]' "$OUT"/*_tests.log | sort -u | head -40
