@@ -205,9 +205,10 @@ OpCase kda_delta_rule(int64_t heads, int64_t d, bool bounded, float gate_std = 1
 }
 
 // The KDA mixer's core in one op (kda_fused_core, the compiler's kda-core-fuse in decode plans): three
-// convs over their own windows, the gate's f_b projection (f of f_width columns: a multiple of 4 takes
-// the bf16 body's four-column loads, others its scalar path), β and the delta rule. Every step of the
-// script, so prefill-sized sequences (33, 70: two of its 64-token tiles) run token by token too.
+// convs over their own windows, the gate's f_b projection (f of f_width columns: one-token pairs take
+// the bf16 body's eight-column loads at a multiple of 8, longer ones its four-column loads at a multiple
+// of 4; others the scalar paths), β and the delta rule. Every step of the script, so one-token pairs
+// (fused_core_token) and prefill-sized sequences (33, 70: two of its 64-token tiles) token by token.
 // With g_width > 0, the output norm too (kda-core-gated-norm): g [T, g_width] through W_gb, the gated
 // RMSNorm over each head of the core's output.
 OpCase kda_fused_core(int64_t heads, int64_t d, bool bounded, int64_t f_width, int64_t kernel, int64_t g_width = 0) {
@@ -402,6 +403,7 @@ std::vector<OpCase> cases() {
   all.push_back(kda_fused_core(3, 64, true, 48, 4, 64));
   all.push_back(kda_fused_core(1, 24, false, 21, 3, 13));  // g off the four-column loads
   all.push_back(kda_fused_core(2, 128, false, 128, 4, 128));  // the 48B layer's fused op
+  all.push_back(kda_fused_core(2, 22, true, 40, 4, 24));  // state rows of no whole 16-byte units: a decode pair's plain loads
   {  // the 48B layer's plan: a task per (sequence, head) pair
     OpCase c = kda_fused_core(4, 128, true, 128, 4, 128);
     c.workers = 132;

@@ -240,6 +240,7 @@ struct float2 { float x, y; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
 struct uint2 { unsigned x, y; };
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+struct alignas(16) uint4 { unsigned x, y, z, w; };
 inline unsigned __float_as_uint(float v) { return std::bit_cast<unsigned>(v); }
 inline float __uint_as_float(unsigned v) { return std::bit_cast<float>(v); }
 inline int min(int a, int b) { return a < b ? a : b; }

@@ -552,6 +552,27 @@ __device__ __forceinline__ void fused_conv_channel(const DeviceWeight& taps, Row
   }
 }
 
+// A warp's l2 normalization of a staged row of d ≤ D values in place, times `scale` (kda_stage's
+// arithmetic: ε = 1e−6 on the sum inside the root, divide then scale; lane l sums l, l + 32, … in order).
+template <int D>
+__device__ __forceinline__ void normalize_row(float* row, int d, float scale) {
+  constexpr int kPerLane = D >= 32 ? D / 32 : 1;
+  const int lane = lane_id();
+  float v[kPerLane];
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) v[i] = lane + 32 * i < d ? row[lane + 32 * i] : 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    if (lane + 32 * i < d) sum += v[i] * v[i];
+  }
+  const float norm = sqrtf(warp_sum(sum) + 1e-6f);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    if (lane + 32 * i < d) row[lane + 32 * i] = v[i] / norm * scale;
+  }
+}
+
 // One (sequence, head) pair: tiles of at most kTile tokens staged as kda_stage stages them (the convs of
 // the head's q/k/v channels from their windows and input rows, q and k then normalized in place, exp of
 // the gate, β), the delta rule over every value group of the head with the tile's tokens, then the
@@ -564,7 +585,7 @@ __device__ void fused_core_pair(const TaskCtx& ctx, int s, int64_t h, int d) {
   const int first = step.seq_first_row[s], tokens = step.seq_tokens[s], slot = step.seq_slot[s];
   const int kernel = static_cast<int>(ctx.attr(3)), keep = kernel - 1;
   const int32_t act = ctx.op->act;
-  const int tid = static_cast<int>(threadIdx.x), lane = lane_id();
+  const int tid = static_cast<int>(threadIdx.x);
   float* sq = smem_floats(ctx);
   float* sk = sq + L::kTile * D;
   float* sdecay = sk + L::kTile * D;
@@ -610,27 +631,10 @@ __device__ void fused_core_pair(const TaskCtx& ctx, int s, int64_t h, int d) {
       for (int j = d + tid; j < D; j += kThreads) sdecay[t * D + j] = 1.0f;
     }
     __syncthreads();
-    // q̂ = l2n(q)/√d, k̂ = l2n(k) in place, a warp a (token, q|k) row (kda_stage's arithmetic).
+    // q̂ = l2n(q)/√d, k̂ = l2n(k) in place, a warp a (token, q|k) row.
     {
-      constexpr int kPerLane = D >= 32 ? D / 32 : 1;
       const float q_scale = 1.0f / sqrtf(static_cast<float>(d));
-      for (int u = warp_id(); u < 2 * n; u += kWarps) {
-        float* row = (u % 2 == 0 ? sq : sk) + (u / 2) * D;
-        float v[kPerLane];
-        float sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kPerLane; ++i) v[i] = lane + 32 * i < d ? row[lane + 32 * i] : 0.0f;
-#pragma unroll
-        for (int i = 0; i < kPerLane; ++i) {
-          if (lane + 32 * i < d) sum += v[i] * v[i];
-        }
-        const float norm = sqrtf(warp_sum(sum) + 1e-6f);
-        const float scale = u % 2 == 0 ? q_scale : 1.0f;
-#pragma unroll
-        for (int i = 0; i < kPerLane; ++i) {
-          if (lane + 32 * i < d) row[lane + 32 * i] = v[i] / norm * scale;
-        }
-      }
+      for (int u = warp_id(); u < 2 * n; u += kWarps) normalize_row<D>((u % 2 == 0 ? sq : sk) + (u / 2) * D, d, u % 2 == 0 ? q_scale : 1.0f);
     }
     __syncthreads();
     // Every value group of the head over the tile; the next group's state slice loads meanwhile.
@@ -679,6 +683,205 @@ __device__ void fused_core_pair(const TaskCtx& ctx, int s, int64_t h, int d) {
   }
 }
 
+// ---- kda_fused_core's one-token pairs (decode) ------------------------------------------------------
+
+// Σ_c W[h·d + j][c]·x[c] for the rows j < d of head h (W = weight `wi`, x = input `in` of step row `row`,
+// rounded to its in_act as loaded), kThreads / D adjacent threads a row, each a strided share of its
+// columns (bf16 rows: eight columns a 16-byte load, up to four loads in flight), then an xor-shuffle sum
+// over the row's threads; emit(j, dot) from the row's first thread. head_rows_dot gave a warp D / kWarps
+// rows and lane 0 each row's reduction and epilogue in turn (eight of each at D = 128).
+template <int D, class Emit>
+__device__ __forceinline__ void head_rows_dot_split(const TaskCtx& ctx, int wi, int in, int64_t row, int64_t h, int d, Emit emit) {
+  constexpr int kLanes = kThreads / D, kBatch = 4;
+  static_assert(kLanes <= 32 && 32 % kLanes == 0, "a row's threads share a warp");
+  const DeviceWeight& w = ctx.weight(wi);
+  const int n = static_cast<int>(ctx.in_width(in));
+  const float* x = ctx.in(in, row);
+  const int32_t x_act = ctx.in_act(in);
+  const int tid = static_cast<int>(threadIdx.x), j = tid / kLanes, q = tid % kLanes;
+  float acc = 0.0f;
+  if (j < d) {
+    const bool vec = w.type == kWBF16 && n % 8 == 0 && ((reinterpret_cast<uintptr_t>(w.data) | reinterpret_cast<uintptr_t>(x)) & 15) == 0;
+    if (vec) {  // block-uniform
+      const auto* wrow = reinterpret_cast<const uint4*>(w.data) + (static_cast<int>(h) * d + j) * (n / 8);
+      const int chunks = n / 8;
+      for (int m0 = q; m0 < chunks; m0 += kLanes * kBatch) {
+        uint4 raw[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) raw[b] = m0 + kLanes * b < chunks ? wrow[m0 + kLanes * b] : uint4{0, 0, 0, 0};
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int m = m0 + kLanes * b;
+          if (m >= chunks) break;
+          const float4 lo = load4f(x + 8 * m), hi = load4f(x + 8 * m + 4);
+          const float xs[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+          const uint32_t words[4] = {raw[b].x, raw[b].y, raw[b].z, raw[b].w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            acc += __uint_as_float(words[e] << 16) * round_act(x_act, xs[2 * e]);
+            acc += __uint_as_float(words[e] & 0xffff0000u) * round_act(x_act, xs[2 * e + 1]);
+          }
+        }
+      }
+    } else {
+      for (int c = q; c < n; c += kLanes) acc += weight_at(w, 0, h * d + j, c) * round_act(x_act, x[c]);
+    }
+  }
+  for (int o = 1; o < kLanes; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (q == 0 && j < d) emit(j, acc);
+}
+
+// Conv + SiLU of one channel for a one-token step (its window's K − 1 values, then the token's input):
+// the same sum term by term as fused_conv_channel. The new window (the last K − 1 of those values) is
+// written back at once: this thread is the channel's only reader in the step.
+__device__ __forceinline__ float conv_one_token(const DeviceWeight& taps, int kernel, const float* x, int32_t x_act, int32_t act, float* window,
+                                                int64_t channel) {
+  const int keep = kernel - 1;
+  float* win = window + channel * keep;
+  const float v = round_act(x_act, x[channel]);
+  float sum = 0.0f;
+  if (kernel == 4) {  // Kimi Linear, K3
+    float w[4], hist[3];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = weight_flat(taps, channel * 4 + k);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) hist[k] = win[k];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) sum += w[k] * hist[k];
+    sum += w[3] * v;
+    win[0] = hist[1];
+    win[1] = hist[2];
+    win[2] = v;
+  } else {
+    for (int k = 0; k < keep; ++k) sum += weight_flat(taps, channel * kernel + k) * win[k];
+    sum += weight_flat(taps, channel * kernel + keep) * v;
+    for (int k = 0; k + 1 < keep; ++k) win[k] = win[k + 1];
+    if (keep > 0) win[keep - 1] = v;
+  }
+  return round_act(act, siluf_(sum));
+}
+
+// Shared memory of fused_core_token: the head's state [D][kStride] (rows padded so that a warp's reads
+// in the delta rule fall in distinct banks), then q, k, v, exp(g), z and o [D] each.
+template <int D>
+struct KdaTokenLayout {
+  static constexpr int kPerCol = kThreads / D;             // threads a value column (4 at D = 128)
+  static constexpr int kRows = D / kPerCol;                // state rows a thread (32 at D = 128)
+  static constexpr int kStride = D + (32 / kPerCol > 4 ? 32 / kPerCol : 4);
+  static constexpr int kState = D * kStride;
+  static constexpr int kFloats = kState + 6 * D;
+  static_assert(kPerCol <= 32 && 32 % kPerCol == 0 && kRows >= 1, "a column's threads share a warp");
+  static_assert(kStride % 4 == 0, "16-byte rows for cp.async");
+  static_assert(kFloats * 4 <= kSharedBytes, "the head's state fits shared memory");
+};
+
+// One (sequence, head) pair whose sequence brings one token to the step (decode), D ≥ 32. The task's
+// loads are issued together where they do not depend on each other: the head's state [d, d] by
+// cp.async into shared memory as the pair starts, the convs (a thread a (conv, channel): window, taps,
+// input; its new window stored at once), the gate's and the output gate's projections (kThreads / D
+// threads a row); then q̂, k̂ (a warp each, kda_stage's arithmetic), and the delta rule over every value
+// column at once from shared memory (kPerCol threads a column, kRows state rows each: S ← diag(e^g)S,
+// e = β(v − Sᵀk̂), S ← S + k̂eᵀ, o = Sᵀq̂; the new state straight to global memory), then the gated norm
+// (one warp). The general path (fused_core_pair) stages tiles of tokens and walks the value columns in
+// four passes, each waiting for its state slice; it took ~38 µs a pair on an H100.
+template <int D>
+__device__ __noinline__ void fused_core_token(const TaskCtx& ctx, int s, int64_t h, int d) {
+  using L = KdaTokenLayout<D>;
+  const StepView& step = *ctx.step;
+  const int first = step.seq_first_row[s], slot = step.seq_slot[s];
+  const int kernel = static_cast<int>(ctx.attr(3));
+  const int32_t act = ctx.op->act;
+  const int tid = static_cast<int>(threadIdx.x);
+  float* sS = smem_floats(ctx);
+  float* sq = sS + L::kState;
+  float* sk = sq + D;
+  float* sv = sk + D;
+  float* sdecay = sv + D;
+  float* sz = sdecay + D;
+  float* so = sz + D;
+  float* S_base = state_of(ctx, slot) + h * d * d;  // [d, d]: S[j][c]
+  // The state: 16-byte copies when rows are whole 16-byte units, else plain loads; padding zero.
+  if (d % 4 == 0 && (reinterpret_cast<uintptr_t>(S_base) & 15) == 0) {
+    const int per_row = d / 4;
+    for (int i = tid; i < d * per_row; i += kThreads) {
+      const int j = d == D ? i / (D / 4) : i / per_row, c4 = i - j * per_row;
+      cp_async16(sS + j * L::kStride + 4 * c4, S_base + j * d + 4 * c4);
+    }
+    cp_async_commit();
+  } else {
+    for (int i = tid; i < d * d; i += kThreads) sS[(i / d) * L::kStride + i % d] = S_base[i];
+  }
+  if (d < D) {
+    for (int i = tid; i < D * D; i += kThreads) {
+      const int j = i / D, c = i % D;
+      if (j >= d || c >= d) sS[j * L::kStride + c] = 0.0f;
+    }
+  }
+  // The convs: q and k raw (normalized below), v final; padded channels zero.
+  for (int u = tid; u < 3 * D; u += kThreads) {
+    const int which = u / D, j = u % D;
+    float* dst = which == 0 ? sq : which == 1 ? sk : sv;
+    dst[j] = j < d ? conv_one_token(ctx.weight(which), kernel, ctx.in(which, first), ctx.in_act(which), act,
+                                    state_by_id(ctx, static_cast<int>(ctx.attr(4 + which)), slot), h * d + j)
+                   : 0.0f;
+  }
+  // The gate: z = round(f·W_fbᵀ) + dt_bias, staged as exp(g); padded rows decay by 1.
+  {
+    const float rate = expf(weight_flat(ctx.weight(4), h));
+    const bool bounded = ctx.attr(1) != 0.0f;
+    const float lower_bound = ctx.attr(2);
+    const DeviceWeight& dt_bias = ctx.weight(5);
+    head_rows_dot_split<D>(ctx, 3, 3, first, h, d, [&](int j, float dot) {
+      sdecay[j] = expf(kda_gate_rate(round_act(act, dot) + weight_flat(dt_bias, h * d + j), rate, bounded, lower_bound));
+    });
+    for (int j = d + tid; j < D; j += kThreads) sdecay[j] = 1.0f;
+  }
+  const bool norm = ctx.op->num_inputs == 6;
+  if (norm) head_rows_dot_split<D>(ctx, 6, 5, first, h, d, [&](int j, float dot) { sz[j] = round_act(act, dot); });
+  const float beta = sigmoidf_(round_act(ctx.in_act(4), ctx.in(4, first)[h]));
+  __syncthreads();
+  // q̂ = l2n(q)/√d, k̂ = l2n(k) in place: warp 0 q, warp 1 k.
+  if (warp_id() < 2) normalize_row<D>(warp_id() == 0 ? sq : sk, d, warp_id() == 0 ? 1.0f / sqrtf(static_cast<float>(d)) : 1.0f);
+  cp_async_wait<0>();
+  __syncthreads();
+  // The delta rule, a value column c per kPerCol threads, state rows j = r + kPerCol·i.
+  {
+    const int c = tid / L::kPerCol, r = tid % L::kPerCol;
+    const float* Sc = sS + c;
+    float predicted = 0.0f;
+#pragma unroll 8
+    for (int i = 0; i < L::kRows; ++i) {
+      const int j = r + L::kPerCol * i;
+      predicted += Sc[j * L::kStride] * sdecay[j] * sk[j];
+    }
+    for (int o = 1; o < L::kPerCol; o <<= 1) predicted += __shfl_xor_sync(0xffffffffu, predicted, o);
+    const float error = (sv[c] - predicted) * beta;
+    float out = 0.0f;
+    const bool store = c < d;
+#pragma unroll 8
+    for (int i = 0; i < L::kRows; ++i) {
+      const int j = r + L::kPerCol * i;
+      const float updated = Sc[j * L::kStride] * sdecay[j] + sk[j] * error;
+      out += updated * sq[j];
+      if (store && j < d) S_base[j * d + c] = updated;
+    }
+    for (int o = 1; o < L::kPerCol; o <<= 1) out += __shfl_xor_sync(0xffffffffu, out, o);
+    if (r == 0 && store) {
+      const float o_c = round_out(ctx, out);
+      if (norm) {
+        so[c] = o_c;
+      } else {
+        ctx.out(first)[h * d + c] = o_c;
+      }
+    }
+  }
+  if (norm) {
+    __syncthreads();
+    gated_norm_units(ctx.weight(7), d, ctx.attr(7), ctx.out_act(), kAF32, kAF32, 1, [&](int64_t) { return GatedUnit{so, sz, ctx.out(first) + h * d}; });
+  }
+  __syncthreads();  // the next pair overwrites shared memory
+}
+
 // kKdaFusedCore: kda_delta_rule(conv_q(x_q), conv_k(x_k), conv_v(x_v), kda_gate(f·W_fbᵀ), σ(b)) for the
 // step's (sequence, head) pairs, a task a contiguous share of them (sequence-major; spread_tasks gives
 // the op a task per pair up to the workers: the plan's column slices are not used, its consumers and
@@ -693,7 +896,14 @@ __device__ __noinline__ void kda_fused_core(const TaskCtx& ctx) {
   const int heads = static_cast<int>(ctx.op->width / d);
   const int64_t pairs = static_cast<int64_t>(ctx.step->num_seqs) * heads, tasks = ctx.op->tasks;
   for (int64_t p = pairs * ctx.task / tasks; p < pairs * (ctx.task + 1) / tasks; ++p) {
-    fused_core_pair<D>(ctx, static_cast<int>(p / heads), p % heads, d);
+    const int s = static_cast<int>(p / heads);
+    if constexpr (D >= 32) {
+      if (ctx.step->seq_tokens[s] == 1) {  // decode
+        fused_core_token<D>(ctx, s, p % heads, d);
+        continue;
+      }
+    }
+    fused_core_pair<D>(ctx, s, p % heads, d);
   }
 }
 
