@@ -685,50 +685,88 @@ __device__ void fused_core_pair(const TaskCtx& ctx, int s, int64_t h, int d) {
 
 // ---- kda_fused_core's one-token pairs (decode) ------------------------------------------------------
 
-// Σ_c W[h·d + j][c]·x[c] for the rows j < d of head h (W = weight `wi`, x = input `in` of step row `row`,
-// rounded to its in_act as loaded), kThreads / D adjacent threads a row, each a strided share of its
-// columns (bf16 rows: eight columns a 16-byte load, up to four loads in flight), then an xor-shuffle sum
-// over the row's threads; emit(j, dot) from the row's first thread. head_rows_dot gave a warp D / kWarps
-// rows and lane 0 each row's reduction and epilogue in turn (eight of each at D = 128).
-template <int D, class Emit>
-__device__ __forceinline__ void head_rows_dot_split(const TaskCtx& ctx, int wi, int in, int64_t row, int64_t h, int d, Emit emit) {
+// Eight bf16 weights (one 16-byte load) times x[0..8) into acc, x rounded to x_act as loaded (kRound;
+// without it x is used as it is: an input whose values are already rounded, TaskCtx::in_act kAF32).
+template <bool kRound>
+__device__ __forceinline__ void dot8_bf16(float& acc, uint4 raw, const float* x, int32_t x_act) {
+  const float4 lo = load4f(x), hi = load4f(x + 4);
+  const float xs[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    acc += __uint_as_float(words[e] << 16) * (kRound ? round_act(x_act, xs[2 * e]) : xs[2 * e]);
+    acc += __uint_as_float(words[e] & 0xffff0000u) * (kRound ? round_act(x_act, xs[2 * e + 1]) : xs[2 * e + 1]);
+  }
+}
+
+// Projections of the pair's head, kJobs at once: Σ_c W_k[h·d + j][c]·x_k[c] for the rows j < d of head
+// h, W_k = weight wi[k], x_k = input in[k] of step row `row` (rounded to its in_act as loaded).
+// kThreads / D adjacent threads a row, each a strided share of the row's columns (bf16 rows: eight
+// columns a 16-byte load, the first kBatch loads of every job in flight together), then an
+// xor-shuffle sum over the row's threads; emit(k, j, dot) from the row's first thread. head_rows_dot
+// gave a warp D / kWarps rows and lane 0 each row's reduction and epilogue in turn (eight of each at
+// D = 128), one projection after the other.
+template <int D, int kJobs, class Emit>
+__device__ __forceinline__ void head_rows_dots(const TaskCtx& ctx, const int (&wi)[kJobs], const int (&in)[kJobs], int64_t row, int64_t h, int d, Emit emit) {
   constexpr int kLanes = kThreads / D, kBatch = 4;
   static_assert(kLanes <= 32 && 32 % kLanes == 0, "a row's threads share a warp");
-  const DeviceWeight& w = ctx.weight(wi);
-  const int n = static_cast<int>(ctx.in_width(in));
-  const float* x = ctx.in(in, row);
-  const int32_t x_act = ctx.in_act(in);
   const int tid = static_cast<int>(threadIdx.x), j = tid / kLanes, q = tid % kLanes;
-  float acc = 0.0f;
-  if (j < d) {
-    const bool vec = w.type == kWBF16 && n % 8 == 0 && ((reinterpret_cast<uintptr_t>(w.data) | reinterpret_cast<uintptr_t>(x)) & 15) == 0;
-    if (vec) {  // block-uniform
-      const auto* wrow = reinterpret_cast<const uint4*>(w.data) + (static_cast<int>(h) * d + j) * (n / 8);
-      const int chunks = n / 8;
-      for (int m0 = q; m0 < chunks; m0 += kLanes * kBatch) {
-        uint4 raw[kBatch];
+  const bool live = j < d;
+  const float* x[kJobs];
+  const uint4* wrow[kJobs];
+  int chunks[kJobs];  // 16-byte units of a row; 0: the scalar path
+  int32_t x_act[kJobs];
+  float acc[kJobs];
+  uint4 raw[kJobs][kBatch];
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) raw[b] = m0 + kLanes * b < chunks ? wrow[m0 + kLanes * b] : uint4{0, 0, 0, 0};
+  for (int k = 0; k < kJobs; ++k) {
+    const DeviceWeight& w = ctx.weight(wi[k]);
+    const int n = static_cast<int>(ctx.in_width(in[k]));
+    x[k] = ctx.in(in[k], row);
+    x_act[k] = ctx.in_act(in[k]);
+    const bool vec = w.type == kWBF16 && n % 8 == 0 && ((reinterpret_cast<uintptr_t>(w.data) | reinterpret_cast<uintptr_t>(x[k])) & 15) == 0;
+    chunks[k] = vec ? n / 8 : 0;
+    wrow[k] = reinterpret_cast<const uint4*>(w.data) + (vec && live ? (static_cast<int>(h) * d + j) * (n / 8) : 0);
+    acc[k] = 0.0f;
+  }
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const int m = m0 + kLanes * b;
-          if (m >= chunks) break;
-          const float4 lo = load4f(x + 8 * m), hi = load4f(x + 8 * m + 4);
-          const float xs[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-          const uint32_t words[4] = {raw[b].x, raw[b].y, raw[b].z, raw[b].w};
+  for (int k = 0; k < kJobs; ++k) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            acc += __uint_as_float(words[e] << 16) * round_act(x_act, xs[2 * e]);
-            acc += __uint_as_float(words[e] & 0xffff0000u) * round_act(x_act, xs[2 * e + 1]);
-          }
+    for (int b = 0; b < kBatch; ++b) raw[k][b] = live && q + kLanes * b < chunks[k] ? wrow[k][q + kLanes * b] : uint4{0, 0, 0, 0};
+  }
+#pragma unroll
+  for (int k = 0; k < kJobs; ++k) {
+    if (!live) continue;
+    const bool round = x_act[k] != kAF32;
+    for (int m0 = q;; m0 += kLanes * kBatch) {
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int m = m0 + kLanes * b;
+        if (m >= chunks[k]) break;
+        if (round) {
+          dot8_bf16<true>(acc[k], raw[k][b], x[k] + 8 * m, x_act[k]);
+        } else {
+          dot8_bf16<false>(acc[k], raw[k][b], x[k] + 8 * m, x_act[k]);
         }
       }
-    } else {
-      for (int c = q; c < n; c += kLanes) acc += weight_at(w, 0, h * d + j, c) * round_act(x_act, x[c]);
+      if (m0 + kLanes * kBatch >= chunks[k]) break;
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int m = m0 + kLanes * (kBatch + b);
+        raw[k][b] = m < chunks[k] ? wrow[k][m] : uint4{0, 0, 0, 0};
+      }
+    }
+    if (chunks[k] == 0) {  // other dtypes, widths or alignments
+      const DeviceWeight& w = ctx.weight(wi[k]);
+      const int n = static_cast<int>(ctx.in_width(in[k]));
+      for (int c = q; c < n; c += kLanes) acc[k] += weight_at(w, 0, h * d + j, c) * round_act(x_act[k], x[k][c]);
     }
   }
-  for (int o = 1; o < kLanes; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  if (q == 0 && j < d) emit(j, acc);
+#pragma unroll
+  for (int k = 0; k < kJobs; ++k) {
+    for (int o = 1; o < kLanes; o <<= 1) acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], o);
+    if (q == 0 && live) emit(k, j, acc[k]);
+  }
 }
 
 // Conv + SiLU of one channel for a one-token step (its window's K − 1 values, then the token's input):
@@ -825,19 +863,28 @@ __device__ __noinline__ void fused_core_token(const TaskCtx& ctx, int s, int64_t
                                     state_by_id(ctx, static_cast<int>(ctx.attr(4 + which)), slot), h * d + j)
                    : 0.0f;
   }
-  // The gate: z = round(f·W_fbᵀ) + dt_bias, staged as exp(g); padded rows decay by 1.
+  // The gate: z = round(f·W_fbᵀ) + dt_bias, staged as exp(g) (padded rows decay by 1); with the output
+  // norm, its gate's z = round(g·W_gbᵀ) in the same pass.
+  const bool norm = ctx.op->num_inputs == 6;
   {
     const float rate = expf(weight_flat(ctx.weight(4), h));
     const bool bounded = ctx.attr(1) != 0.0f;
     const float lower_bound = ctx.attr(2);
     const DeviceWeight& dt_bias = ctx.weight(5);
-    head_rows_dot_split<D>(ctx, 3, 3, first, h, d, [&](int j, float dot) {
-      sdecay[j] = expf(kda_gate_rate(round_act(act, dot) + weight_flat(dt_bias, h * d + j), rate, bounded, lower_bound));
-    });
+    const auto emit = [&](int k, int j, float dot) {
+      if (k == 0) {
+        sdecay[j] = expf(kda_gate_rate(round_act(act, dot) + weight_flat(dt_bias, h * d + j), rate, bounded, lower_bound));
+      } else {
+        sz[j] = round_act(act, dot);
+      }
+    };
+    if (norm) {
+      head_rows_dots<D, 2>(ctx, {3, 6}, {3, 5}, first, h, d, emit);
+    } else {
+      head_rows_dots<D, 1>(ctx, {3}, {3}, first, h, d, emit);
+    }
     for (int j = d + tid; j < D; j += kThreads) sdecay[j] = 1.0f;
   }
-  const bool norm = ctx.op->num_inputs == 6;
-  if (norm) head_rows_dot_split<D>(ctx, 6, 5, first, h, d, [&](int j, float dot) { sz[j] = round_act(act, dot); });
   const float beta = sigmoidf_(round_act(ctx.in_act(4), ctx.in(4, first)[h]));
   __syncthreads();
   // q̂ = l2n(q)/√d, k̂ = l2n(k) in place: warp 0 q, warp 1 k.
@@ -858,12 +905,14 @@ __device__ __noinline__ void fused_core_token(const TaskCtx& ctx, int s, int64_t
     const float error = (sv[c] - predicted) * beta;
     float out = 0.0f;
     const bool store = c < d;
+    float* S_out = S_base + r * d + c;  // row j = r + kPerCol·i, a step of kPerCol rows an i
+    const int step_rows = L::kPerCol * d;
 #pragma unroll 8
-    for (int i = 0; i < L::kRows; ++i) {
+    for (int i = 0; i < L::kRows; ++i, S_out += step_rows) {
       const int j = r + L::kPerCol * i;
       const float updated = Sc[j * L::kStride] * sdecay[j] + sk[j] * error;
       out += updated * sq[j];
-      if (store && j < d) S_base[j * d + c] = updated;
+      if (store && j < d) *S_out = updated;
     }
     for (int o = 1; o < L::kPerCol; o <<= 1) out += __shfl_xor_sync(0xffffffffu, out, o);
     if (r == 0 && store) {
