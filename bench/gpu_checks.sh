@@ -36,8 +36,9 @@ kda='Ops/CudaOpTest.MatchesReference/kda_prefill_h2_d64_strong_f32_*'  # the wor
 run memcheck_kda 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$kda:*kda_prefill_h4_d128_bounded_bf16_w132"
 run racecheck_kda 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$kda"
 # The fused KDA decode op: a task per (sequence, head) owning its conv windows (the 48B head shape on 132
-# workers with the output norm, and a kernel-3 case whose head dim, 24, pads to 32).
-fused='Ops/CudaOpTest.MatchesReference/kda_fused_core_h4_d128*:Ops/CudaOpTest.MatchesReference/kda_fused_core_h1_d24_f21_k3_norm*'
+# workers with the output norm, a kernel-3 case whose head dim, 24, pads to 32, and d = 22, whose
+# one-token pairs load the state without cp.async).
+fused='Ops/CudaOpTest.MatchesReference/kda_fused_core_h4_d128*:Ops/CudaOpTest.MatchesReference/kda_fused_core_h1_d24_f21_k3_norm*:Ops/CudaOpTest.MatchesReference/kda_fused_core_h2_d22*'
 run memcheck_fused_core 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$fused"
 run racecheck_fused_core 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$fused"
 for line in "${summary[@]}"; do echo "$line"; done

@@ -9,6 +9,7 @@
 #include "runtime/cuda/ops/elementwise.cuh"
 #include "runtime/cuda/ops/embedding.cuh"
 #include "runtime/cuda/ops/kda.cuh"
+#include "runtime/cuda/ops/kda_fused.cuh"
 #include "runtime/cuda/ops/mla.cuh"
 #include "runtime/cuda/ops/moe_topk.cuh"
 #include "runtime/cuda/ops/norm.cuh"
