@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <set>
 
 #include <signal.h>
@@ -81,6 +82,46 @@ double decode_bytes(const LoadedModel& model, int64_t batch, int64_t context, DT
   return bytes;
 }
 
+
+// Decode steps the profile traces for the critical path (their figures are averaged).
+constexpr int kTracedSteps = 5;
+
+// The traced steps' critical paths, averaged a step: the span, what its bodies, hops (a producer's end
+// to its consumer's start) and queue gaps take, and the same by opcode.
+json critical_path_record(const std::vector<CriticalPath>& paths) {
+  const double n = std::max<double>(1.0, static_cast<double>(paths.size()));
+  double span = 0, run = 0, hop = 0, queue = 0, lead = 0, tasks = 0, hops = 0;
+  std::map<std::string, CriticalPathOp> by_op;
+  for (const CriticalPath& path : paths) {
+    span += path.span_ns, run += path.run_ns, hop += path.hop_ns, queue += path.queue_ns, lead += path.lead_ns;
+    tasks += static_cast<double>(path.tasks), hops += static_cast<double>(path.hops);
+    for (const CriticalPathOp& op : path.ops) {
+      CriticalPathOp& sum = by_op[op.op];
+      sum.op = op.op;
+      sum.tasks += op.tasks, sum.run_ns += op.run_ns, sum.hop_ns += op.hop_ns, sum.queue_ns += op.queue_ns;
+    }
+  }
+  std::vector<CriticalPathOp> ops;
+  for (auto& [name, op] : by_op) ops.push_back(op);
+  std::sort(ops.begin(), ops.end(), [](const CriticalPathOp& a, const CriticalPathOp& b) { return a.run_ns + a.hop_ns + a.queue_ns > b.run_ns + b.hop_ns + b.queue_ns; });
+  json rows = json::array();
+  for (const CriticalPathOp& op : ops) {
+    rows.push_back({{"op", op.op}, {"tasks", static_cast<double>(op.tasks) / n}, {"run_ms", op.run_ns / n * 1e-6}, {"hop_ms", op.hop_ns / n * 1e-6},
+                    {"queue_ms", op.queue_ns / n * 1e-6}});
+  }
+  return {{"steps", paths.size()}, {"span_ms", span / n * 1e-6}, {"tasks", tasks / n}, {"hops", hops / n}, {"run_ms", run / n * 1e-6},
+          {"hop_ms", hop / n * 1e-6}, {"queue_ms", queue / n * 1e-6}, {"lead_ms", lead / n * 1e-6}, {"by_op", rows}};
+}
+
+void print_critical_path(int64_t batch, int64_t context, const json& path) {
+  std::cerr << fmt::format("batch {} context {}: critical path {:.3f} ms over {:.0f} tasks: bodies {:.3f} ms, {:.0f} hops {:.3f} ms ({:.2f} us each), queue gaps {:.3f} ms\n",
+                           batch, context, path["span_ms"].get<double>(), path["tasks"].get<double>(), path["run_ms"].get<double>(), path["hops"].get<double>(),
+                           path["hop_ms"].get<double>(), 1e3 * path["hop_ms"].get<double>() / std::max(1.0, path["hops"].get<double>()), path["queue_ms"].get<double>());
+  for (const json& op : path["by_op"]) {
+    std::cerr << fmt::format("  {:<24} {:6.1f} tasks  run {:7.3f} ms  hops {:7.3f} ms  queue {:7.3f} ms\n", op["op"].get<std::string>(), op["tasks"].get<double>(),
+                             op["run_ms"].get<double>(), op["hop_ms"].get<double>(), op["queue_ms"].get<double>());
+  }
+}
 }  // namespace
 
 std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, DType act, int64_t max_context, int64_t prefill_chunk, bool eager, int workers) {
@@ -388,6 +429,10 @@ int run_bench_decode(const BenchDecodeArgs& args) {
                             {"weight_gbps", p.ms > 0 ? p.bytes / (p.ms * 1e-3) / 1e9 : 0.0}});
           }
           record["profile"] = {{"eager_ops_ms", total}, {"rows", rows}};
+          if (!on_gemm) {
+            record["critical_path"] = critical_path_record(backend.trace_decode_steps(static_cast<int>(batch), kTracedSteps));
+            if (!quiet) print_critical_path(batch, context, record["critical_path"]);
+          }
           if (on_gemm) {
             // The GEMM path's step, every op its own launch between events (host GEMMs included):
             // timed_decode_steps' warm-up steps and two timed ones, all of them timed here.

@@ -76,6 +76,7 @@ Graph rewrite_extracted(const Graph& graph, const std::vector<const Rule*>& rule
     for (int input : nodes[static_cast<size_t>(i)].inputs) readers[static_cast<size_t>(input)].push_back(i);
   }
   std::vector<bool> delayed(static_cast<size_t>(n), false);
+  std::vector<int> released_by(static_cast<size_t>(n), -1);  // the first rewritten node that stopped reading it
   for (int i = 0; i < n; ++i) {
     if (!rewritten[static_cast<size_t>(i)]) continue;
     for (int before : graph.node(i).inputs) {
@@ -87,6 +88,7 @@ Graph rewrite_extracted(const Graph& graph, const std::vector<const Rule*>& rule
         const Node& node = nodes[static_cast<size_t>(c)];
         const auto& now = nodes[static_cast<size_t>(i)].inputs;
         if (live[static_cast<size_t>(c)] && node.op != Op::kSlice && node.state < 0 && std::find(now.begin(), now.end(), c) == now.end()) {
+          if (!delayed[static_cast<size_t>(c)]) released_by[static_cast<size_t>(c)] = i;
           delayed[static_cast<size_t>(c)] = true;
         }
       }
@@ -113,6 +115,13 @@ Graph rewrite_extracted(const Graph& graph, const std::vector<const Rule*>& rule
         at = std::min(at, static_cast<size_t>(std::find(order.begin(), order.end(), r) - order.begin()));
       }
     }
+    // No later than just after the rewritten node that stopped reading it (its inputs come before
+    // that node): its tasks then follow that op's on their workers, not the ops after it. 48B decode:
+    // the residual sum a layer's router and post-attention norm read was placed after the KDA core's
+    // o_proj, five workers ran it there (~5 µs) and the router waited for them on every KDA layer;
+    // just after the input projections it runs beside the core.
+    const auto by = std::find(order.begin(), order.end(), released_by[static_cast<size_t>(d)]);
+    if (by != order.end()) at = std::min(at, static_cast<size_t>(by - order.begin()) + 1);
     order.insert(order.begin() + static_cast<std::ptrdiff_t>(at), group.begin(), group.end());
   }
   return rebuilt_in_order(graph, nodes, order, alias[static_cast<size_t>(graph.output())]);

@@ -1,8 +1,9 @@
 // The rules that run on the extracted graph (Rule::rewrite): each node is offered to the rules in
 // order and the first match replaces it; nodes no longer read by anything are dropped (stateful ones
 // never), an add_norm of which only the sum is still read becomes that add, and a node that a
-// rewritten node no longer reads moves to just before its first reader, so the workers that run its
-// tasks run them after the rewritten node's instead of before (plans keep the graph's order).
+// rewritten node no longer reads moves to just after that node (before its first reader, if that comes
+// first), so the workers that run its tasks run them after the rewritten node's instead of before, and
+// before the ops that follow it (plans keep the graph's order).
 #pragma once
 
 #include <map>

@@ -17,6 +17,30 @@ namespace {
 // First-fit allocator over the arena: free blocks by offset, coalesced on release.
 class ArenaAllocator {
  public:
+  // The first hole that fits and whose start `prefer(offset)` accepts, else the trailing hole grown
+  // when it is accepted, else (grow) fresh space past the end, else first fit.
+  template <class Prefer>
+  int64_t allocate(int64_t floats, Prefer prefer, bool grow) {
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second < floats || !prefer(it->first)) continue;
+      const int64_t offset = it->first, left = it->second - floats;
+      free_.erase(it);
+      if (left > 0) free_[offset + floats] = left;
+      return offset;
+    }
+    if (!free_.empty() && free_.rbegin()->first + free_.rbegin()->second == end_ && prefer(free_.rbegin()->first)) {
+      const int64_t offset = free_.rbegin()->first;
+      free_.erase(offset);
+      end_ = offset + floats;
+      return offset;
+    }
+    if (grow) {
+      end_ += floats;
+      return end_ - floats;
+    }
+    return allocate(floats);
+  }
+
   int64_t allocate(int64_t floats) {
     for (auto it = free_.begin(); it != free_.end(); ++it) {
       if (it->second < floats) continue;
@@ -89,16 +113,41 @@ std::vector<PlanOp> copy_ops(const Graph& graph) {
   return ops;
 }
 
+// Ancestry sets are kept for graphs up to this many ops (n² bits); larger ones place buffers by first
+// fit alone.
+constexpr int32_t kMaxAncestryOps = 8192;
+
 // Places every buffer (first fit, reuse after the last reader) and returns, per op, the earlier ops
 // that must finish before it writes: the readers of the space it takes over (or the previous owner
 // itself when nothing read it). The output op is never released. `readers` is per buffer owner (a
-// read through a view is a read of its owner); views get their owner's offset plus their column.
+// read through a view is a read of its owner), `sources` per op the owners of what it reads; views get
+// their owner's offset plus their column.
 // A buffer whose last reader is op k is released only after the next op's output is placed, so no
 // op's output shares floats with the inputs of the op before it: a backend may let an op write its
 // reader's output in its epilogue while it still reads its inputs (the cuda prefill path's MLA output
 // gate, mla_gemm.h).
-std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<std::vector<int32_t>>& readers) {
+// Of the holes that fit, the first whose readers have all finished by the time the op may run anyway
+// (each is one of its sources or what those waited for) is taken: space read by an op off its path
+// would make it wait for that op. Without such a hole a decode plan's buffer goes past the arena's end
+// (its buffers are a bucket of rows: the arena grows by a few KB), a prefill plan's takes the first
+// fit (its buffers are chunks of thousands of rows). First fit took the router's logits, free once the top-k had read
+// them, for the shared expert's gate/up output, so the shared expert waited for the top-k and every
+// worker's routed gate/up behind it (48B decode: 20 of 26 MoE layers, ~9 µs each on the critical path).
+std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<std::vector<int32_t>>& readers,
+                                                const std::vector<std::vector<int32_t>>& sources) {
   const auto n = static_cast<int32_t>(plan.ops.size());
+  const bool ancestry = n <= kMaxAncestryOps;
+  // done_by[i][j]: op j has finished whenever op i may start (j is a source of i, or done by one).
+  std::vector<std::vector<bool>> done_by(ancestry ? plan.ops.size() : 0);
+  const auto finished_before = [&](int32_t i) {
+    std::vector<bool> done(plan.ops.size(), false);
+    for (int32_t s : sources[static_cast<size_t>(i)]) {
+      done[static_cast<size_t>(s)] = true;
+      const auto& before = done_by[static_cast<size_t>(s)];
+      for (size_t j = 0; j < before.size(); ++j) done[j] = done[j] || before[j];
+    }
+    return done;
+  };
   std::vector<std::vector<int32_t>> release_after(plan.ops.size());
   for (int32_t i = 0; i < n; ++i) {
     if (plan.ops[static_cast<size_t>(i)].is_view()) continue;
@@ -118,7 +167,21 @@ std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<st
       continue;
     }
     const int64_t floats = plan.buffer_floats(op);
-    op.offset = arena.allocate(floats);
+    if (ancestry) {
+      std::vector<bool> done = finished_before(i);
+      op.offset = arena.allocate(floats, [&](int64_t offset) {
+        for (int32_t previous : occupants.owners(offset, offset + floats)) {
+          const auto& read_by = readers[static_cast<size_t>(previous)];
+          if (read_by.empty() && !done[static_cast<size_t>(previous)]) return false;
+          for (int32_t r : read_by) {
+            if (!done[static_cast<size_t>(r)]) return false;
+          }
+        }
+        return true;
+      }, plan.phase == PlanPhase::kDecode);
+    } else {
+      op.offset = arena.allocate(floats);
+    }
     for (int32_t previous : occupants.claim(op.offset, op.offset + floats, i)) {
       const auto& read_by = readers[static_cast<size_t>(previous)];
       if (read_by.empty()) {
@@ -126,6 +189,15 @@ std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<st
       } else {
         war[static_cast<size_t>(i)].insert(war[static_cast<size_t>(i)].end(), read_by.begin(), read_by.end());
       }
+    }
+    if (ancestry) {
+      std::vector<bool> done = finished_before(i);
+      for (int32_t w : war[static_cast<size_t>(i)]) {
+        done[static_cast<size_t>(w)] = true;
+        const auto& before = done_by[static_cast<size_t>(w)];
+        for (size_t j = 0; j < before.size(); ++j) done[j] = done[j] || before[j];
+      }
+      done_by[static_cast<size_t>(i)] = std::move(done);
     }
     for (int32_t done : pending) {
       const PlanOp& freed = plan.ops[static_cast<size_t>(done)];
@@ -171,12 +243,14 @@ constexpr int64_t kRouterTaskColumns = 4;
 // one per worker, moe_topk one per 16 rows, gated_rms_norm one per 8) gets that many tasks when it has
 // more than its slices: the tasks past its units own the empty slice [width, width), for backends
 // that split its work otherwise (cuda MLA's split-KV, the norm's and moe_topk's rows).
-void add_tasks(Plan& plan, const Graph& graph, int32_t op_index, int64_t light_task_elements, std::vector<std::vector<int32_t>>& tasks_of) {
+// `reserved`: workers the op's tasks leave alone (a serial op's, for the ops in its shadow: below).
+void add_tasks(Plan& plan, const Graph& graph, int32_t op_index, int64_t light_task_elements, int64_t reserved,
+               std::vector<std::vector<int32_t>>& tasks_of) {
   const Node& node = graph.node(op_index);
   const int64_t unit = slice_granularity(node);
   PLOW_CHECK(unit > 0 && node.width % unit == 0, "{}: width {} is not a multiple of its slice unit {}", node.label, node.width, unit);
   const int64_t units = node.width / unit;
-  int64_t slices = std::min<int64_t>(plan.workers, units);
+  int64_t slices = std::min<int64_t>(plan.workers - reserved, units);
   if (is_light(node.op)) slices = std::clamp<int64_t>((plan.max_tokens * node.width + light_task_elements - 1) / light_task_elements, 1, slices);
   if (node.op == Op::kRouterLogits || node.op == Op::kAddNormRouterLogits) slices = std::min<int64_t>(slices, (units + kRouterTaskColumns - 1) / kRouterTaskColumns);
   const int64_t tasks = std::max<int64_t>(spread_tasks(node, plan.workers, plan.max_tokens), slices);
@@ -225,13 +299,28 @@ Plan lower_to_plan(const Graph& graph, const LowerOptions& options) {
       if (list.empty() || list.back() != static_cast<int32_t>(j)) list.push_back(static_cast<int32_t>(j));
     }
   }
-  const std::vector<std::vector<int32_t>> war = place_buffers(plan, readers);
+  const std::vector<std::vector<int32_t>> war = place_buffers(plan, readers, sources_of);
+
+  // A serial op's shadow: the ops after it and before its first reader (the compiler's schedule puts
+  // there what can run while it does, compiler/schedule.h) leave its workers alone, so that those go
+  // on to its readers as soon as it ends. Round-robin gave the top-k's worker a task of the shared
+  // expert too, between the top-k and that worker's routed gate/up: the routed experts' last task
+  // started ~10 µs after the top-k ended (48B decode, every MoE layer on the measured critical path).
+  std::vector<int32_t> shadow_of(n, -1);
+  for (size_t i = 0; i < n; ++i) {
+    if (plan.ops[i].op() != Op::kMoeTopK || readers[i].empty()) continue;
+    if (spread_tasks(graph.node(static_cast<int>(i)), plan.workers, plan.max_tokens) * 2 > plan.workers) continue;
+    for (int32_t j = static_cast<int32_t>(i) + 1; j < readers[i].front(); ++j) shadow_of[static_cast<size_t>(j)] = static_cast<int32_t>(i);
+  }
 
   // kTokens is written by the backend before the workers start, and a view is read in place: neither
   // has tasks.
   std::vector<std::vector<int32_t>> tasks_of(n);
   for (size_t i = 0; i < n; ++i) {
-    if (plan.ops[i].op() != Op::kTokens && !plan.ops[i].is_view()) add_tasks(plan, graph, static_cast<int32_t>(i), options.light_task_elements, tasks_of);
+    if (plan.ops[i].op() == Op::kTokens || plan.ops[i].is_view()) continue;
+    const int32_t serial = shadow_of[i];
+    const int64_t reserved = serial >= 0 && !spreads_over_workers(plan.ops[i].op()) ? static_cast<int64_t>(tasks_of[static_cast<size_t>(serial)].size()) : 0;
+    add_tasks(plan, graph, static_cast<int32_t>(i), options.light_task_elements, reserved, tasks_of);
   }
 
   // Every task of op Y waits for all tasks of the owners of Y's inputs (read after write) and of the
@@ -257,14 +346,24 @@ Plan lower_to_plan(const Graph& graph, const LowerOptions& options) {
   // for belongs to earlier ops, so it is finished; everything ahead of it in its queue belongs to
   // earlier ops, so that is finished too. Its worker therefore reaches it and runs it; by induction
   // every task runs, whatever the interleaving and whatever the delays.
+  // An op in a serial op's shadow skips that op's workers (its tasks fit the others: add_tasks).
   plan.queues.assign(static_cast<size_t>(plan.workers), {});
+  std::vector<int32_t> worker_of(plan.tasks.size(), -1);
   int32_t first_worker = 0;
   for (size_t i = 0; i < n; ++i) {
     const auto& list = tasks_of[i];
-    for (size_t s = 0; s < list.size(); ++s) {
-      plan.queues[(static_cast<size_t>(first_worker) + s) % static_cast<size_t>(plan.workers)].push_back(list[s]);
+    std::vector<bool> skip(static_cast<size_t>(plan.workers), false);
+    if (shadow_of[i] >= 0 && list.size() + tasks_of[static_cast<size_t>(shadow_of[i])].size() <= static_cast<size_t>(plan.workers)) {
+      for (int32_t t : tasks_of[static_cast<size_t>(shadow_of[i])]) skip[static_cast<size_t>(worker_of[static_cast<size_t>(t)])] = true;
     }
-    first_worker = static_cast<int32_t>((static_cast<size_t>(first_worker) + list.size()) % static_cast<size_t>(plan.workers));
+    size_t w = static_cast<size_t>(first_worker);
+    for (int32_t t : list) {
+      while (skip[w]) w = (w + 1) % static_cast<size_t>(plan.workers);
+      plan.queues[w].push_back(t);
+      worker_of[static_cast<size_t>(t)] = static_cast<int32_t>(w);
+      w = (w + 1) % static_cast<size_t>(plan.workers);
+    }
+    first_worker = static_cast<int32_t>(w);
   }
   if (plan.tasks.size() > static_cast<size_t>(PlanLimits::kMaxTasks) || plan.arena_floats > PlanLimits::kMaxArenaFloats) {
     fail("lower_to_plan: {} tasks and an arena of {} floats exceed the plan limits ({} tasks, {} floats)", plan.tasks.size(),

@@ -14,6 +14,17 @@ namespace plow {
 // finish before the new owner writes there.
 class OccupantMap {
  public:
+  // The occupants of any part of [begin, end), without claiming it.
+  std::vector<int32_t> owners(int64_t begin, int64_t end) const {
+    std::vector<int32_t> found;
+    auto it = segments_.upper_bound(begin);
+    if (it != segments_.begin()) --it;
+    for (; it != segments_.end() && it->first < end; ++it) {
+      if (it->second.first > begin) found.push_back(it->second.second);
+    }
+    return found;
+  }
+
   std::vector<int32_t> claim(int64_t begin, int64_t end, int32_t op) {
     std::vector<int32_t> previous;
     auto it = segments_.upper_bound(begin);

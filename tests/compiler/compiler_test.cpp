@@ -17,6 +17,7 @@
 #include "engine/generate.h"
 #include "engine/model.h"
 #include "engine/plans.h"
+#include "plan/plan.h"
 
 namespace plow {
 namespace {
@@ -315,6 +316,102 @@ TEST(Schedule, SharedExpertFillsTheTopKWait) {
     EXPECT_EQ(filled, topks) << name;
     EXPECT_EQ(moved_in_plain, 0) << name << ": fusion order already did it (the test would show nothing)";
   }
+}
+
+// ---- where decode plans put buffers and tasks (plan/lower.cpp) ---------------------------------------
+
+// The decode plans of the two deep shapes at 132 workers, batch 1 and 4.
+std::vector<Plan> deep_decode_plans() {
+  std::vector<Plan> plans;
+  for (const char* name : {"kimi-linear-48b-a3b.json", "k3-tp8-rank.json"}) {
+    const auto model = LoadedModel::describe((fs::path(PLOW_SOURCE_DIR) / "bench/configs" / name).string());
+    for (int64_t batch : {1, 4}) plans.push_back(compile_plan(*model, PlanPhase::kDecode, batch, 132, 0));
+  }
+  return plans;
+}
+
+// Every op an op's tasks wait for is one of its inputs' owners or done before one of them starts: a
+// buffer never takes space whose reader is off the op's own path (first fit had the shared expert wait
+// for the top-k, which had read the router's logits there: 23 such waits in 48B's plan, 46 in K3's).
+TEST(DecodePlans, NoWaitForAnOpOffTheOpsPath) {
+  for (const Plan& plan : deep_decode_plans()) {
+    const size_t n = plan.ops.size();
+    std::vector<std::set<int32_t>> signallers(n);
+    for (const PlanTask& task : plan.tasks) {
+      for (int32_t c : task.signals) signallers[static_cast<size_t>(c)].insert(task.op);
+    }
+    std::vector<std::vector<bool>> done(n, std::vector<bool>(n, false));  // done[i][j]: j finished whenever i starts
+    int waits = 0, off_path = 0;
+    for (size_t i = 0; i < n; ++i) {
+      std::vector<bool> through_inputs(n, false);
+      for (int32_t input : plan.ops[i].inputs) {
+        const int32_t owner = activation_view(plan, input).owner;
+        through_inputs[static_cast<size_t>(owner)] = true;
+        for (size_t j = 0; j < n; ++j) through_inputs[j] = through_inputs[j] || done[static_cast<size_t>(owner)][j];
+      }
+      for (int32_t s : signallers[i]) {
+        ++waits;
+        if (!through_inputs[static_cast<size_t>(s)]) {
+          ++off_path;
+          ADD_FAILURE() << plan.ops[i].label << " (" << op_name(plan.ops[i].op()) << ") waits for " << plan.ops[static_cast<size_t>(s)].label << " ("
+                        << op_name(plan.ops[static_cast<size_t>(s)].op()) << "), off its path";
+        }
+        done[i][static_cast<size_t>(s)] = true;
+        for (size_t j = 0; j < n; ++j) done[i][j] = done[i][j] || done[static_cast<size_t>(s)][j];
+      }
+    }
+    EXPECT_GT(waits, static_cast<int>(n));
+    EXPECT_EQ(off_path, 0) << plan.max_tokens << " rows, " << n << " ops";
+  }
+}
+
+// The ops between a top-k and its first reader (the shared expert, scheduled into its shadow) leave
+// the top-k's worker alone: it goes on to the routed experts as soon as the top-k ends.
+TEST(DecodePlans, ATopKsWorkerRunsNothingInItsShadow) {
+  for (const Plan& plan : deep_decode_plans()) {
+    std::vector<int32_t> worker_of(plan.tasks.size(), -1);
+    for (size_t w = 0; w < plan.queues.size(); ++w) {
+      for (int32_t t : plan.queues[w]) worker_of[static_cast<size_t>(t)] = static_cast<int32_t>(w);
+    }
+    std::vector<std::vector<int32_t>> tasks_of(plan.ops.size());
+    for (size_t t = 0; t < plan.tasks.size(); ++t) tasks_of[static_cast<size_t>(plan.tasks[t].op)].push_back(static_cast<int32_t>(t));
+    int topks = 0, shadowed = 0;
+    for (size_t k = 0; k < plan.ops.size(); ++k) {
+      if (plan.ops[k].op() != Op::kMoeTopK) continue;
+      size_t reader = k + 1;
+      while (reader < plan.ops.size() && std::count(plan.ops[reader].inputs.begin(), plan.ops[reader].inputs.end(), static_cast<int32_t>(k)) == 0) ++reader;
+      ASSERT_LT(reader, plan.ops.size());
+      std::set<int32_t> busy;
+      for (int32_t t : tasks_of[k]) busy.insert(worker_of[static_cast<size_t>(t)]);
+      ++topks;
+      for (size_t j = k + 1; j < reader; ++j) {
+        shadowed += !tasks_of[j].empty();
+        for (int32_t t : tasks_of[j]) EXPECT_EQ(busy.count(worker_of[static_cast<size_t>(t)]), 0u) << plan.ops[j].label << " beside " << plan.ops[k].label;
+      }
+    }
+    EXPECT_GT(topks, 0);
+    EXPECT_GE(shadowed, topks);  // the shared expert is in every top-k's shadow (Schedule.SharedExpertFillsTheTopKWait)
+  }
+}
+
+// A residual sum whose norm the input projections now read from its two terms runs just after them,
+// not after the layer's attention: its few tasks then run beside the attention instead of delaying the
+// router that reads it (48B: the KDA core's o_proj came before it on its workers).
+TEST(DecodePlans, TheResidualSumFollowsTheProjectionsThatReadItsTerms) {
+  const auto model = LoadedModel::describe((fs::path(PLOW_SOURCE_DIR) / "bench/configs/kimi-linear-48b-a3b.json").string());
+  const Graph g = compile_graph(model->graph, {}).graph;
+  int sums = 0;
+  for (int i = 0; i + 1 < static_cast<int>(g.nodes().size()); ++i) {
+    const Node& projections = g.node(i);
+    if (projections.op != Op::kAddNormMultiLinear) continue;
+    for (int j = 0; j < static_cast<int>(g.nodes().size()); ++j) {
+      const Node& sum = g.node(j);
+      if (sum.op != Op::kAdd || sum.inputs != projections.inputs) continue;
+      ++sums;
+      EXPECT_EQ(j, i + 1) << sum.label << " after " << projections.label;
+    }
+  }
+  EXPECT_GE(sums, 20);  // the KDA and MLA layers after the first
 }
 
 // ---- serial-wait-fill on small hand-built graphs --------------------------------------------------

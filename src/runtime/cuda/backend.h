@@ -15,6 +15,7 @@
 #include "core/dtype.h"
 #include "graph/graph.h"
 #include "graph/weights.h"
+#include "plan/critical_path.h"
 #include "plan/plan.h"
 #include "runtime/backend.h"
 
@@ -130,6 +131,10 @@ class CudaBackend : public Backend {
   // step attends over that many cached positions — for benchmarks at long context.
   void fake_context(int64_t tokens);
   std::vector<OpcodeProfile> profile_decode_step(int batch);
+  // `steps` decode steps of `batch` rows, each one megakernel launch that records when each task's
+  // worker was free for it, its wait ended, its body started and ended (KernelParams::trace); per step
+  // the measured critical path (plan/critical_path.h). Plans that run GEMMs or in segments are refused.
+  std::vector<CriticalPath> trace_decode_steps(int batch, int steps);
   void set_eager(bool eager);  // switch between the megakernel and one launch per op (same weights and state)
   void set_device_sampling(bool on);  // CudaOptions::device_sampling from the next step (benchmarks)
   // Tensor parallelism: in-kernel all_reduces on or off from the next step (every rank alike).

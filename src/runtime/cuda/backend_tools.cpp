@@ -182,6 +182,50 @@ std::vector<OpcodeProfile> CudaBackend::profile_decode_step(int batch) {
   return out;
 }
 
+std::vector<CriticalPath> CudaBackend::trace_decode_steps(int batch, int steps) {
+  Impl& m = *impl_;
+  m.use_device();
+  Impl::PreparedPlan& prepared = *m.plans[static_cast<size_t>(m.choose(true, batch))];
+  const Plan& plan = prepared.plan;
+  size_t positions = 0;
+  for (const std::vector<int32_t>& queue : plan.queues) positions += queue.size();
+  DeviceBuffer trace((positions * kTraceFields + static_cast<size_t>(plan.workers) * kTraceClockFields) * sizeof(unsigned long long), "trace");
+  std::vector<unsigned long long> host(trace.bytes / sizeof(unsigned long long));
+  std::vector<CriticalPath> paths;
+  for (int s = 0; s < steps; ++s) {
+    const StepView view = m.upload_decode_step(prepared, batch);
+    if (prepared.gemm.active(view.tokens, m.options.gemm_min_rows) || !prepared.segments.empty()) {
+      fail("cuda: the trace times one megakernel launch a step; batch {}'s plan runs GEMMs or segments", batch);
+    }
+    KernelParams p = m.params(prepared, view, false);
+    p.trace = trace.as<unsigned long long>();
+    launch_megakernel(p, plan.workers, plan.max_tokens, m.stream);
+    check(cudaMemcpyAsync(host.data(), trace.ptr, trace.bytes, cudaMemcpyDeviceToHost, m.stream), "trace");
+    m.check_device_error();  // synchronizes
+    // Each block's clock onto the global timer: two (timer, clock) pairs read at a tick of the timer,
+    // as the block started and as it ended; times from the first block's start (a double holds the
+    // timer's ~1e18 ns only to ~256 ns).
+    const unsigned long long* clocks = host.data() + positions * kTraceFields;
+    unsigned long long origin = clocks[0];
+    for (size_t w = 0; w < plan.queues.size(); ++w) origin = std::min(origin, clocks[w * kTraceClockFields]);
+    std::vector<TaskTimes> times(plan.tasks.size());
+    size_t at = 0;
+    for (size_t w = 0; w < plan.queues.size(); ++w) {
+      const unsigned long long* clock = clocks + w * kTraceClockFields;
+      const double g0 = static_cast<double>(clock[0] - origin), g1 = static_cast<double>(clock[2] - origin);
+      const double per_cycle = (g1 - g0) / std::max(1.0, static_cast<double>(clock[3] - clock[1]));  // ns
+      const auto ns = [&](unsigned long long c) { return g0 + static_cast<double>(static_cast<long long>(c - clock[1])) * per_cycle; };
+      for (int32_t t : plan.queues[w]) {
+        const unsigned long long* f = host.data() + at * kTraceFields;
+        times[static_cast<size_t>(t)] = TaskTimes{ns(f[0]), ns(f[1]), ns(f[2]), ns(f[3])};
+        ++at;
+      }
+    }
+    paths.push_back(measured_critical_path(plan, times));
+  }
+  return paths;
+}
+
 // Events before every op and after the last, one host wait at the end; each op's time (its host part
 // and its launch) added to its opcode's entry. Ops that run nothing take no events.
 void CudaBackend::Impl::launch_timed(const PreparedPlan& prepared, const KernelParams& p, bool gemm, bool mla, bool kda) {

@@ -137,6 +137,19 @@ __device__ __forceinline__ void point_at_arrays(TaskSlot* slot) {
   d->weights = reinterpret_cast<const DeviceWeight*>(in + 3 * d->num_inputs);
 }
 
+// The global timer and the block's clock64 read together just after the timer ticks (the timer's
+// resolution may be coarse; its tick is a common instant for every SM): out {globaltimer, clock64}.
+__device__ __noinline__ void clock_at_tick(unsigned long long* out) {
+  unsigned long long g0, g1;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g1));
+  } while (g1 == g0);
+  const long long c = clock64();
+  out[0] = g1;
+  out[1] = static_cast<unsigned long long>(c);
+}
+
 template <int kCap>
 __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant__ KernelParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -148,6 +161,9 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
   const long long started = clock64();
   unsigned long long wait_cycles = 0, run_cycles = 0;
   long long task_wait = 0;
+  unsigned long long* const trace = p.trace;
+  unsigned long long* const trace_clock = trace != nullptr ? trace + kTraceFields * p.queue_begin[gridDim.x] + kTraceClockFields * worker : nullptr;
+  if (threadIdx.x == 0 && trace != nullptr) clock_at_tick(trace_clock);
   if (threadIdx.x == 0 && begin < end) {
     for (int b = 0; b < 2; ++b) mbar_init(shared_address(bars + b), 1);
     mbar_init_fence();
@@ -174,6 +190,10 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
       // that to the block (the pattern of CUTLASS's GenericBarrier).
       task_wait = clock64() - t0;
       wait_cycles += static_cast<unsigned long long>(task_wait);
+      if (trace != nullptr) {
+        trace[kTraceFields * i] = static_cast<unsigned long long>(t0);
+        trace[kTraceFields * i + 1] = static_cast<unsigned long long>(t0 + task_wait);
+      }
     }
     __syncthreads();
     const long long r0 = clock64();
@@ -196,6 +216,10 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
     if (threadIdx.x == 0) {
       const long long ran = clock64() - r0;
       run_cycles += static_cast<unsigned long long>(ran);
+      if (trace != nullptr) {
+        trace[kTraceFields * i + 2] = static_cast<unsigned long long>(r0);
+        trace[kTraceFields * i + 3] = static_cast<unsigned long long>(r0 + ran);
+      }
       if (p.op_profile != nullptr) {
         unsigned long long* out = p.op_profile + 3 * profile_slot(opcode);
         atomicAdd(out, static_cast<unsigned long long>(task_wait));
@@ -204,6 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
       }
     }
   }
+  if (threadIdx.x == 0 && trace != nullptr) clock_at_tick(trace_clock + 2);
   if (threadIdx.x == 0 && p.profile != nullptr) {
     unsigned long long* out = p.profile + 4 * worker;
     out[0] += wait_cycles;

@@ -59,6 +59,9 @@ inline constexpr int32_t kOpHostDone = 0x101;
 inline constexpr int kProfileSlots = 64;
 inline constexpr int profile_slot(int32_t opcode) { return opcode == kOpRoundRows ? kProfileSlots - 1 : opcode < kProfileSlots - 1 ? opcode : kProfileSlots - 1; }
 
+inline constexpr int kTraceFields = 4;
+inline constexpr int kTraceClockFields = 4;
+
 struct KernelParams {
   const Instr* instrs = nullptr;       // megakernel: queues back to back; eager: tasks in plan order
   const int32_t* queue_begin = nullptr;  // [workers + 1] into instrs (megakernel)
@@ -70,6 +73,11 @@ struct KernelParams {
   float* scratch = nullptr;            // kScratchFloats per block
   unsigned long long* profile = nullptr;  // megakernel: per block {wait cycles, run cycles, tasks, cycles from start to end}, or null
   unsigned long long* op_profile = nullptr;  // megakernel: per opcode slot (profile_slot) {wait cycles, run cycles, tasks}, or null
+  // megakernel, or null: per queue position i (instrs order) the clock64 values {free, ready, start,
+  // end} of its task (kTraceFields), then per block {globaltimer, clock64} read together at a tick of
+  // the global timer as the block starts and again as it ends (kTraceClockFields): the host maps each
+  // block's clock onto the global timer (trace_to_ns).
+  unsigned long long* trace = nullptr;
   StepView step;
   uint32_t epoch = 0;
 };
