@@ -59,9 +59,9 @@ TEST(CriticalPath, TheProducerMayBeTheQueuePredecessor) {
   EXPECT_DOUBLE_EQ(path.run_ns + path.hop_ns + path.queue_ns + path.lead_ns, path.span_ns);
 }
 
-TEST(CriticalPath, QueueGapWhenTheProducerEndedFirst) {
+TEST(CriticalPath, ATaskThatWaitsOnNothingComesFromItsQueue) {
   Plan plan = two_by_two();
-  plan.tasks[2].wait_counter = 1;  // C now waits on nothing of op 0: make it wait for nothing at all
+  plan.tasks[2].wait_counter = 1;  // C waits for nothing: the path reaches it through its queue (a gap)
   plan.tasks[2].wait_threshold = 0;
   const std::vector<TaskTimes> times = {{0, 0, 2, 50}, {0, 0, 1, 20}, {50, 50, 53, 60}, {20, 22, 24, 40}};
   const CriticalPath path = measured_critical_path(plan, times);
