@@ -82,7 +82,6 @@ double decode_bytes(const LoadedModel& model, int64_t batch, int64_t context, DT
   return bytes;
 }
 
-
 // Decode steps the profile traces for the critical path (their figures are averaged).
 constexpr int kTracedSteps = 5;
 
@@ -122,6 +121,7 @@ void print_critical_path(int64_t batch, int64_t context, const json& path) {
                              op["run_ms"].get<double>(), op["hop_ms"].get<double>(), op["queue_ms"].get<double>());
   }
 }
+
 }  // namespace
 
 std::unique_ptr<Backend> make_cuda_backend(const LoadedModel& model, DType act, int64_t max_context, int64_t prefill_chunk, bool eager, int workers) {
@@ -429,8 +429,9 @@ int run_bench_decode(const BenchDecodeArgs& args) {
                             {"weight_gbps", p.ms > 0 ? p.bytes / (p.ms * 1e-3) / 1e9 : 0.0}});
           }
           record["profile"] = {{"eager_ops_ms", total}, {"rows", rows}};
-          if (!on_gemm) {
-            record["critical_path"] = critical_path_record(backend.trace_decode_steps(static_cast<int>(batch), kTracedSteps));
+          const std::vector<CriticalPath> paths = on_gemm ? std::vector<CriticalPath>{} : backend.trace_decode_steps(static_cast<int>(batch), kTracedSteps);
+          if (!paths.empty()) {
+            record["critical_path"] = critical_path_record(paths);
             if (!quiet) print_critical_path(batch, context, record["critical_path"]);
           }
           if (on_gemm) {

@@ -133,7 +133,8 @@ class CudaBackend : public Backend {
   std::vector<OpcodeProfile> profile_decode_step(int batch);
   // `steps` decode steps of `batch` rows, each one megakernel launch that records when each task's
   // worker was free for it, its wait ended, its body started and ended (KernelParams::trace); per step
-  // the measured critical path (plan/critical_path.h). Plans that run GEMMs or in segments are refused.
+  // the measured critical path (plan/critical_path.h). None for a plan whose step is not one launch
+  // (GEMMs between segments, a tensor-parallel rank's collectives).
   std::vector<CriticalPath> trace_decode_steps(int batch, int steps);
   void set_eager(bool eager);  // switch between the megakernel and one launch per op (same weights and state)
   void set_device_sampling(bool on);  // CudaOptions::device_sampling from the next step (benchmarks)
