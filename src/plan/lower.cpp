@@ -139,14 +139,10 @@ std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<st
   const bool ancestry = n <= kMaxAncestryOps;
   // done_by[i][j]: op j has finished whenever op i may start (j is a source of i, or done by one).
   std::vector<std::vector<bool>> done_by(ancestry ? plan.ops.size() : 0);
-  const auto finished_before = [&](int32_t i) {
-    std::vector<bool> done(plan.ops.size(), false);
-    for (int32_t s : sources[static_cast<size_t>(i)]) {
-      done[static_cast<size_t>(s)] = true;
-      const auto& before = done_by[static_cast<size_t>(s)];
-      for (size_t j = 0; j < before.size(); ++j) done[j] = done[j] || before[j];
-    }
-    return done;
+  const auto absorb = [&](std::vector<bool>& done, int32_t s) {  // s finished, and what it waited for
+    done[static_cast<size_t>(s)] = true;
+    const auto& before = done_by[static_cast<size_t>(s)];
+    for (size_t j = 0; j < before.size(); ++j) done[j] = done[j] || before[j];
   };
   std::vector<std::vector<int32_t>> release_after(plan.ops.size());
   for (int32_t i = 0; i < n; ++i) {
@@ -167,8 +163,9 @@ std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<st
       continue;
     }
     const int64_t floats = plan.buffer_floats(op);
+    std::vector<bool> done(ancestry ? plan.ops.size() : 0, false);
     if (ancestry) {
-      std::vector<bool> done = finished_before(i);
+      for (int32_t s : sources[static_cast<size_t>(i)]) absorb(done, s);
       op.offset = arena.allocate(floats, [&](int64_t offset) {
         for (int32_t previous : occupants.owners(offset, offset + floats)) {
           const auto& read_by = readers[static_cast<size_t>(previous)];
@@ -191,16 +188,11 @@ std::vector<std::vector<int32_t>> place_buffers(Plan& plan, const std::vector<st
       }
     }
     if (ancestry) {
-      std::vector<bool> done = finished_before(i);
-      for (int32_t w : war[static_cast<size_t>(i)]) {
-        done[static_cast<size_t>(w)] = true;
-        const auto& before = done_by[static_cast<size_t>(w)];
-        for (size_t j = 0; j < before.size(); ++j) done[j] = done[j] || before[j];
-      }
+      for (int32_t w : war[static_cast<size_t>(i)]) absorb(done, w);
       done_by[static_cast<size_t>(i)] = std::move(done);
     }
-    for (int32_t done : pending) {
-      const PlanOp& freed = plan.ops[static_cast<size_t>(done)];
+    for (int32_t dead : pending) {
+      const PlanOp& freed = plan.ops[static_cast<size_t>(dead)];
       arena.release(freed.offset, plan.buffer_floats(freed));
     }
     pending = release_after[static_cast<size_t>(i)];
