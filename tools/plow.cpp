@@ -256,6 +256,7 @@ struct CompileArgs {
   int workers = 0;    // 0: one per core
   int64_t max_context = 0;
   bool no_fusion = false;
+  std::vector<std::string> disabled_rules;
   std::string output;
 };
 
@@ -267,7 +268,8 @@ int run_compile(const CompileArgs& args) {
   const int64_t tokens = decode ? (args.batch ? args.batch : 1) : (args.chunk ? args.chunk : 512);
   const auto model = describe_model(args.source);
   const Plan plan = compile_plan(*model, decode ? PlanPhase::kDecode : PlanPhase::kPrefill, tokens,
-                                 args.workers ? args.workers : default_workers(), args.max_context, !args.no_fusion);
+                                 args.workers ? args.workers : default_workers(), args.max_context, !args.no_fusion,
+                                 LowerOptions::kLightTaskElements, args.disabled_rules);
   write_plan(args.output, plan);
   json out = {{"plan", args.output}, {"phase", args.phase}, {"max_tokens", plan.max_tokens}, {"workers", plan.workers},
               {"ops", plan.ops.size()}, {"tasks", plan.tasks.size()}, {"critical_path_tasks", critical_path_tasks(plan)},
@@ -441,6 +443,7 @@ int main(int argc, char** argv) {
   compile_cmd->add_option("--chunk", comp.chunk, "prefill: chunk tokens (default 512)");
   compile_cmd->add_option("--workers", comp.workers, "worker queues (default: one per core)");
   compile_cmd->add_flag("--no-fusion", comp.no_fusion, "lower the graph without the compiler's fusion rules");
+  compile_cmd->add_option("--disable-rule", comp.disabled_rules, "compile without this compiler rule (docs/compiler.md; repeatable)");
   compile_cmd->add_option("--max-context", comp.max_context, "longest context the plan will serve (0: unbounded)");
   compile_cmd->add_option("-o,--output", comp.output, "the .plow file to write")->required();
 

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -81,6 +82,13 @@ TEST_F(PlanCli, CompileInspectAndRun) {
   const json unfused_info = run_json("inspect " + file("u.plow"));
   EXPECT_EQ(unfused_info.at("ops_before_fusion"), unfused_info.at("ops_after_fusion"));
   EXPECT_EQ(unfused_info.at("rules_fired"), json::array());
+  // A rule left out (--disable-rule): the plan's record of what fired no longer names it.
+  const json fired = info.at("rules_fired");
+  ASSERT_NE(std::find(fired.begin(), fired.end(), "gate-up-silu"), fired.end());
+  run_json("compile --model " + model() + " --phase prefill --chunk 4 --workers 3 --disable-rule gate-up-silu -o " + file("r.plow"));
+  const json without = run_json("inspect " + file("r.plow")).at("rules_fired");
+  EXPECT_EQ(std::find(without.begin(), without.end(), "gate-up-silu"), without.end());
+  EXPECT_FALSE(without.empty());
   const int64_t tasks = info.at("tasks");
   EXPECT_GT(tasks, info.at("ops_after_fusion").get<int64_t>());
   EXPECT_GT(info.at("critical_path_tasks").get<int64_t>(), 10);
@@ -129,6 +137,7 @@ TEST_F(PlanCli, BadPlansAreOneLineErrors) {
   expect_rejected("generate --model " + model() + kPrompt + " --backend cpu-plan --plan " + file("d.plow"), "no prefill plan");
   expect_rejected("compile --model " + model() + " --phase decode --chunk 8 -o " + file("x.plow"), "--chunk");
   expect_rejected("compile --model " + model() + " --phase sideways -o " + file("x.plow"), "--phase");
+  expect_rejected("compile --model " + model() + " --disable-rule no-such-rule -o " + file("x.plow"), "'no-such-rule' is not a compiler rule");
   expect_rejected("generate --model " + model() + kPrompt + " --workers 2", "--backend cpu-plan");
 }
 
