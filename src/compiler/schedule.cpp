@@ -79,9 +79,9 @@ Graph schedule_serial_waits(const Graph& graph) {
     for (int k = first; k <= p; ++k) position[static_cast<size_t>(order[static_cast<size_t>(k)])] = k;
 
     // After its first reader y, within the window: the movable nodes that do not depend on it and
-    // whose inputs all come before y move to just before y. Not a chain of them: a node that reads
-    // another moved one would wait for it there, and every worker's queue with it (48B: the shared
-    // expert's down projection stays after the routed gate/up, where its input is long done).
+    // whose inputs all come before y or move too, to just before y in their order. Chains move: the
+    // 48B shared expert's down projection follows its gate/up into the shadow, where it had run after
+    // the routed gate/up on every worker, and the routed down waited for it there (the measured path).
     int y = p + 1;
     auto reads_serial = [&](int k) {
       const std::vector<int>& inputs = graph.node(order[static_cast<size_t>(k)]).inputs;
@@ -98,9 +98,10 @@ Graph schedule_serial_waits(const Graph& graph) {
       for (int input : node.inputs) {
         const int i = position[static_cast<size_t>(input)];
         if (i >= at && depends[static_cast<size_t>(i - at)]) depends[static_cast<size_t>(k - at)] = true;
-        ready = ready && i < y;
+        ready = ready && (i < y || (i > y && hoist[static_cast<size_t>(i - at)]));
       }
-      hoist[static_cast<size_t>(k - at)] = k > y && ready && !depends[static_cast<size_t>(k - at)] && movable(node);
+      // A view moves with the nodes that read it (it has no tasks, but they must follow it).
+      hoist[static_cast<size_t>(k - at)] = k > y && ready && !depends[static_cast<size_t>(k - at)] && (movable(node) || node.op == Op::kSlice);
     }
     std::vector<int> before, after;
     for (int k = y; k <= last; ++k) (hoist[static_cast<size_t>(k - at)] ? before : after).push_back(order[static_cast<size_t>(k)]);

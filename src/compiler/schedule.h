@@ -10,8 +10,8 @@ namespace plow {
 // op (moe_topk: one task per 16 rows, so one at decode, while every other worker waits for it), whose
 // window is kSerialFillWindow nodes either side. Of the nodes that do not depend on it, those before
 // it whose readers come after it (or move with them) move to just after it, and those after its first
-// reader whose inputs all come before that reader move to just before it, so the workers run them
-// while it runs. Collectives stay (ranks keep them in one order anyway, and one would make every
+// reader whose inputs all come before that reader (or move with them) move to just before it, so the
+// workers run them while it runs. Collectives stay (ranks keep them in one order anyway, and one would make every
 // worker wait), so do stateful ops and views. On the MoE layers this puts the shared expert (it reads
 // the layer input, not the routes) between the top-k and the routed experts.
 inline constexpr int kSerialFillWindow = 16;
