@@ -12,7 +12,7 @@ namespace plow {
 // it whose readers come after it (or move with them) move to just after it, and those after its first
 // reader whose inputs all come before that reader (or move with them) move to just before it, so the
 // workers run them while it runs. Collectives stay (ranks keep them in one order anyway, and one would make every
-// worker wait), so do stateful ops and views. On the MoE layers this puts the shared expert (it reads
+// worker wait), so do stateful ops; a view moves only with the nodes that read it. On the MoE layers this puts the shared expert (it reads
 // the layer input, not the routes) between the top-k and the routed experts.
 inline constexpr int kSerialFillWindow = 16;
 

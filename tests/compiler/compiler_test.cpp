@@ -458,9 +458,9 @@ std::vector<std::string> node_labels(const Graph& g) {
 }
 
 // Before the top-k: a chain of two independent nodes both move after it (the first because its reader
-// moves too). After its first reader: a chain of two independent nodes moves before that reader (the
-// 48B shared expert's gate/up and down projection), in its order, and so does "tail", which reads
-// only nodes before the reader or moved.
+// moves too). After its first reader: a chain of independent nodes moves before that reader (the
+// 48B shared expert's gate/up, the view of its fused output, and its down projection), in its order,
+// and so does "tail", which reads only nodes before the reader or moved.
 TEST(Schedule, SinksChainsBeforeTheTopKAndHoistsChainsAfterIt) {
   int b = 0, d = 0;
   const Graph g = moe_layer(
@@ -468,11 +468,14 @@ TEST(Schedule, SinksChainsBeforeTheTopKAndHoistsChainsAfterIt) {
         b = m.sigmoid(m.sigmoid(m.x, "a"), "b");
         return m.x;
       },
-      [&](MoeLayer& m) { d = m.sigmoid(m.sigmoid(m.x, "c"), "d"); },
+      [&](MoeLayer& m) {
+        const int view = m.g.add(Op::kSlice, {m.sigmoid(m.x, "c")}, {}, {{"offset", 0.0}, {"width", 8.0}}, "view");
+        d = m.sigmoid(view, "d");
+      },
       [&](MoeLayer& m) { return m.g.add(Op::kAdd, {b, d}, {}, {}, "tail"); });
-  ASSERT_EQ(node_labels(g), (std::vector<std::string>{"tokens", "x", "a", "b", "logits", "topk", "up", "c", "d", "down", "tail", "out"}));
+  ASSERT_EQ(node_labels(g), (std::vector<std::string>{"tokens", "x", "a", "b", "logits", "topk", "up", "c", "view", "d", "down", "tail", "out"}));
   const Graph s = schedule_serial_waits(g);
-  EXPECT_EQ(node_labels(s), (std::vector<std::string>{"tokens", "x", "logits", "topk", "a", "b", "c", "d", "tail", "up", "down", "out"}));
+  EXPECT_EQ(node_labels(s), (std::vector<std::string>{"tokens", "x", "logits", "topk", "a", "b", "c", "view", "d", "tail", "up", "down", "out"}));
   s.verify();
 }
 
