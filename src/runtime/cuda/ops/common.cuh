@@ -266,7 +266,17 @@ __device__ __forceinline__ void store_state_elem(uint8_t* base, int32_t elem, in
   }
 }
 
-__device__ __forceinline__ float* smem_floats(const TaskCtx& ctx) { return reinterpret_cast<float*>(ctx.smem); }
+// The block's dynamic shared memory, which TaskCtx::smem points at in both kernels (kernels.cu). Bodies
+// reach it through this symbol rather than the pointer so that ptxas sees the state space: shared loads
+// and stores (LDS/STS) instead of generic ones (LD/ST), which also may alias global memory. The host
+// emulator has no such symbol and keeps the pointer.
+#ifndef PLOW_CUDA_EMU
+extern __shared__ __align__(16) unsigned char plow_dynamic_smem[];
+__device__ __forceinline__ unsigned char* smem_bytes(const TaskCtx&) { return plow_dynamic_smem; }
+#else
+__device__ __forceinline__ unsigned char* smem_bytes(const TaskCtx& ctx) { return ctx.smem; }
+#endif
+__device__ __forceinline__ float* smem_floats(const TaskCtx& ctx) { return reinterpret_cast<float*>(smem_bytes(ctx)); }
 
 // Hand-offs between the tasks of one op that cooperate through OpDesc::sync (mla.cuh, kda_chunked.cuh).
 // take_ticket draws the block's next work item from `counter` (through the first word of shared memory);
@@ -275,7 +285,7 @@ __device__ __forceinline__ float* smem_floats(const TaskCtx& ctx) { return reint
 // the op's counters to 0 (every task has taken its last ticket by then), so they need no epoch and no
 // host reset. Block-uniform.
 __device__ __forceinline__ int take_ticket(const TaskCtx& ctx, unsigned* counter) {
-  int* const slot = reinterpret_cast<int*>(ctx.smem);
+  int* const slot = reinterpret_cast<int*>(smem_bytes(ctx));
   if (threadIdx.x == 0) *slot = static_cast<int>(atomicAdd(counter, 1u));
   __syncthreads();
   const int ticket = *slot;

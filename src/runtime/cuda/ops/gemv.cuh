@@ -15,7 +15,7 @@ namespace plow::cuda {
 
 // Shared memory past the staged rows that prologues reduce in (block_sum's 32 floats).
 inline constexpr int kStageRedFloats = 32;
-__device__ __forceinline__ float* stage_red(const TaskCtx& ctx) { return reinterpret_cast<float*>(ctx.smem + kSharedBytes) - kStageRedFloats; }
+__device__ __forceinline__ float* stage_red(const TaskCtx& ctx) { return reinterpret_cast<float*>(smem_bytes(ctx) + kSharedBytes) - kStageRedFloats; }
 
 // The staging buffer for `n`-wide token rows, with `extra` floats after the staged rows: shared
 // memory when a group of at least one row fits there (before stage_red's floats), else the block's
