@@ -409,6 +409,15 @@ std::vector<OpCase> cases() {
     c.workers = 132;
     all.push_back(std::move(c));
   }
+  // Without the output norm, a one-token pair's value columns over several tasks (fused_core_token_part;
+  // multi-token pairs beside them take their part 0): 4 tasks a pair in the decode plan (64 tasks) split
+  // every step's pairs in 4; at 24 workers (24 tasks) a step of one sequence in 4, of two or three in 2.
+  for (int workers : {132, 24}) {
+    OpCase c = kda_fused_core(4, 128, true, 128, 4);
+    c.name += "_split";
+    c.workers = workers;
+    all.push_back(std::move(c));
+  }
   for (auto [heads, d, bounded] : {std::tuple{2, 32, false}, {1, 32, true}, {3, 64, false}, {2, 64, true}, {1, 128, false}, {2, 128, true}, {1, 24, true}}) {
     all.push_back(kda_prefill(heads, d, bounded));
   }

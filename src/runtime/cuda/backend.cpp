@@ -223,7 +223,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
     }
     prepared.op_inputs = upload(op_inputs, "op inputs");
     prepared.op_weights = upload(op_weights, "op weights");
-    prepared.op_sync = DeviceBuffer(static_cast<size_t>(std::max<size_t>(plan.ops.size(), 1)) * kOpSyncCounters * sizeof(unsigned), "op counters");
+    prepared.op_sync = DeviceBuffer(static_cast<size_t>(std::max<size_t>(plan.ops.size(), 1)) * kOpCounters * sizeof(unsigned), "op counters");
     check(cudaMemset(prepared.op_sync.ptr, 0, prepared.op_sync.bytes), "op counters");
     const std::vector<int32_t> op_task_count = tasks_per_op(plan);
     std::vector<OpDesc> descs;
@@ -250,8 +250,8 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
       if (cooperates(op)) {
         d.workspace = m.workspace.as<float>();
         d.workspace_floats = workspace_floats;
-        d.sync = prepared.op_sync.as<unsigned>() + i * kOpSyncCounters;
       }
+      d.sync = prepared.op_sync.as<unsigned>() + i * kOpCounters;
       descs.push_back(d);
       if (op.op() == Op::kTokens) prepared.token_offsets.push_back(op.offset);
     }

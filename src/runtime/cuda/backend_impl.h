@@ -31,7 +31,7 @@ struct CudaBackend::Impl {
     Plan plan;
     DeviceBuffer ops, op_inputs, op_weights, queue_instrs, task_instrs, queue_begin, signals, counters;
     DeviceBuffer descs;  // the ops' descriptor records, as the megakernel copies them (kernels.h)
-    DeviceBuffer op_sync;  // kOpSyncCounters per op (OpDesc::sync), 0 between steps
+    DeviceBuffer op_sync;  // kOpCounters per op (OpDesc::sync), 0 between steps
     std::vector<std::pair<int32_t, int32_t>> op_tasks;  // per op: [first, end) in task order
     std::vector<int64_t> token_offsets;                 // arena offsets of the kTokens ops
     uint32_t max_threshold = 1;

@@ -66,8 +66,10 @@ struct OpDesc {
   float attr[kMaxAttrs] = {};     // packed by pack_attrs (attrs.cpp): op-specific order
   // The op's task count (every op: moe_topk and the row-reduction norms share rows by it). Tasks that
   // cooperate across blocks within one op (MLA split-KV, ops/mla.cuh) also get a global workspace they
-  // share during one step, and kOpSyncCounters counters that are 0 whenever the op is not running (its
-  // last task to leave resets them). Null / 0 for other ops.
+  // share during one step (null / 0 for other ops). Every op gets kOpCounters counters (`sync`) that
+  // are 0 whenever the op is not running: kOpSyncCounters for the cooperating ops' phases (the last
+  // task to leave resets them), then kKdaPairCounters for kda_fused_core's split pairs (a counter a
+  // pair, reset by the pair's last part; ops/kda_fused.cuh).
   int32_t tasks = 1;
   // Bit i: input i may hold values not yet rounded to `act` (a prefill GEMM's fp32 output whose own
   // rounding pass is skipped, prefill_gemm.h round_in_mask), and the body rounds them as it loads them
@@ -79,6 +81,8 @@ struct OpDesc {
   unsigned* sync = nullptr;
 };
 inline constexpr int kOpSyncCounters = 4;
+inline constexpr int kKdaPairCounters = 128;
+inline constexpr int kOpCounters = kOpSyncCounters + kKdaPairCounters;
 
 // Tensor parallelism inside the kernel (peer_reduce.h): every rank's receive area as this rank maps it.
 // An area holds flags [2][ops][size] (uint32: the collective epoch that filled the slot), then slots

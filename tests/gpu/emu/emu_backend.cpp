@@ -27,7 +27,7 @@ struct CudaBackend::Impl {
   std::vector<DeviceState> dstates;
   std::vector<bool> per_token;  // per state: one row per token (the MLA latent cache)
   std::vector<int64_t> context;
-  std::map<std::pair<const Plan*, size_t>, std::array<unsigned, kOpSyncCounters>> sync;  // per plan op, kept across steps
+  std::map<std::pair<const Plan*, size_t>, std::array<unsigned, kOpCounters>> sync;  // per plan op, kept across steps
 };
 
 // Bytes of one slot of a state.
@@ -181,11 +181,12 @@ StepOutput CudaBackend::step(const StepInputs& in) {
     if (is_misc_op(op.opcode) && !pack_misc_attrs(op, d.attr)) fail("emu: no attrs");
     d.tasks = int32_t(std::count_if(plan->tasks.begin(), plan->tasks.end(), [&](const PlanTask& t) { return t.op == int32_t(oi); }));
     std::vector<float> workspace;
-    std::array<unsigned, kOpSyncCounters>& sync = m.sync[{plan, oi}];
+    std::array<unsigned, kOpCounters>& sync = m.sync[{plan, oi}];
     if (cooperates(op)) {  // the backend's sizing, NaN-poisoned
       workspace.assign(size_t(workspace_floats(op, plan->max_tokens, int64_t(m.context.size()), d.tasks)), NAN);
-      d.workspace = workspace.data(), d.workspace_floats = int64_t(workspace.size()), d.sync = sync.data();
+      d.workspace = workspace.data(), d.workspace_floats = int64_t(workspace.size());
     }
+    d.sync = sync.data();
     if (op.op() == Op::kTokens) {
       for (int64_t t = 0; t < rows; ++t) arena[size_t(op.offset + t)] = float(in.token_ids[size_t(t)]);
       continue;

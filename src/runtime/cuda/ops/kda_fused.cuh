@@ -310,11 +310,18 @@ __device__ __forceinline__ void head_rows_dots(const TaskCtx& ctx, const int (&w
   }
 }
 
+// A conv window of `keep` values after a one-token step: the oldest value out, the token's `v` in.
+__device__ __forceinline__ void push_window(float* win, int keep, float v) {
+  for (int k = 0; k + 1 < keep; ++k) win[k] = win[k + 1];
+  if (keep > 0) win[keep - 1] = v;
+}
+
 // Conv + SiLU of one channel for a one-token step (its window's K − 1 values, then the token's input):
 // the same sum term by term as fused_conv_channel. The new window (the last K − 1 of those values) is
-// written back at once: this thread is the channel's only reader in the step.
+// written back at once, this thread being the channel's only reader in the step; not with
+// !write_window (a split pair's q and k channels, which every part reads: fused_core_token_part).
 __device__ __forceinline__ float conv_one_token(const DeviceWeight& taps, int kernel, const float* x, int32_t x_act, int32_t act, float* window,
-                                                int64_t channel) {
+                                                int64_t channel, bool write_window = true) {
   const int keep = kernel - 1;
   float* win = window + channel * keep;
   const float v = round_act(x_act, x[channel]);
@@ -328,14 +335,15 @@ __device__ __forceinline__ float conv_one_token(const DeviceWeight& taps, int ke
 #pragma unroll
     for (int k = 0; k < 3; ++k) sum += w[k] * hist[k];
     sum += w[3] * v;
-    win[0] = hist[1];
-    win[1] = hist[2];
-    win[2] = v;
+    if (write_window) {
+      win[0] = hist[1];
+      win[1] = hist[2];
+      win[2] = v;
+    }
   } else {
     for (int k = 0; k < keep; ++k) sum += weight_flat(taps, channel * kernel + k) * win[k];
     sum += weight_flat(taps, channel * kernel + keep) * v;
-    for (int k = 0; k + 1 < keep; ++k) win[k] = win[k + 1];
-    if (keep > 0) win[keep - 1] = v;
+    if (write_window) push_window(win, keep, v);
   }
   return round_act(act, siluf_(sum));
 }
@@ -472,6 +480,132 @@ __device__ __noinline__ void fused_core_token(const TaskCtx& ctx, int s, int64_t
   __syncthreads();  // the next pair overwrites shared memory
 }
 
+// Shared memory of fused_core_token_part: the part's columns of the head's state [D][kCols], then q, k,
+// exp(g) [D], v [kCols] and the two column sums' partials [kGroups][kCols] each, then the last-part flag.
+template <int D, int kParts>
+struct KdaPartLayout {
+  static constexpr int kCols = D / kParts;          // value columns a part (32 at D = 128, 4 parts)
+  static constexpr int kGroups = kThreads / kCols;  // row groups: thread (tid / kCols, tid % kCols)
+  static constexpr int kRows = D / kGroups;         // state rows a thread (8 at D = 128, 4 parts)
+  static constexpr int kState = D * kCols;
+  static constexpr int kFloats = kState + 3 * D + kCols + 2 * kThreads + 1;
+  static_assert(kCols % 32 == 0 && kThreads % kCols == 0 && D % kGroups == 0, "a warp reads 32 adjacent columns of one state row");
+  static_assert(kFloats * 4 <= kSharedBytes, "the part's state fits shared memory");
+};
+
+// A part of a one-token (sequence, head) pair split by value columns (kda_fused_core without the output
+// norm, d = D: the norm's sum would span the parts): columns [part·kCols, (part + 1)·kCols) of the head's
+// state, v and o. Every part computes the q and k convs, q̂, k̂ and the gate over all D rows (the state
+// rows it updates), fused_core_token's arithmetic; v's conv only over its columns, whose windows it
+// writes. The q and k windows are written by the pair's last part to count itself out (`done`, a
+// counter per pair, 0 between steps: that part resets it), after every part has read them. A warp
+// takes 32 adjacent columns of one state row at a time (conflict-free shared reads, 128-byte global
+// stores); the column sums go through shared memory, in a fixed order.
+template <int D, int kParts>
+__device__ __noinline__ void fused_core_token_part(const TaskCtx& ctx, int s, int64_t h, int part, unsigned* done) {
+  using L = KdaPartLayout<D, kParts>;
+  const StepView& step = *ctx.step;
+  const int first = step.seq_first_row[s], slot = step.seq_slot[s];
+  const int kernel = static_cast<int>(ctx.attr(3));
+  const int32_t act = ctx.op->act;
+  const int tid = static_cast<int>(threadIdx.x), c0 = part * L::kCols;
+  float* sS = smem_floats(ctx);
+  float* sq = sS + L::kState;
+  float* sk = sq + D;
+  float* sdecay = sk + D;
+  float* sv = sdecay + D;
+  float* red = sv + L::kCols;
+  float* red_out = red + kThreads;
+  int* last_flag = reinterpret_cast<int*>(red_out + kThreads);
+  float* S_base = state_of(ctx, slot) + h * D * D;  // [D, D]: S[j][c]
+  if ((reinterpret_cast<uintptr_t>(S_base) & 15) == 0) {
+    for (int i = tid; i < D * (L::kCols / 4); i += kThreads) {
+      const int j = i / (L::kCols / 4), c4 = i % (L::kCols / 4);
+      cp_async16(sS + j * L::kCols + 4 * c4, S_base + j * D + c0 + 4 * c4);
+    }
+    cp_async_commit();
+  } else {
+    for (int i = tid; i < D * L::kCols; i += kThreads) sS[i] = S_base[(i / L::kCols) * D + c0 + i % L::kCols];
+  }
+  const auto window = [&](int which) { return state_by_id(ctx, static_cast<int>(ctx.attr(4 + which)), slot); };
+  for (int u = tid; u < 2 * D + L::kCols; u += kThreads) {
+    const int which = u < 2 * D ? u / D : 2;
+    const int j = which < 2 ? u % D : c0 + u - 2 * D;
+    float* dst = which == 0 ? sq + j : which == 1 ? sk + j : sv + (j - c0);
+    *dst = conv_one_token(ctx.weight(which), kernel, ctx.in(which, first), ctx.in_act(which), act, window(which), h * D + j, which == 2);
+  }
+  {
+    const float rate = expf(weight_flat(ctx.weight(4), h));
+    const bool bounded = ctx.attr(1) != 0.0f;
+    const float lower_bound = ctx.attr(2);
+    const DeviceWeight& dt_bias = ctx.weight(5);
+    head_rows_dots<D, 1>(ctx, {3}, {3}, first, h, D, [&](int, int j, float dot) {
+      sdecay[j] = expf(kda_gate_rate(round_act(act, dot) + weight_flat(dt_bias, h * D + j), rate, bounded, lower_bound));
+    });
+  }
+  const float beta = sigmoidf_(round_act(ctx.in_act(4), ctx.in(4, first)[h]));
+  __syncthreads();  // this part has read the q and k windows
+  if (tid == 0) {
+    __threadfence();
+    const bool last = atomicAdd(done, 1u) == static_cast<unsigned>(kParts - 1);
+    if (last) {
+      __threadfence();
+      atomicExch(done, 0u);
+    }
+    *last_flag = last ? 1 : 0;
+  }
+  if (warp_id() < 2) normalize_row<D>(warp_id() == 0 ? sq : sk, D, warp_id() == 0 ? 1.0f / sqrtf(static_cast<float>(D)) : 1.0f);
+  cp_async_wait<0>();
+  __syncthreads();
+  if (*last_flag != 0) {  // every part has read the q and k windows: the token goes in
+    const int keep = kernel - 1;
+    for (int u = tid; u < 2 * D; u += kThreads) {
+      const int which = u / D;
+      const int64_t channel = h * D + u % D;
+      push_window(window(which) + channel * keep, keep, round_act(ctx.in_act(which), ctx.in(which, first)[channel]));
+    }
+  }
+  // The delta rule over the part's columns: column c = tid % kCols, state rows j = g + kGroups·i.
+  const int c = tid % L::kCols, g = tid / L::kCols;
+  float predicted = 0.0f;
+#pragma unroll
+  for (int i = 0; i < L::kRows; ++i) {
+    const int j = g + L::kGroups * i;
+    predicted += sS[j * L::kCols + c] * sdecay[j] * sk[j];
+  }
+  red[g * L::kCols + c] = predicted;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int k = 0; k < L::kGroups; ++k) total += red[k * L::kCols + c];
+  const float error = (sv[c] - total) * beta;
+  float out = 0.0f;
+  float* S_out = S_base + g * D + c0 + c;
+#pragma unroll
+  for (int i = 0; i < L::kRows; ++i) {
+    const int j = g + L::kGroups * i;
+    const float updated = sS[j * L::kCols + c] * sdecay[j] + sk[j] * error;
+    out += updated * sq[j];
+    S_out[static_cast<int64_t>(L::kGroups) * D * i] = updated;
+  }
+  red_out[g * L::kCols + c] = out;
+  __syncthreads();
+  if (tid < L::kCols) {
+    float o = 0.0f;
+#pragma unroll
+    for (int k = 0; k < L::kGroups; ++k) o += red_out[k * L::kCols + tid];
+    ctx.out(first)[h * D + c0 + tid] = round_out(ctx, o);
+  }
+  __syncthreads();  // the next pair overwrites shared memory
+}
+
+// The parts a one-token pair is split into (fused_core_token_part): 4 or 2 where the op has that many
+// tasks a pair (spread_tasks gives a core without the output norm 4 a pair, up to the workers), else 1.
+__device__ __forceinline__ int kda_split_parts(int num_inputs, int d, int64_t pairs, int64_t tasks) {
+  if (num_inputs != 5 || d != kKdaMaxHeadDim || pairs > kKdaPairCounters) return 1;
+  return tasks >= 4 * pairs ? 4 : tasks >= 2 * pairs ? 2 : 1;
+}
+
 // kKdaFusedCore: kda_delta_rule(conv_q(x_q), conv_k(x_k), conv_v(x_v), kda_gate(f·W_fbᵀ), σ(b)) for the
 // step's (sequence, head) pairs, a task a contiguous share of them (sequence-major; spread_tasks gives
 // the op a task per pair up to the workers: the plan's column slices are not used, its consumers and
@@ -485,6 +619,23 @@ __device__ __noinline__ void kda_fused_core(const TaskCtx& ctx) {
   const int d = static_cast<int>(ctx.attr(0));
   const int heads = static_cast<int>(ctx.op->width / d);
   const int64_t pairs = static_cast<int64_t>(ctx.step->num_seqs) * heads, tasks = ctx.op->tasks;
+  if constexpr (D == kKdaMaxHeadDim) {
+    const int parts = kda_split_parts(ctx.op->num_inputs, d, pairs, tasks);
+    if (parts > 1) {  // a task a part of a pair: pair task / parts, part task % parts
+      if (ctx.task >= pairs * parts) return;
+      const int64_t p = ctx.task / parts;
+      const int s = static_cast<int>(p / heads), part = static_cast<int>(ctx.task % parts);
+      unsigned* const done = ctx.op->sync + kOpSyncCounters + p;
+      if (ctx.step->seq_tokens[s] != 1) {
+        if (part == 0) fused_core_pair<D>(ctx, s, p % heads, d);
+      } else if (parts == 4) {
+        fused_core_token_part<D, 4>(ctx, s, p % heads, part, done);
+      } else {
+        fused_core_token_part<D, 2>(ctx, s, p % heads, part, done);
+      }
+      return;
+    }
+  }
   for (int64_t p = pairs * ctx.task / tasks; p < pairs * (ctx.task + 1) / tasks; ++p) {
     const int s = static_cast<int>(p / heads);
     if constexpr (D >= 32) {
