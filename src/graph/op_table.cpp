@@ -321,10 +321,7 @@ int64_t spread_tasks(const Node& node, int64_t workers, int64_t max_tokens) {
   if (spreads_over_workers(node.op)) return workers;
   if (node.op == Op::kMoeTopK) return by_rows(kMoeTopkRowsPerTask);
   if (node.op == Op::kGatedRmsNorm) return by_rows(kGatedRmsNormRowsPerTask);
-  if (node.op == Op::kKdaFusedCore) {
-    const int64_t parts = node.inputs.size() == 5 ? kKdaSplitParts : 1;
-    return std::min(workers, node.width / node.attrs.i("head_dim") * max_tokens * parts);
-  }
+  if (node.op == Op::kKdaFusedCore) return std::min(workers, node.width / node.attrs.i("head_dim") * max_tokens * kKdaSplitParts);
   return 0;
 }
 

@@ -137,10 +137,10 @@ inline constexpr int64_t kGatedRmsNormRowsPerTask = 8;
 // one per worker (spreads_over_workers); moe_topk (whole): one per kMoeTopkRowsPerTask rows, up to the
 // workers, each taking a share of the step's rows (1 for plans of ≤ 16 rows: decode keeps one task);
 // gated_rms_norm: one per kGatedRmsNormRowsPerTask rows, up to the workers (tasks past its heads only
-// when that is more than the heads), each taking whole rows in steps of many rows; kda_fused_core: one
-// per (head, row), up to the workers, each taking a share of the step's (sequence, head) pairs; without
-// the output norm (five inputs) kKdaSplitParts per (head, row), up to the workers: the GPU splits a
-// one-token pair's value columns over up to that many tasks where it has them (ops/kda_fused.cuh).
+// when that is more than the heads), each taking whole rows in steps of many rows; kda_fused_core:
+// kKdaSplitParts per (head, row), up to the workers, each taking a share of the step's (sequence, head)
+// pairs, or on the GPU a part of a one-token pair's value columns where it has 2 or 4 tasks a pair
+// (ops/kda_fused.cuh; the CPU runs the op's head slices, the tasks past them own the empty slice).
 inline constexpr int64_t kKdaSplitParts = 4;
 struct Node;
 int64_t spread_tasks(const Node& node, int64_t workers, int64_t max_tokens);

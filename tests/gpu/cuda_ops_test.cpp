@@ -404,18 +404,23 @@ std::vector<OpCase> cases() {
   all.push_back(kda_fused_core(1, 24, false, 21, 3, 13));  // g off the four-column loads
   all.push_back(kda_fused_core(2, 128, false, 128, 4, 128));  // the 48B layer's fused op
   all.push_back(kda_fused_core(2, 22, true, 40, 4, 24));  // state rows of no whole 16-byte units: a decode pair's plain loads
-  {  // the 48B layer's plan: a task per (sequence, head) pair
-    OpCase c = kda_fused_core(4, 128, true, 128, 4, 128);
-    c.workers = 132;
-    all.push_back(std::move(c));
+  // A one-token pair's value columns over several tasks (fused_core_token_part; multi-token pairs beside
+  // them take their part 0), with the output norm (the 48B layer's op) and without: 4 heads at 132
+  // workers have 4 tasks a pair in the decode plan (64 tasks), so every step's pairs split in 4; at 24
+  // workers (24 tasks) a step of one sequence in 4, of two or three in 2. Three heads of 64 at 24
+  // workers: one sequence in 4, three in 2.
+  for (int64_t g_width : {128, 0}) {
+    for (int workers : {132, 24}) {
+      OpCase c = kda_fused_core(4, 128, true, 128, 4, g_width);
+      c.name += "_split";
+      c.workers = workers;
+      all.push_back(std::move(c));
+    }
   }
-  // Without the output norm, a one-token pair's value columns over several tasks (fused_core_token_part;
-  // multi-token pairs beside them take their part 0): 4 tasks a pair in the decode plan (64 tasks) split
-  // every step's pairs in 4; at 24 workers (24 tasks) a step of one sequence in 4, of two or three in 2.
-  for (int workers : {132, 24}) {
-    OpCase c = kda_fused_core(4, 128, true, 128, 4);
+  {
+    OpCase c = kda_fused_core(3, 64, false, 64, 4, 64);
     c.name += "_split";
-    c.workers = workers;
+    c.workers = 24;
     all.push_back(std::move(c));
   }
   for (auto [heads, d, bounded] : {std::tuple{2, 32, false}, {1, 32, true}, {3, 64, false}, {2, 64, true}, {1, 128, false}, {2, 128, true}, {1, 24, true}}) {

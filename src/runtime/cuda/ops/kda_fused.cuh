@@ -481,26 +481,29 @@ __device__ __noinline__ void fused_core_token(const TaskCtx& ctx, int s, int64_t
 }
 
 // Shared memory of fused_core_token_part: the part's columns of the head's state [D][kCols], then q, k,
-// exp(g) [D], v [kCols] and the two column sums' partials [kGroups][kCols] each, then the last-part flag.
+// exp(g), z, o [D], v [kCols] and the two column sums' partials [kGroups][kCols] each, then the last
+// part's flag.
 template <int D, int kParts>
 struct KdaPartLayout {
   static constexpr int kCols = D / kParts;          // value columns a part (32 at D = 128, 4 parts)
   static constexpr int kGroups = kThreads / kCols;  // row groups: thread (tid / kCols, tid % kCols)
   static constexpr int kRows = D / kGroups;         // state rows a thread (8 at D = 128, 4 parts)
   static constexpr int kState = D * kCols;
-  static constexpr int kFloats = kState + 3 * D + kCols + 2 * kThreads + 1;
-  static_assert(kCols % 32 == 0 && kThreads % kCols == 0 && D % kGroups == 0, "a warp reads 32 adjacent columns of one state row");
+  static constexpr int kFloats = kState + 5 * D + kCols + 2 * kThreads + 1;
+  static_assert((kCols % 32 == 0 || 32 % kCols == 0) && kThreads % kCols == 0 && D % kGroups == 0, "a warp reads 32 adjacent floats of the part's state");
   static_assert(kFloats * 4 <= kSharedBytes, "the part's state fits shared memory");
 };
 
-// A part of a one-token (sequence, head) pair split by value columns (kda_fused_core without the output
-// norm, d = D: the norm's sum would span the parts): columns [part·kCols, (part + 1)·kCols) of the head's
-// state, v and o. Every part computes the q and k convs, q̂, k̂ and the gate over all D rows (the state
-// rows it updates), fused_core_token's arithmetic; v's conv only over its columns, whose windows it
-// writes. The q and k windows are written by the pair's last part to count itself out (`done`, a
-// counter per pair, 0 between steps: that part resets it), after every part has read them. A warp
-// takes 32 adjacent columns of one state row at a time (conflict-free shared reads, 128-byte global
-// stores); the column sums go through shared memory, in a fixed order.
+// A part of a one-token (sequence, head) pair split by value columns, d = D: columns
+// [part·kCols, (part + 1)·kCols) of the head's state, v and o. Every part computes the q and k convs,
+// q̂, k̂, the gate and (with the output norm) the output gate's z over all D rows, fused_core_token's
+// arithmetic; v's conv over its own columns, whose windows it writes. A warp takes 32 adjacent floats
+// of the part's state, 32 / kCols rows of kCols columns or 32 columns of one row (conflict-free shared
+// reads, whole 64- or 128-byte global stores); the column sums go through shared memory, in a fixed
+// order. Each part stores its o columns and counts itself out on
+// `done` (a counter a pair, 0 between steps: the last part resets it). The last part, once every part
+// has read the q and k windows and stored its o, pushes the token into those windows and, with the
+// norm, reads the other parts' o back (L2) and writes the head's gated norm over its own.
 template <int D, int kParts>
 __device__ __noinline__ void fused_core_token_part(const TaskCtx& ctx, int s, int64_t h, int part, unsigned* done) {
   using L = KdaPartLayout<D, kParts>;
@@ -508,16 +511,20 @@ __device__ __noinline__ void fused_core_token_part(const TaskCtx& ctx, int s, in
   const int first = step.seq_first_row[s], slot = step.seq_slot[s];
   const int kernel = static_cast<int>(ctx.attr(3));
   const int32_t act = ctx.op->act;
+  const bool norm = ctx.op->num_inputs == 6;
   const int tid = static_cast<int>(threadIdx.x), c0 = part * L::kCols;
   float* sS = smem_floats(ctx);
   float* sq = sS + L::kState;
   float* sk = sq + D;
   float* sdecay = sk + D;
-  float* sv = sdecay + D;
+  float* sz = sdecay + D;
+  float* so = sz + D;
+  float* sv = so + D;
   float* red = sv + L::kCols;
   float* red_out = red + kThreads;
   int* last_flag = reinterpret_cast<int*>(red_out + kThreads);
   float* S_base = state_of(ctx, slot) + h * D * D;  // [D, D]: S[j][c]
+  float* out = ctx.out(first) + h * D;
   if ((reinterpret_cast<uintptr_t>(S_base) & 15) == 0) {
     for (int i = tid; i < D * (L::kCols / 4); i += kThreads) {
       const int j = i / (L::kCols / 4), c4 = i % (L::kCols / 4);
@@ -539,32 +546,24 @@ __device__ __noinline__ void fused_core_token_part(const TaskCtx& ctx, int s, in
     const bool bounded = ctx.attr(1) != 0.0f;
     const float lower_bound = ctx.attr(2);
     const DeviceWeight& dt_bias = ctx.weight(5);
-    head_rows_dots<D, 1>(ctx, {3}, {3}, first, h, D, [&](int, int j, float dot) {
-      sdecay[j] = expf(kda_gate_rate(round_act(act, dot) + weight_flat(dt_bias, h * D + j), rate, bounded, lower_bound));
-    });
+    const auto emit = [&](int k, int j, float dot) {
+      if (k == 0) {
+        sdecay[j] = expf(kda_gate_rate(round_act(act, dot) + weight_flat(dt_bias, h * D + j), rate, bounded, lower_bound));
+      } else {
+        sz[j] = round_act(act, dot);
+      }
+    };
+    if (norm) {
+      head_rows_dots<D, 2>(ctx, {3, 6}, {3, 5}, first, h, D, emit);
+    } else {
+      head_rows_dots<D, 1>(ctx, {3}, {3}, first, h, D, emit);
+    }
   }
   const float beta = sigmoidf_(round_act(ctx.in_act(4), ctx.in(4, first)[h]));
-  __syncthreads();  // this part has read the q and k windows
-  if (tid == 0) {
-    __threadfence();
-    const bool last = atomicAdd(done, 1u) == static_cast<unsigned>(kParts - 1);
-    if (last) {
-      __threadfence();
-      atomicExch(done, 0u);
-    }
-    *last_flag = last ? 1 : 0;
-  }
+  __syncthreads();
   if (warp_id() < 2) normalize_row<D>(warp_id() == 0 ? sq : sk, D, warp_id() == 0 ? 1.0f / sqrtf(static_cast<float>(D)) : 1.0f);
   cp_async_wait<0>();
   __syncthreads();
-  if (*last_flag != 0) {  // every part has read the q and k windows: the token goes in
-    const int keep = kernel - 1;
-    for (int u = tid; u < 2 * D; u += kThreads) {
-      const int which = u / D;
-      const int64_t channel = h * D + u % D;
-      push_window(window(which) + channel * keep, keep, round_act(ctx.in_act(which), ctx.in(which, first)[channel]));
-    }
-  }
   // The delta rule over the part's columns: column c = tid % kCols, state rows j = g + kGroups·i.
   const int c = tid % L::kCols, g = tid / L::kCols;
   float predicted = 0.0f;
@@ -579,30 +578,58 @@ __device__ __noinline__ void fused_core_token_part(const TaskCtx& ctx, int s, in
 #pragma unroll
   for (int k = 0; k < L::kGroups; ++k) total += red[k * L::kCols + c];
   const float error = (sv[c] - total) * beta;
-  float out = 0.0f;
+  float o_part = 0.0f;
   float* S_out = S_base + g * D + c0 + c;
 #pragma unroll
   for (int i = 0; i < L::kRows; ++i) {
     const int j = g + L::kGroups * i;
     const float updated = sS[j * L::kCols + c] * sdecay[j] + sk[j] * error;
-    out += updated * sq[j];
+    o_part += updated * sq[j];
     S_out[static_cast<int64_t>(L::kGroups) * D * i] = updated;
   }
-  red_out[g * L::kCols + c] = out;
+  red_out[g * L::kCols + c] = o_part;
   __syncthreads();
   if (tid < L::kCols) {
     float o = 0.0f;
 #pragma unroll
     for (int k = 0; k < L::kGroups; ++k) o += red_out[k * L::kCols + tid];
-    ctx.out(first)[h * D + c0 + tid] = round_out(ctx, o);
+    const float o_c = round_out(ctx, o);
+    so[c0 + tid] = o_c;
+    out[c0 + tid] = o_c;  // the norm's input until the last part overwrites it
   }
-  __syncthreads();  // the next pair overwrites shared memory
+  __syncthreads();  // this part has read the q and k windows and stored its o
+  if (tid == 0) {
+    __threadfence();
+    const bool last = atomicAdd(done, 1u) == static_cast<unsigned>(kParts - 1);
+    if (last) {
+      __threadfence();
+      atomicExch(done, 0u);
+    }
+    *last_flag = last ? 1 : 0;
+  }
+  __syncthreads();
+  if (*last_flag == 0) return;
+  const int keep = kernel - 1;
+  for (int u = tid; u < 2 * D; u += kThreads) {
+    const int which = u / D;
+    const int64_t channel = h * D + u % D;
+    push_window(window(which) + channel * keep, keep, round_act(ctx.in_act(which), ctx.in(which, first)[channel]));
+  }
+  if (norm) {
+    for (int j = tid; j < D; j += kThreads) {
+      if (j < c0 || j >= c0 + L::kCols) so[j] = __ldcg(out + j);  // the other parts' (L2: another SM wrote them)
+    }
+    __syncthreads();
+    gated_norm_units(ctx.weight(7), D, ctx.attr(7), ctx.out_act(), kAF32, kAF32, 1, [&](int64_t) { return GatedUnit{so, sz, out}; });
+  }
+  __syncthreads();  // the block's next task overwrites shared memory
 }
 
-// The parts a one-token pair is split into (fused_core_token_part): 4 or 2 where the op has that many
-// tasks a pair (spread_tasks gives a core without the output norm 4 a pair, up to the workers), else 1.
-__device__ __forceinline__ int kda_split_parts(int num_inputs, int d, int64_t pairs, int64_t tasks) {
-  if (num_inputs != 5 || d != kKdaMaxHeadDim || pairs > kKdaPairCounters) return 1;
+// The parts a one-token pair is split into (fused_core_token_part, head dims of 64 and 128 unpadded): 4
+// or 2 where the op has that many tasks a pair (spread_tasks gives it 4 a pair, up to the workers), else 1.
+template <int D>
+__device__ __forceinline__ int kda_split_parts(int d, int64_t pairs, int64_t tasks) {
+  if (D < 64 || d != D || pairs > kKdaPairCounters) return 1;
   return tasks >= 4 * pairs ? 4 : tasks >= 2 * pairs ? 2 : 1;
 }
 
@@ -619,8 +646,8 @@ __device__ __noinline__ void kda_fused_core(const TaskCtx& ctx) {
   const int d = static_cast<int>(ctx.attr(0));
   const int heads = static_cast<int>(ctx.op->width / d);
   const int64_t pairs = static_cast<int64_t>(ctx.step->num_seqs) * heads, tasks = ctx.op->tasks;
-  if constexpr (D == kKdaMaxHeadDim) {
-    const int parts = kda_split_parts(ctx.op->num_inputs, d, pairs, tasks);
+  if constexpr (D >= 64) {
+    const int parts = kda_split_parts<D>(d, pairs, tasks);
     if (parts > 1) {  // a task a part of a pair: pair task / parts, part task % parts
       if (ctx.task >= pairs * parts) return;
       const int64_t p = ctx.task / parts;
