@@ -321,7 +321,13 @@ int64_t spread_tasks(const Node& node, int64_t workers, int64_t max_tokens) {
   if (spreads_over_workers(node.op)) return workers;
   if (node.op == Op::kMoeTopK) return by_rows(kMoeTopkRowsPerTask);
   if (node.op == Op::kGatedRmsNorm) return by_rows(kGatedRmsNormRowsPerTask);
-  if (node.op == Op::kKdaFusedCore) return std::min(workers, node.width / node.attrs.i("head_dim") * max_tokens * kKdaSplitParts);
+  if (node.op == Op::kKdaFusedCore) {
+    const int64_t pairs = node.width / node.attrs.i("head_dim") * max_tokens;
+    for (int64_t parts = kKdaSplitParts; parts > 1; parts /= 2) {
+      if (pairs * parts <= workers) return pairs * parts;
+    }
+    return std::min(workers, pairs);
+  }
   return 0;
 }
 

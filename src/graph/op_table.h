@@ -138,9 +138,11 @@ inline constexpr int64_t kGatedRmsNormRowsPerTask = 8;
 // workers, each taking a share of the step's rows (1 for plans of ≤ 16 rows: decode keeps one task);
 // gated_rms_norm: one per kGatedRmsNormRowsPerTask rows, up to the workers (tasks past its heads only
 // when that is more than the heads), each taking whole rows in steps of many rows; kda_fused_core:
-// kKdaSplitParts per (head, row), up to the workers, each taking a share of the step's (sequence, head)
-// pairs, or on the GPU a part of a one-token pair's value columns where it has 2 or 4 tasks a pair
-// (ops/kda_fused.cuh; the CPU runs the op's head slices, the tasks past them own the empty slice).
+// kKdaSplitParts per (head, row) where the workers hold that many, else 2, else one up to the workers,
+// each taking a share of the step's (sequence, head) pairs, or on the GPU a part of a one-token pair's
+// value columns where it has 2 or 4 tasks a pair (ops/kda_fused.cuh; the CPU runs the op's head
+// slices, and the tasks past them own the empty slice). Parts that would leave a worker idle but not
+// split every pair are not taken: a batch-4 step of the 48B (128 pairs) keeps 128 tasks of 132.
 inline constexpr int64_t kKdaSplitParts = 4;
 struct Node;
 int64_t spread_tasks(const Node& node, int64_t workers, int64_t max_tokens);
