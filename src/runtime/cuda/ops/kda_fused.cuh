@@ -1,7 +1,8 @@
 // The KDA mixer's core in one op (kKdaFusedCore; op_table.h; cpu: cpu_kda_fused_core): the convs, the
 // gate with its f_b projection, β, the delta rule and (with a sixth input) the gated output norm, a
-// task per (sequence, head) pair. Split from kda.cuh, whose staging (KdaLayout, kda_tokens,
-// conv_history, by_head_dim) it reuses; one-token pairs (decode) take their own path below.
+// task per (sequence, head) pair, or a part of a one-token pair's value columns. Split from kda.cuh,
+// whose staging (KdaLayout, kda_tokens, conv_history, by_head_dim) it reuses; one-token pairs (decode)
+// take their own paths below.
 #pragma once
 
 #include "runtime/cuda/ops/kda.cuh"
@@ -626,7 +627,7 @@ __device__ __noinline__ void fused_core_token_part(const TaskCtx& ctx, int s, in
 }
 
 // The parts a one-token pair is split into (fused_core_token_part, head dims of 64 and 128 unpadded): 4
-// or 2 where the op has that many tasks a pair (spread_tasks gives it 4 a pair, up to the workers), else 1.
+// or 2 where the op has that many tasks a pair (spread_tasks: 4 or 2 a pair where the workers hold them), else 1.
 template <int D>
 __device__ __forceinline__ int kda_split_parts(int d, int64_t pairs, int64_t tasks) {
   if (D < 64 || d != D || pairs > kKdaPairCounters) return 1;
@@ -634,9 +635,9 @@ __device__ __forceinline__ int kda_split_parts(int d, int64_t pairs, int64_t tas
 }
 
 // kKdaFusedCore: kda_delta_rule(conv_q(x_q), conv_k(x_k), conv_v(x_v), kda_gate(f·W_fbᵀ), σ(b)) for the
-// step's (sequence, head) pairs, a task a contiguous share of them (sequence-major; spread_tasks gives
-// the op a task per pair up to the workers: the plan's column slices are not used, its consumers and
-// overwriters wait for every task). inputs x_q, x_k, x_v [T, P], f [T, F], b [T, heads] (act), and g
+// step's (sequence, head) pairs, a task a contiguous share of them (sequence-major), or with 2 or 4
+// tasks a pair (kda_split_parts) a part of one (spread_tasks: the plan's column slices are not used,
+// its consumers and overwriters wait for every task). inputs x_q, x_k, x_v [T, P], f [T, F], b [T, heads] (act), and g
 // [T, G] when the output norm is in (six inputs); weights C_q, C_k, C_v [P, 1, K], W_fb [P, F], A_log
 // [heads], dt_bias [P], then W_gb [P, G] and the norm's w [d]; attrs [0] head_dim, [1] bounded, [2]
 // lower_bound, [3] kernel K, [4..6] the conv windows' states (conv_q, conv_k, conv_v), [7] the norm's ε.
