@@ -501,10 +501,10 @@ struct KdaPartLayout {
 // arithmetic; v's conv over its own columns, whose windows it writes. A warp takes 32 adjacent floats
 // of the part's state, 32 / kCols rows of kCols columns or 32 columns of one row (conflict-free shared
 // reads, whole 64- or 128-byte global stores); the column sums go through shared memory, in a fixed
-// order. Each part stores its o columns and counts itself out on
-// `done` (a counter a pair, 0 between steps: the last part resets it). The last part, once every part
-// has read the q and k windows and stored its o, pushes the token into those windows and, with the
-// norm, reads the other parts' o back (L2) and writes the head's gated norm over its own.
+// order. Each part stores its o columns and counts itself out on `done` (a counter a pair, 0 between
+// steps: the last part resets it). The last part, once every part has read the q and k windows and
+// stored its o, pushes the token into those windows and, with the norm, reads the other parts' o back
+// (L2) and writes the head's gated norm over its own.
 template <int D, int kParts>
 __device__ __noinline__ void fused_core_token_part(const TaskCtx& ctx, int s, int64_t h, int part, unsigned* done) {
   using L = KdaPartLayout<D, kParts>;
@@ -637,8 +637,8 @@ __device__ __forceinline__ int kda_split_parts(int d, int64_t pairs, int64_t tas
 // kKdaFusedCore: kda_delta_rule(conv_q(x_q), conv_k(x_k), conv_v(x_v), kda_gate(f·W_fbᵀ), σ(b)) for the
 // step's (sequence, head) pairs, a task a contiguous share of them (sequence-major), or with 2 or 4
 // tasks a pair (kda_split_parts) a part of one (spread_tasks: the plan's column slices are not used,
-// its consumers and overwriters wait for every task). inputs x_q, x_k, x_v [T, P], f [T, F], b [T, heads] (act), and g
-// [T, G] when the output norm is in (six inputs); weights C_q, C_k, C_v [P, 1, K], W_fb [P, F], A_log
+// its consumers and overwriters wait for every task). inputs x_q, x_k, x_v [T, P], f [T, F], b [T,
+// heads] (act), and g [T, G] when the output norm is in (six inputs); weights C_q, C_k, C_v [P, 1, K], W_fb [P, F], A_log
 // [heads], dt_bias [P], then W_gb [P, G] and the norm's w [d]; attrs [0] head_dim, [1] bounded, [2]
 // lower_bound, [3] kernel K, [4..6] the conv windows' states (conv_q, conv_k, conv_v), [7] the norm's ε.
 // State: the recurrent one, fp32 [heads, d, d] per slot.
