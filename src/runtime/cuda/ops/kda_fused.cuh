@@ -349,6 +349,30 @@ __device__ __forceinline__ float conv_one_token(const DeviceWeight& taps, int ke
   return round_act(act, siluf_(sum));
 }
 
+// A one-token pair's gates over the head's rows j < d: exp(g) into sdecay[j], g = kda_gate_rate of
+// round(f·W_fbᵀ) + dt_bias; with the output norm, the output gate's z = round(g·W_gbᵀ) into sz[j] in
+// the same pass (head_rows_dots).
+template <int D>
+__device__ __forceinline__ void stage_token_gates(const TaskCtx& ctx, int first, int64_t h, int d, bool norm, float* sdecay, float* sz) {
+  const int32_t act = ctx.op->act;
+  const float rate = expf(weight_flat(ctx.weight(4), h));
+  const bool bounded = ctx.attr(1) != 0.0f;
+  const float lower_bound = ctx.attr(2);
+  const DeviceWeight& dt_bias = ctx.weight(5);
+  const auto emit = [&](int k, int j, float dot) {
+    if (k == 0) {
+      sdecay[j] = expf(kda_gate_rate(round_act(act, dot) + weight_flat(dt_bias, h * d + j), rate, bounded, lower_bound));
+    } else {
+      sz[j] = round_act(act, dot);
+    }
+  };
+  if (norm) {
+    head_rows_dots<D, 2>(ctx, {3, 6}, {3, 5}, first, h, d, emit);
+  } else {
+    head_rows_dots<D, 1>(ctx, {3}, {3}, first, h, d, emit);
+  }
+}
+
 // Shared memory of fused_core_token: the head's state [D][kStride] (rows padded so that a warp's reads
 // in the delta rule fall in distinct banks), then q, k, v, exp(g), z and o [D] each.
 template <int D>
@@ -416,25 +440,8 @@ __device__ __noinline__ void fused_core_token(const TaskCtx& ctx, int s, int64_t
   // The gate: z = round(f·W_fbᵀ) + dt_bias, staged as exp(g) (padded rows decay by 1); with the output
   // norm, its gate's z = round(g·W_gbᵀ) in the same pass.
   const bool norm = ctx.op->num_inputs == 6;
-  {
-    const float rate = expf(weight_flat(ctx.weight(4), h));
-    const bool bounded = ctx.attr(1) != 0.0f;
-    const float lower_bound = ctx.attr(2);
-    const DeviceWeight& dt_bias = ctx.weight(5);
-    const auto emit = [&](int k, int j, float dot) {
-      if (k == 0) {
-        sdecay[j] = expf(kda_gate_rate(round_act(act, dot) + weight_flat(dt_bias, h * d + j), rate, bounded, lower_bound));
-      } else {
-        sz[j] = round_act(act, dot);
-      }
-    };
-    if (norm) {
-      head_rows_dots<D, 2>(ctx, {3, 6}, {3, 5}, first, h, d, emit);
-    } else {
-      head_rows_dots<D, 1>(ctx, {3}, {3}, first, h, d, emit);
-    }
-    for (int j = d + tid; j < D; j += kThreads) sdecay[j] = 1.0f;
-  }
+  stage_token_gates<D>(ctx, first, h, d, norm, sdecay, sz);
+  for (int j = d + tid; j < D; j += kThreads) sdecay[j] = 1.0f;
   const float beta = sigmoidf_(round_act(ctx.in_act(4), ctx.in(4, first)[h]));
   __syncthreads();
   // q̂ = l2n(q)/√d, k̂ = l2n(k) in place: warp 0 q, warp 1 k.
@@ -542,24 +549,7 @@ __device__ __noinline__ void fused_core_token_part(const TaskCtx& ctx, int s, in
     float* dst = which == 0 ? sq + j : which == 1 ? sk + j : sv + (j - c0);
     *dst = conv_one_token(ctx.weight(which), kernel, ctx.in(which, first), ctx.in_act(which), act, window(which), h * D + j, which == 2);
   }
-  {
-    const float rate = expf(weight_flat(ctx.weight(4), h));
-    const bool bounded = ctx.attr(1) != 0.0f;
-    const float lower_bound = ctx.attr(2);
-    const DeviceWeight& dt_bias = ctx.weight(5);
-    const auto emit = [&](int k, int j, float dot) {
-      if (k == 0) {
-        sdecay[j] = expf(kda_gate_rate(round_act(act, dot) + weight_flat(dt_bias, h * D + j), rate, bounded, lower_bound));
-      } else {
-        sz[j] = round_act(act, dot);
-      }
-    };
-    if (norm) {
-      head_rows_dots<D, 2>(ctx, {3, 6}, {3, 5}, first, h, D, emit);
-    } else {
-      head_rows_dots<D, 1>(ctx, {3}, {3}, first, h, D, emit);
-    }
-  }
+  stage_token_gates<D>(ctx, first, h, D, norm, sdecay, sz);
   const float beta = sigmoidf_(round_act(ctx.in_act(4), ctx.in(4, first)[h]));
   __syncthreads();
   if (warp_id() < 2) normalize_row<D>(warp_id() == 0 ? sq : sk, D, warp_id() == 0 ? 1.0f / sqrtf(static_cast<float>(D)) : 1.0f);
