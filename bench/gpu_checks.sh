@@ -2,7 +2,7 @@
 # GPU checks on a machine with an H100/H200, from binaries built elsewhere (BIN, default build/bin):
 # the five gpu test binaries, then compute-sanitizer memcheck and racecheck on a small plan (the
 # megakernel and eager), on split-KV MLA at the real head shape and on chunked KDA (tensor-core phases,
-# strong decays; 132 workers at the 48B head dim) and on the fused KDA decode op. Logs go to OUT (default /tmp/plow-gpu); a summary is printed last.
+# strong decays; 132 workers at the 48B head dim), on the fused KDA decode op and on Block AttnRes. Logs go to OUT (default /tmp/plow-gpu); a summary is printed last.
 # plow and cuda_server_tests link Debian's libcpp-httplib.so.0.11 (and brotli), which the GPU machine's
 # Ubuntu lacks: copy them along and put their folder on LD_LIBRARY_PATH (a binary that cannot start
 # reports rc 127 and the loader's message below).
@@ -41,5 +41,9 @@ run racecheck_kda 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BI
 fused='Ops/CudaOpTest.MatchesReference/kda_fused_core_h4_d128*:Ops/CudaOpTest.MatchesReference/kda_fused_core_h1_d24_f21_k3_norm*:Ops/CudaOpTest.MatchesReference/kda_fused_core_h2_d22*'
 run memcheck_fused_core 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$fused"
 run racecheck_fused_core 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$fused"
+# Block AttnRes: its phases' hand-offs through the workspace at K3's width and depth on 132 workers.
+ar='Ops/CudaOpTest.MatchesReference/attn_res_*_j9_w7168*'
+run memcheck_attn_res 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$ar"
+run racecheck_attn_res 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$ar"
 for line in "${summary[@]}"; do echo "$line"; done
 grep -h -E '^\[  FAILED  \]' "$OUT"/*_tests.log | sort -u | head -40

@@ -169,7 +169,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
   m.state_table = upload(m.states, "the state table");
   m.contexts.assign(static_cast<size_t>(options.num_slots), 0);
 
-  // Ops whose tasks cooperate across blocks (MLA split-KV, chunked KDA: ops_attrs.h cooperates) share
+  // Ops whose tasks cooperate across blocks (MLA split-KV, chunked KDA, AttnRes: ops_attrs.h cooperates) share
   // one workspace, sized for the largest; sharing is safe because each such op depends on the one before
   // it (checked here).
   int64_t workspace_floats = 0;

@@ -56,12 +56,15 @@ bool pack_misc_attrs(const PlanOp& op, float* attr) {
   switch (op.op()) {
     case Op::kRmsNorm:
     case Op::kAddNorm:
-    case Op::kAttnResMix:
       attr[0] = value(op, "eps");
       return true;
+    case Op::kAttnResMix:
     case Op::kAttnResNorm:
+      if (op.inputs.empty() || op.inputs.size() > static_cast<size_t>(kAttnResMaxValues)) {
+        fail("{}: cuda AttnRes mixes 1 to {} values, found {}", op.label, kAttnResMaxValues, op.inputs.size());
+      }
       attr[0] = value(op, "eps");
-      attr[1] = value(op, "norm_eps");
+      attr[1] = op.op() == Op::kAttnResNorm ? value(op, "norm_eps") : 0.0f;
       return true;
     case Op::kGatedRmsNorm:
       attr[0] = value(op, "head_dim");
@@ -121,7 +124,9 @@ bool pack_misc_attrs(const PlanOp& op, float* attr) {
   }
 }
 
-bool cooperates(const PlanOp& op) { return op.op() == Op::kMlaAttention || op.op() == Op::kKdaDeltaRule; }
+bool cooperates(const PlanOp& op) {
+  return op.op() == Op::kMlaAttention || op.op() == Op::kKdaDeltaRule || op.op() == Op::kAttnResMix || op.op() == Op::kAttnResNorm;
+}
 
 int64_t workspace_floats(const PlanOp& op, int64_t max_tokens, int64_t max_seqs, int32_t tasks) {
   if (op.op() == Op::kMlaAttention) {  // q_abs of every row (padded to 4 floats), then the partials of at most 2·tasks + Σ groups split items, Σ groups ≤ ⌈T·heads/16⌉ + T
@@ -134,6 +139,10 @@ int64_t workspace_floats(const PlanOp& op, int64_t max_tokens, int64_t max_seqs,
     const int64_t d = integer(op, "head_dim");
     const int64_t chunks = (max_tokens + kKdaChunk - 1) / kKdaChunk + std::min(max_seqs, max_tokens / kKdaChunkedMinTokens);
     return chunks * (op.width / d) * kda_record_floats(kda_padded_dim(static_cast<int>(d)));
+  }
+  if (op.op() == Op::kAttnResMix || op.op() == Op::kAttnResNorm) {  // attn_res_workspace_floats, as attn_res_schedule cuts a step: rows · chunks ≤ tasks · item rows + rows
+    const int64_t values = static_cast<int64_t>(op.inputs.size());
+    return (int64_t{tasks} * kAttnResItemRows + max_tokens) * (2 * values + 1) + max_tokens * values;
   }
   return 0;
 }

@@ -17,8 +17,8 @@ inline constexpr int kPackedAttrs = 16;  // = kMaxAttrs of device.cuh (static_as
 bool pack_misc_attrs(const PlanOp& op, float* attr);
 
 // Whether the op's tasks cooperate within a step through a global workspace and OpDesc::sync counters
-// (MLA split-KV, ops/mla.cuh; chunked KDA prefill, ops/kda_chunked.cuh), and the floats of workspace
-// such an op needs for steps of up to max_tokens rows and max_seqs sequences, run by `tasks` tasks.
+// (MLA split-KV, ops/mla.cuh; chunked KDA prefill, ops/kda_chunked.cuh; AttnRes, ops/attn_res.cuh),
+// and the floats of workspace such an op needs for steps of up to max_tokens rows and max_seqs sequences, run by `tasks` tasks.
 bool cooperates(const PlanOp& op);
 int64_t workspace_floats(const PlanOp& op, int64_t max_tokens, int64_t max_seqs, int32_t tasks);
 

@@ -15,6 +15,14 @@ inline constexpr int kMoeDeviceMaxExperts = 1024, kMoeDeviceMaxPairs = 2048;
 inline constexpr int kMoeGemvMaxStagedBytes = 200 * 1024;  // its GEMV's staged rows of a block (an SM holds 227 KB)
 inline constexpr int kShortConvMaxKernel = 64;
 
+// Block AttnRes (attn_res.cuh): rows of a work item, the values (depth) a mix takes at most, and the
+// workspace floats of a step of `rows` rows whose items cut the columns into `chunks` (none for one).
+inline constexpr int kAttnResItemRows = 8;
+inline constexpr int kAttnResMaxValues = 1024;
+constexpr long long attn_res_workspace_floats(long long rows, long long values, long long chunks) {
+  return chunks > 1 ? rows * chunks * (2 * values + 1) + rows * values : 0;
+}
+
 // Chunked KDA prefill (kda_chunked.cuh): positions per chunk, and the workspace record of one (chunk,
 // head) for head dim d, whose bodies run at the padded dim (16, 32, 64 or 128): T' and M [C][C], then
 // Q⊙e^γ, K⊙e^γ and K⊙e^{γ_C−γ} [C][D], then e^{γ_C} [D].
