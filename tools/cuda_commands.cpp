@@ -149,6 +149,8 @@ void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
   cmd->add_option("--workers", args.workers, "megakernel blocks (default: one per SM)");
   cmd->add_option("--light-task-elements", args.light_task_elements, "decode plans: at most one task of a light op per this many output elements")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  cmd->add_option("--attn-res-chunk", args.attn_res_chunk, "AttnRes work items: at least this many columns a chunk (0: about one item a task a phase)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   cmd->add_option("--disable-rule", args.disabled_rules, "decode plans: compile without this compiler rule (docs/compiler.md; repeatable), to time a fusion against its absence");
   cmd->add_flag("--profile", args.profile, "per-opcode time, bytes and bandwidth; the megakernel's wait and run time");
   cmd->add_flag("--served-sampling", args.served_sampling,
@@ -327,6 +329,7 @@ int run_bench_decode(const BenchDecodeArgs& args) {
     options.device = gpu;
     options.comm = comm.get();
     options.gemm_min_rows = gemm_min_rows;
+    options.attn_res_min_chunk = args.attn_res_chunk;
     cuda::CudaBackend backend(model->graph, weights, std::move(plans), options);
     if (!quiet) std::cerr << fmt::format("weights on the device: {:.2f} GB\n", static_cast<double>(cuda::device_weight_bytes(*weights)) / 1e9);
     if (args.diagnose) {
@@ -374,6 +377,7 @@ int run_bench_decode(const BenchDecodeArgs& args) {
                        {"plan", plan_info[bi]},
                        {"light_task_elements", args.light_task_elements},
                        {"disabled_rules", args.disabled_rules},
+                       {"attn_res_chunk", args.attn_res_chunk},
                        {"device", device},
                        {"git_rev", rev},
                        {"command", args.command_line},

@@ -245,6 +245,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
       d.weights = prepared.op_weights.as<DeviceWeight>() + weight_at[i].first;
       pack_attrs(op, d.attr);
       if (op.op() == Op::kAllReduce) d.attr[0] = static_cast<float>(reduce_ordinal++);
+      if (op.op() == Op::kAttnResMix || op.op() == Op::kAttnResNorm) d.attr[2] = static_cast<float>(options.attn_res_min_chunk);
       d.tasks = op_task_count[i];
       if (options.prefill_gemm && options.prefill_round_in_readers) d.round_in = round_in_mask(plan, op);  // only GEMM steps leave inputs unrounded
       if (cooperates(op)) {

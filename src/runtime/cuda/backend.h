@@ -82,6 +82,9 @@ struct CudaOptions {
   int64_t mla_scores_bytes = int64_t{512} << 20;
   // Steps with StepInputs::draws draw their rows on the device (sample.cuh) and download the ids.
   bool device_sampling = true;
+  // AttnRes work items take at least this many columns of a row (ops/attn_res.cuh; 0: as many chunks
+  // as give about one item a task a phase). `plow bench decode --attn-res-chunk`, to time the cut.
+  int64_t attn_res_min_chunk = 0;
 };
 
 // Per-opcode time of one step (profile mode): measured by running the step's ops one launch each

@@ -29,13 +29,15 @@ struct AttnResSchedule {
   int chunk;           // columns of an item's chunk (a multiple of 8; the last one may be shorter)
 };
 
-// Enough chunks that a phase has about one item a task, of at least 8 columns.
-__device__ __forceinline__ AttnResSchedule attn_res_schedule(int rows, int64_t width, int tasks) {
+// Enough chunks that a phase has about one item a task, of at least 8 columns, or of at least
+// min_chunk (attr 2, CudaOptions::attn_res_min_chunk; fewer chunks only, so the workspace bound holds).
+__device__ __forceinline__ AttnResSchedule attn_res_schedule(int rows, int64_t width, int tasks, int min_chunk) {
   const int groups = (rows + kAttnResItemRows - 1) / kAttnResItemRows;
   const int most = static_cast<int>((width + 7) / 8);
   int chunks = (tasks + groups - 1) / groups;
   chunks = chunks < 1 ? 1 : chunks > most ? most : chunks;
-  const int chunk = static_cast<int>(((width + chunks - 1) / chunks + 7) / 8 * 8);
+  int chunk = static_cast<int>(((width + chunks - 1) / chunks + 7) / 8 * 8);
+  if (min_chunk > chunk) chunk = (min_chunk + 7) / 8 * 8;
   return {groups, static_cast<int>((width + chunk - 1) / chunk), chunk};
 }
 
@@ -126,13 +128,14 @@ __device__ void attn_res_rows_item(const TaskCtx& ctx, int t0, int n, float* alp
 }
 
 // kAttnResMix (kNorm false): out = Σ_j softmax_j(s)·V_j. kAttnResNorm (kNorm true): rms_norm of that
-// mix (rounded to the activation dtype) with weight w. attrs: [0] eps (the mix), [1] norm_eps.
+// mix (rounded to the activation dtype) with weight w. attrs: [0] eps (the mix), [1] norm_eps, [2] the
+// least columns of an item's chunk (0: attn_res_schedule's).
 // Weights w_n [H], w_q [1,H] (and w [H]). Inputs: the J values [T, H] (variadic).
 template <bool kNorm>
 __device__ void attn_res_body(const TaskCtx& ctx) {
   const int rows = ctx.rows(), values = ctx.op->num_inputs;
   const int64_t width = ctx.op->width;
-  const AttnResSchedule sch = attn_res_schedule(rows, width, ctx.op->tasks);
+  const AttnResSchedule sch = attn_res_schedule(rows, width, ctx.op->tasks, static_cast<int>(ctx.attr(2)));
   float* const alpha = smem_floats(ctx) + 32;                // after the ticket: [kAttnResItemRows][J]
   float* const scale = alpha + kAttnResItemRows * values;   // [kAttnResItemRows]
   if (sch.chunks == 1) {  // whole rows an item: the task's own items, no counters
