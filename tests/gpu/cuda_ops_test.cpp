@@ -320,11 +320,9 @@ OpCase attn_res(int values, int64_t width, bool fused_norm) {
             weights.push_back(g.weight(norm_weight("norm", width)));
             g.op(Op::kAttnResNorm, inputs, weights, {{"eps", 1e-5}, {"norm_eps", 1e-6}});
           },
-          // The mix cancels (values of scale 1..3 sum to small outputs): fp32 measured against the scale,
-          // 64 units up to 256 columns; the scores are sums over the width in another order, whose error
-          // (and the mix's, through the softmax) grows as √width: two fp32 orders of the 7,168 × 9 case
-          // in numpy differ by up to 67 units. bf16: the fused norm rounds three times (mix, x·rsqrt,
-          // w·x): up to three ulps; the mix once.
+          // fp32 against the scale (the mix cancels), 64 units to 256 columns, then × √(width/256): the
+          // scores sum the width in another order (numpy, two orders at 7,168 × 9: up to 67 units).
+          // bf16: the fused norm rounds three times (mix, x·rsqrt, w·x), the mix once.
           {64.0 * std::max(1.0, std::sqrt(double(width) / 256.0)), fused_norm ? 3.0 : 2.0, 1.0, 0.01}};
 }
 
@@ -455,9 +453,8 @@ std::vector<OpCase> cases() {
     all.push_back(attn_res(values, 130, true));
   }
   for (bool fused_norm : {true, false}) {  // K3's width and depth on 132 workers: decode items of 56 columns
-    OpCase c = attn_res(9, 7168, fused_norm);
-    c.workers = 132;
-    all.push_back(std::move(c));
+    all.push_back(attn_res(9, 7168, fused_norm));
+    all.back().workers = 132;
   }
   for (OpCase c : {moe_topk({256, 8}, "e256_k8"), moe_topk({64, 6, 8, 3}, "e64_k6_g8"), moe_topk({896, 16}, "e896_k16"), rms_norm(1030),
                    add_norm(1030), gated_rms_norm(4, 128), gated_rms_norm(3, 48), gated_rms_norm(2, 160), elementwise("add_257", Op::kAdd, 257, 2, {}, exact),
