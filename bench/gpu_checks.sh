@@ -2,7 +2,7 @@
 # GPU checks on a machine with an H100/H200, from binaries built elsewhere (BIN, default build/bin):
 # the five gpu test binaries, then compute-sanitizer memcheck and racecheck on a small plan (the
 # megakernel and eager), on split-KV MLA at the real head shape and on chunked KDA (tensor-core phases,
-# strong decays; 132 workers at the 48B head dim), on the fused KDA decode op and on Block AttnRes. Logs go to OUT (default /tmp/plow-gpu); a summary is printed last.
+# strong decays; 132 workers at the 48B head dim), on the fused KDA decode op, on Block AttnRes and on MXFP4 routed experts. Logs go to OUT (default /tmp/plow-gpu); a summary is printed last.
 # plow and cuda_server_tests link Debian's libcpp-httplib.so.0.11 (and brotli), which the GPU machine's
 # Ubuntu lacks: copy them along and put their folder on LD_LIBRARY_PATH (a binary that cannot start
 # reports rc 127 and the loader's message below).
@@ -19,7 +19,7 @@ run() {  # name timeout command...
   summary+=("$name: rc $rc, $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$name.log" | tr '\n' ' ')$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$name.log" | tr '\n' ' ')$( [ $rc -eq 127 ] && head -c 300 "$OUT/$name.log")")
 }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
-run gemv_tests 120 "$BIN/cuda_gemv_tests"
+run gemv_tests 240 "$BIN/cuda_gemv_tests"
 run ops_tests 120 "$BIN/cuda_ops_tests"
 run model_tests 300 "$BIN/cuda_model_tests"
 run prefill_tests 300 "$BIN/cuda_prefill_tests"
@@ -45,5 +45,9 @@ run racecheck_fused_core 180 compute-sanitizer --tool racecheck --error-exitcode
 ar='Ops/CudaOpTest.MatchesReference/attn_res_*_j9_w7168*'
 run memcheck_attn_res 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$ar"
 run racecheck_attn_res 180 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_ops_tests" --gtest_filter="$ar"
+# MXFP4 routed experts: lane groups a row (1, 2 and 16 lanes, lanes one block short), gate/up and down.
+mx='Ops/CudaGemvTest.MatchesTheReference/moe_down_64x96_mxfp4_F32:Ops/CudaGemvTest.MatchesTheReference/moe_down_add_1056x160_mxfp4_BF16'
+run memcheck_mxfp4 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_gemv_tests" --gtest_filter="$mx"
+run racecheck_mxfp4 240 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_gemv_tests" --gtest_filter="$mx"
 for line in "${summary[@]}"; do echo "$line"; done
 grep -h -E '^\[  FAILED  \]' "$OUT"/*_tests.log | sort -u | head -40

@@ -273,9 +273,11 @@ std::vector<GemvCase> cases() {
       }
     }
   }
-  // Routed experts (inter = out): bf16/f32 experts at odd sizes, MXFP4 experts (sizes multiples of 32).
+  // Routed experts (inter = out): bf16/f32 experts at odd sizes, MXFP4 experts (sizes multiples of 32:
+  // rows of 2 to 33 blocks, so 1 to 16 lanes a row, lanes with fewer blocks than others).
   for (Op op : {Op::kMoeDown, Op::kMoeDownAdd}) {
-    for (auto [hidden, out, mxfp4] : {std::tuple<int64_t, int64_t, bool>{96, 40, false}, {130, 64, false}, {64, 96, true}, {256, 64, true}}) {
+    for (auto [hidden, out, mxfp4] :
+         {std::tuple<int64_t, int64_t, bool>{96, 40, false}, {130, 64, false}, {64, 96, true}, {256, 64, true}, {1056, 160, true}}) {
       for (DType dtype : {DType::F32, DType::BF16}) {
         all.push_back({std::string(op_name(op)) + "_" + std::to_string(hidden) + "x" + std::to_string(out) + (mxfp4 ? "_mxfp4_" : "_") +
                            std::string(dtype_name(dtype)),
@@ -283,6 +285,9 @@ std::vector<GemvCase> cases() {
       }
     }
   }
+  // K3's MXFP4 experts: gate/up rows 3,584 wide (112 blocks: 32 lanes a row, half of them one block
+  // short), down rows 384 wide (12 blocks: 4 lanes a row). ~40 s: the reference decodes every code.
+  all.push_back({"moe_down_3584x384_mxfp4_BF16", Op::kMoeDown, 3584, 384, DType::BF16, true});
   // Inputs through views (x read in place at stride hidden + 13), every op of the family once per dtype;
   // moe_down_add also reads x as its residual.
   for (Op op : {Op::kLinear, Op::kNormLinear, Op::kMultiLinear, Op::kNormMultiLinear, Op::kAddNormMultiLinear, Op::kLinearAdd, Op::kGateUpAct,

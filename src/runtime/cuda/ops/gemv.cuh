@@ -53,12 +53,61 @@ __device__ __forceinline__ bool dot_pair(const TaskCtx& ctx, Ref ref, int64_t c,
   }
 }
 
+// Lane sums of a group of `lanes` aligned lanes (a power of two) to every lane of the group.
+__device__ __forceinline__ float lanes_sum(float v, int lanes) {
+  for (int o = lanes >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Whether the NDOT rows the op's columns read are MXFP4 (routed experts), n a whole number of blocks.
+template <int NDOT, class Ref>
+__device__ __forceinline__ bool mx_rows(const TaskCtx& ctx, Ref ref, int t, int n) {
+  bool all = n % 32 == 0;
+#pragma unroll
+  for (int j = 0; j < NDOT; ++j) all = all && ctx.op->weights[ref(j, ctx.col_begin, t).weight].type == kWMXFP4;
+  return all;
+}
+
+// gemv_pass's per-token form over MXFP4 rows: groups of mx_row_lanes(n / 32) lanes each take a column's
+// NDOT rows at once (gate and up), a warp as many columns as it has groups; one round of loads a column
+// where K3's latent-wide rows (3,584 columns, 112 blocks) take the whole warp.
+template <int NDOT, class Ref, class Epi>
+__device__ __forceinline__ void gemv_pass_mx(const TaskCtx& ctx, const float* xs, int ld, int n, int t0, int count, Ref ref, Epi epi) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int blocks = n / 32, lanes = mx_row_lanes(blocks), groups = 32 / lanes, grp = lane / lanes, sub = lane % lanes;
+  for (int g = 0; g < count; ++g) {
+    const int t = t0 + g;
+    for (int64_t c0 = ctx.col_begin + static_cast<int64_t>(warp) * groups; c0 < ctx.col_end; c0 += static_cast<int64_t>(kWarps) * groups) {
+      const int64_t c = c0 + grp;
+      const bool live = c < ctx.col_end;
+      MxRow rows[NDOT];
+      float acc[NDOT];
+#pragma unroll
+      for (int j = 0; j < NDOT; ++j) {
+        const RowRef r = ref(j, live ? c : c0, t);
+        rows[j] = mx_row(ctx.op->weights[r.weight], r.part, r.row, xs + g * ld);
+        acc[j] = 0.0f;
+      }
+      mx_lane_dots<NDOT>(rows, live ? blocks : 0, sub, lanes, acc);
+#pragma unroll
+      for (int j = 0; j < NDOT; ++j) acc[j] = lanes_sum(acc[j], lanes);
+      if (live && sub == 0) epi(t, c, acc);
+    }
+  }
+}
+
 // The driver: for token groups of the step, stage(xs, ld, t0, count) fills the staged rows (all
 // threads; rows ≥ count are zero), then for each column c of the slice (one warp each) and each of
 // NDOT weight rows ref(j, c, t) the warp computes the dots; epi(t, c, dots) writes (lane 0).
 // PER_TOKEN: the rows depend on the token (routed experts) — one token per pass.
 template <int NDOT, int G, bool PER_TOKEN, class Ref, class Epi>
 __device__ __forceinline__ void gemv_pass(const TaskCtx& ctx, const float* xs, int ld, int n, int t0, int count, Ref ref, Epi epi) {
+  if constexpr (PER_TOKEN) {
+    if (mx_rows<NDOT>(ctx, ref, t0, n)) {
+      gemv_pass_mx<NDOT>(ctx, xs, ld, n, t0, count, ref, epi);
+      return;
+    }
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   for (int64_t c = ctx.col_begin + warp; c < ctx.col_end; c += kWarps) {
     float acc[NDOT][G];
@@ -404,6 +453,36 @@ __device__ __forceinline__ void moe_down_dots(const DeviceWeight& w2, const floa
   db = warp_sum(acc_b[0]);
 }
 
+// moe_down's (column, slot) pairs over MXFP4 rows, each pair's rounded dot into dots[p]: groups of
+// mx_row_lanes(I / 32) lanes take two pairs at once, a warp as many pairs as twice its groups. K3's
+// 384-wide rows (12 blocks of 16 bytes) took 12 lanes of a warp one load each, two rows at a time: a
+// DRAM latency for 384 bytes, ~170 GB/s over the op.
+__device__ __forceinline__ void moe_down_mx_dots(const TaskCtx& ctx, const DeviceWeight& w2, const float* route, int top_k, int inter, const float* x,
+                                                 int pairs, float* dots) {
+  constexpr int kPer = 2;  // pairs a lane group takes at once
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int blocks = inter / 32, lanes = mx_row_lanes(blocks), groups = 32 / lanes, grp = lane / lanes, sub = lane % lanes;
+  for (int w0 = warp * groups * kPer; w0 < pairs; w0 += kWarps * groups * kPer) {  // the warp's pairs: every lane stays for the sums
+    const int p0 = w0 + grp * kPer;
+    const bool live = p0 < pairs;
+    MxRow rows[kPer];
+    float acc[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int p = live ? (p0 + i < pairs ? p0 + i : p0) : w0;  // a missing pair reads a live one's row (not summed)
+      const int k = p % top_k;
+      rows[i] = mx_row(w2, static_cast<int64_t>(route[top_k + k]), ctx.col_begin + p / top_k, x + k * inter);
+      acc[i] = 0.0f;
+    }
+    mx_lane_dots<kPer>(rows, live ? blocks : 0, sub, lanes, acc);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      acc[i] = lanes_sum(acc[i], lanes);
+      if (live && sub == 0 && p0 + i < pairs) dots[p0 + i] = round_out(ctx, acc[i]);
+    }
+  }
+}
+
 // kMoeDown (and kMoeDownAdd with a third input `shared`): out[t, o] = round(Σ_k route_k ·
 // round(h_k · w2_{e_k}[o])) (+ shared, rounded again), k in order; a tensor-parallel partial sum
 // (round_out 0) rounds neither. attr0 = top_k.
@@ -440,14 +519,18 @@ __device__ __noinline__ void op_moe_down_impl(const TaskCtx& ctx) {
         if (ADD) v = round_out(ctx, v + ctx.in(2, t0 + g)[o]);
         ctx.out(t0 + g)[o] = v;
       };
-      for (int p = 2 * warp; p < pairs; p += 2 * kWarps) {  // pair p: column col_begin + p / top_k, slot p % top_k
-        const bool two = p + 1 < pairs;
-        float da = 0.0f, db = 0.0f;
-        moe_down_dots(w2, route, top_k, inter, x, ld, ctx.col_begin + p / top_k, p % top_k, ctx.col_begin + (p + 1) / top_k, (p + 1) % top_k, two, da,
-                      db);
-        if (lane == 0) {
-          dots[p] = round_out(ctx, da);
-          if (two) dots[p + 1] = round_out(ctx, db);
+      if (w2.type == kWMXFP4) {
+        moe_down_mx_dots(ctx, w2, route, top_k, inter, x, pairs, dots);
+      } else {
+        for (int p = 2 * warp; p < pairs; p += 2 * kWarps) {  // pair p: column col_begin + p / top_k, slot p % top_k
+          const bool two = p + 1 < pairs;
+          float da = 0.0f, db = 0.0f;
+          moe_down_dots(w2, route, top_k, inter, x, ld, ctx.col_begin + p / top_k, p % top_k, ctx.col_begin + (p + 1) / top_k, (p + 1) % top_k, two,
+                        da, db);
+          if (lane == 0) {
+            dots[p] = round_out(ctx, da);
+            if (two) dots[p + 1] = round_out(ctx, db);
+          }
         }
       }
       __syncthreads();

@@ -35,11 +35,113 @@ __device__ __forceinline__ void unpack8(uint4 v, int32_t type, float (&f)[8]) {
   unpack_half8(w, type, f);
 }
 
-// E2M1 code → value, branch-free: sign, 2 exponent bits (bias 1), 1 mantissa bit; e = 0 is 0 or 0.5.
-__device__ __forceinline__ float e2m1_bits(uint32_t code) {
-  const uint32_t e = (code >> 1) & 3, m = code & 1;
-  const uint32_t bits = e != 0 ? ((e + 126) << 23) | (m << 22) : (m != 0 ? 126u << 23 : 0u);
-  return __uint_as_float(bits | ((code & 8) << 28));
+// ---- MXFP4 (spec/MODEL.md §7.7) ----
+// An E2M1 code as fp16 bits: its sign to bit 15, its three magnitude bits (e1 e0 m) to bits 11–9, the
+// exponent field's low two bits and the top mantissa bit. That half is the code's value × 2⁻¹⁴ for every
+// code, e = 0 included (the subnormal 0 or 2⁻¹⁵ for 0 or 0.5), so a block's 32 products are taken on
+// the halves and the block's sum is scaled once by 2¹⁴ and the block's E8M0 scale, both powers of
+// two. Two codes a step: elements j and j + 4 of a 32-bit word (bits 4j and 4j + 16, low nibble the
+// even element) land in one half2 by two shifts and a masked or; the decode was ~10 instructions a code
+// (e2m1 by compares and selects, then a multiply by the scale).
+template <int J>
+__device__ __forceinline__ void e2m1_pair(uint32_t w, float& lo, float& hi) {
+  constexpr int kMag = 9 - 4 * J, kSign = 12 - 4 * J;
+  uint32_t mag;
+  if constexpr (kMag >= 0) {
+    mag = w << kMag;
+  } else {
+    mag = w >> -kMag;
+  }
+  const uint32_t h = (mag & 0x0E000E00u) | ((w << kSign) & 0x80008000u);
+  lo = __half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xffffu)));
+  hi = __half2float(__ushort_as_half(static_cast<unsigned short>(h >> 16)));
+}
+
+// acc + the pair's codes (e2m1_pair<J>) times x_lo, then x_hi.
+template <int J>
+__device__ __forceinline__ float e2m1_pair_fma(uint32_t w, float x_lo, float x_hi, float acc) {
+  float lo, hi;
+  e2m1_pair<J>(w, lo, hi);
+  return fmaf(hi, x_hi, fmaf(lo, x_lo, acc));
+}
+
+// Σ_j e2m1(code j)·2⁻¹⁴·x[j] over one 16-byte block of 32 codes (element 8q + j in word q at bits 4j);
+// x 16-byte aligned. Two accumulators, for the chains' latency.
+__device__ __forceinline__ float mx_block_dot(uint4 v, const float* x) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float s[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float4 a = *reinterpret_cast<const float4*>(x + 8 * q);
+    const float4 b = *reinterpret_cast<const float4*>(x + 8 * q + 4);
+    float& acc = s[q & 1];
+    acc = e2m1_pair_fma<0>(w[q], a.x, b.x, acc);
+    acc = e2m1_pair_fma<1>(w[q], a.y, b.y, acc);
+    acc = e2m1_pair_fma<2>(w[q], a.z, b.z, acc);
+    acc = e2m1_pair_fma<3>(w[q], a.w, b.w, acc);
+  }
+  return s[0] + s[1];
+}
+
+// E8M0 → 2^(e − 127) by its bits (e = 0: the subnormal 2⁻¹²⁷; 0xFF: NaN), as e8m0_value_dev.
+__device__ __forceinline__ float e8m0_scale(uint32_t e) { return __uint_as_float(e == 0xFFu ? 0x7fc00000u : e == 0u ? 0x00400000u : e << 23); }
+
+// acc + a block's dot (mx_block_dot) times 2¹⁴ (exact) and its scale.
+__device__ __forceinline__ float mx_block_add(float acc, uint4 v, uint32_t e, const float* x) {
+  return fmaf(mx_block_dot(v, x) * 16384.0f, e8m0_scale(e), acc);
+}
+
+// One MXFP4 weight row and the staged row it is dotted with.
+struct MxRow {
+  const uint8_t* codes;   // cols / 2 bytes: 16 a block
+  const uint8_t* scales;  // cols / 32 bytes: one a block
+  const float* x;         // cols floats, 16-byte aligned
+};
+
+__device__ __forceinline__ MxRow mx_row(const DeviceWeight& w, int64_t part, int64_t row, const float* x) {
+  return {w.data + part * w.part_bytes + static_cast<size_t>(row) * static_cast<size_t>(w.cols / 2),
+          w.scales + part * w.scale_part_bytes + static_cast<size_t>(row) * static_cast<size_t>(w.cols / 32), x};
+}
+
+// 16-byte blocks a lane keeps in flight on each of its MXFP4 rows.
+inline constexpr int kMxBatch = 4;
+
+// The lanes that share an MXFP4 row of `blocks` blocks: the fewest (a power of two, ≤ 32) that take
+// it in one round of kMxBatch blocks a lane. K3's routed down rows (384 columns, 12 blocks) take 4, so a
+// warp streams 8 rows at once where one row a warp kept 12 of its lanes busy with one load each.
+__device__ __forceinline__ int mx_row_lanes(int blocks) {
+  int lanes = 1;
+  while (lanes < 32 && lanes * kMxBatch < blocks) lanes <<= 1;
+  return lanes;
+}
+
+// This lane's share of the NR rows' dots, added to acc: the lane is `sub` of the `lanes` lanes that
+// share the rows and takes blocks sub, sub + lanes, …, a round of kMxBatch a row at a time. The caller
+// reduces acc over the lanes (an xor butterfly within aligned groups). ptxas issues a round's first
+// block, sums it, then issues the rest; forcing all the loads first (predicated volatile loads and a
+// __syncwarp) was measured 2% slower on K3 (H100), so the loop stays as written.
+template <int NR>
+__device__ __forceinline__ void mx_lane_dots(const MxRow (&rows)[NR], int blocks, int sub, int lanes, float (&acc)[NR]) {
+  for (int b0 = sub; b0 < blocks; b0 += lanes * kMxBatch) {
+    uint4 v[NR][kMxBatch];
+    uint32_t e[NR][kMxBatch];
+#pragma unroll
+    for (int u = 0; u < kMxBatch; ++u) {
+      const int b = b0 + lanes * u;
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        v[i][u] = b < blocks ? load_stream(rows[i].codes + static_cast<size_t>(b) * 16) : uint4{};
+        e[i][u] = b < blocks ? static_cast<uint32_t>(__ldg(rows[i].scales + b)) : 0u;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kMxBatch; ++u) {
+      const int b = b0 + lanes * u;
+      if (b >= blocks) break;
+#pragma unroll
+      for (int i = 0; i < NR; ++i) acc[i] = mx_block_add(acc[i], v[i][u], e[i][u], rows[i].x + b * 32);
+    }
+  }
 }
 
 template <int G>
@@ -104,15 +206,8 @@ __device__ __forceinline__ void lane_dot(const DeviceWeight& w, int64_t part, in
 #pragma unroll
       for (int u = 0; u < B; ++u) {
         if (c + 32 * u >= blocks) break;
-        const float scale = e8m0_value_dev(e[u]);
-        const uint32_t words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          float f[8];
-#pragma unroll
-          for (int j = 0; j < 8; ++j) f[j] = e2m1_bits((words[q] >> (4 * j)) & 0xF) * scale;
-          fma8<G>(f, xs, ld, (c + 32 * u) * 32 + q * 8, acc);
-        }
+        for (int g = 0; g < G; ++g) acc[g] = mx_block_add(acc[g], v[u], e[u], xs + g * ld + (c + 32 * u) * 32);
       }
     }
     return;
