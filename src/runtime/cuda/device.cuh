@@ -81,7 +81,8 @@ __device__ __forceinline__ float e2m1_value_dev(uint32_t code) {
   const float v = m[code & 7];
   return (code & 8) ? -v : v;
 }
-__device__ __forceinline__ float e8m0_value_dev(uint32_t e) { return e == 0xFF ? __int_as_float(0x7fc00000) : ldexpf(1.0f, static_cast<int>(e) - 127); }
+// E8M0 → 2^(e − 127) by its bits (e = 0: the subnormal 2⁻¹²⁷; 0xFF: NaN).
+__device__ __forceinline__ float e8m0_value_dev(uint32_t e) { return __uint_as_float(e == 0xFFu ? 0x7fc00000u : e == 0u ? 0x00400000u : e << 23); }
 __device__ __forceinline__ float weight_at(const DeviceWeight& w, int64_t part, int64_t row, int64_t col) {
   const uint8_t* base = w.data + part * w.part_bytes;
   switch (w.type) {

@@ -83,12 +83,9 @@ __device__ __forceinline__ float mx_block_dot(uint4 v, const float* x) {
   return s[0] + s[1];
 }
 
-// E8M0 → 2^(e − 127) by its bits (e = 0: the subnormal 2⁻¹²⁷; 0xFF: NaN), as e8m0_value_dev.
-__device__ __forceinline__ float e8m0_scale(uint32_t e) { return __uint_as_float(e == 0xFFu ? 0x7fc00000u : e == 0u ? 0x00400000u : e << 23); }
-
 // acc + a block's dot (mx_block_dot) times 2¹⁴ (exact) and its scale.
 __device__ __forceinline__ float mx_block_add(float acc, uint4 v, uint32_t e, const float* x) {
-  return fmaf(mx_block_dot(v, x) * 16384.0f, e8m0_scale(e), acc);
+  return fmaf(mx_block_dot(v, x) * 16384.0f, e8m0_value_dev(e), acc);
 }
 
 // One MXFP4 weight row and the staged row it is dotted with.
