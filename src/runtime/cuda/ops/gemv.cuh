@@ -59,6 +59,12 @@ __device__ __forceinline__ float lanes_sum(float v, int lanes) {
   return v;
 }
 
+// Whether staging() put the token rows `xs` in shared memory. The MXFP4 passes then read them through
+// smem_floats(ctx), a pointer ptxas knows to be shared: LDS instead of generic loads (8 a 16-byte block
+// of codes, which queued with the codes' global loads: ncu had K3's moe_gate_up at 1.1 cycles of
+// lg_throttle an instruction); rows staged in the global scratch take lane_dot's MXFP4 path.
+__device__ __forceinline__ bool staged_in_smem(const TaskCtx& ctx, const float* xs) { return xs == reinterpret_cast<const float*>(ctx.smem); }
+
 // Whether the NDOT rows the op's columns read are MXFP4 (routed experts), n a whole number of blocks.
 template <int NDOT, class Ref>
 __device__ __forceinline__ bool mx_rows(const TaskCtx& ctx, Ref ref, int t, int n) {
@@ -103,8 +109,8 @@ __device__ __forceinline__ void gemv_pass_mx(const TaskCtx& ctx, const float* xs
 template <int NDOT, int G, bool PER_TOKEN, class Ref, class Epi>
 __device__ __forceinline__ void gemv_pass(const TaskCtx& ctx, const float* xs, int ld, int n, int t0, int count, Ref ref, Epi epi) {
   if constexpr (PER_TOKEN) {
-    if (mx_rows<NDOT>(ctx, ref, t0, n)) {
-      gemv_pass_mx<NDOT>(ctx, xs, ld, n, t0, count, ref, epi);
+    if (mx_rows<NDOT>(ctx, ref, t0, n) && staged_in_smem(ctx, xs)) {
+      gemv_pass_mx<NDOT>(ctx, smem_floats(ctx), ld, n, t0, count, ref, epi);
       return;
     }
   }
@@ -519,8 +525,8 @@ __device__ __noinline__ void op_moe_down_impl(const TaskCtx& ctx) {
         if (ADD) v = round_out(ctx, v + ctx.in(2, t0 + g)[o]);
         ctx.out(t0 + g)[o] = v;
       };
-      if (w2.type == kWMXFP4) {
-        moe_down_mx_dots(ctx, w2, route, top_k, inter, x, pairs, dots);
+      if (w2.type == kWMXFP4 && staged_in_smem(ctx, xs)) {
+        moe_down_mx_dots(ctx, w2, route, top_k, inter, smem_floats(ctx) + g * ld, pairs, dots);
       } else {
         for (int p = 2 * warp; p < pairs; p += 2 * kWarps) {  // pair p: column col_begin + p / top_k, slot p % top_k
           const bool two = p + 1 < pairs;
