@@ -186,26 +186,15 @@ __device__ __forceinline__ void lane_dot(const DeviceWeight& w, int64_t part, in
     }
     return;
   }
-  if (w.type == kWMXFP4) {  // 16 bytes = 32 codes = one scale block (cols is a multiple of 32)
-    const uint8_t* r = base + static_cast<size_t>(row) * static_cast<size_t>(w.cols / 2);
-    const uint8_t* s = w.scales + part * w.scale_part_bytes + static_cast<size_t>(row) * static_cast<size_t>(w.cols / 32);
-    constexpr int B = 4;  // 16-byte blocks a lane in flight
-    const int blocks = n / 32;
-    for (int c = lane; c < blocks; c += 32 * B) {
-      uint4 v[B];
-      uint8_t e[B];
+  if (w.type == kWMXFP4) {  // cols a multiple of 32: mx_lane_dots over the whole warp, once a staged row
+    // (the MXFP4 passes of gemv.cuh take the routed experts; this is the fallback for rows staged in
+    // the global scratch, so reading the codes again for each of G rows is no cost that matters)
 #pragma unroll
-      for (int u = 0; u < B; ++u) {
-        const bool in = c + 32 * u < blocks;
-        v[u] = in ? load_stream(r + static_cast<size_t>(c + 32 * u) * 16) : uint4{};
-        e[u] = in ? __ldg(s + c + 32 * u) : uint8_t{0};
-      }
-#pragma unroll
-      for (int u = 0; u < B; ++u) {
-        if (c + 32 * u >= blocks) break;
-#pragma unroll
-        for (int g = 0; g < G; ++g) acc[g] = mx_block_add(acc[g], v[u], e[u], xs + g * ld + (c + 32 * u) * 32);
-      }
+    for (int g = 0; g < G; ++g) {
+      const MxRow one[1] = {mx_row(w, part, row, xs + g * ld)};
+      float sum[1] = {acc[g]};
+      mx_lane_dots<1>(one, n / 32, lane, 32, sum);
+      acc[g] = sum[0];
     }
     return;
   }
