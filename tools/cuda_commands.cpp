@@ -151,6 +151,9 @@ void add_bench_decode_options(CLI::App* cmd, BenchDecodeArgs& args) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--attn-res-chunk", args.attn_res_chunk, "AttnRes work items: at least this many columns a chunk (0: about one item a task a phase)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  cmd->add_option("--shadow-tail-workers", args.shadow_tail_workers,
+                  "decode plans: workers that run a top-k's shadow tail (the shared expert's down projection) beside the routed experts (0: in the shadow)")
+      ->check(CLI::Range(0, 1 << 20));
   cmd->add_option("--disable-rule", args.disabled_rules, "decode plans: compile without this compiler rule (docs/compiler.md; repeatable), to time a fusion against its absence");
   cmd->add_flag("--profile", args.profile, "per-opcode time, bytes and bandwidth; the megakernel's wait and run time");
   cmd->add_flag("--served-sampling", args.served_sampling,
@@ -308,7 +311,8 @@ int run_bench_decode(const BenchDecodeArgs& args) {
   {
     // The decode plans before the weights: a bad --disable-rule fails before ~100 GB are drawn.
     std::vector<Plan> plans;
-    for (int64_t b : args.batches) plans.push_back(compile_plan(*model, PlanPhase::kDecode, b, workers, max_context, true, args.light_task_elements, args.disabled_rules));
+    for (int64_t b : args.batches) plans.push_back(compile_plan(*model, PlanPhase::kDecode, b, workers, max_context, true,
+                                                                   {args.light_task_elements, args.shadow_tail_workers, args.disabled_rules}));
     auto weights = args.model_dir.empty() ? cuda::random_device_weights(model->graph, args.seed, dtype) : cuda::upload_weights(model->graph, *model->weights);
     // The GEMM path's prefill plans after the decode plans (plan_info[bi] stays the batch's decode plan).
     const auto on_gemm_path = [&](int64_t b) { return gemm_plans && b >= gemm_min_rows; };
@@ -377,6 +381,7 @@ int run_bench_decode(const BenchDecodeArgs& args) {
                        {"plan", plan_info[bi]},
                        {"light_task_elements", args.light_task_elements},
                        {"disabled_rules", args.disabled_rules},
+                       {"shadow_tail_workers", args.shadow_tail_workers},
                        {"attn_res_chunk", args.attn_res_chunk},
                        {"device", device},
                        {"git_rev", rev},

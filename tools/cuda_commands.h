@@ -86,6 +86,7 @@ struct BenchDecodeArgs {
   int workers = 0;
   int64_t light_task_elements = LowerOptions::kLightTaskElements;  // the decode plans' (plan/lower.h)
   std::vector<std::string> disabled_rules;                         // compiler rules the decode plans are compiled without
+  int32_t shadow_tail_workers = LowerOptions::kShadowTailWorkers;  // the decode plans' (plan/lower.h)
   int64_t attn_res_chunk = 0;                                      // CudaOptions::attn_res_min_chunk
   bool profile = false;
   // Also time each batch's steps as `serve` runs them, through the scheduler at context ~0: greedy

@@ -269,7 +269,7 @@ int run_compile(const CompileArgs& args) {
   const auto model = describe_model(args.source);
   const Plan plan = compile_plan(*model, decode ? PlanPhase::kDecode : PlanPhase::kPrefill, tokens,
                                  args.workers ? args.workers : default_workers(), args.max_context, !args.no_fusion,
-                                 LowerOptions::kLightTaskElements, args.disabled_rules);
+                                 PlanTuning{.disabled_rules = args.disabled_rules});
   write_plan(args.output, plan);
   json out = {{"plan", args.output}, {"phase", args.phase}, {"max_tokens", plan.max_tokens}, {"workers", plan.workers},
               {"ops", plan.ops.size()}, {"tasks", plan.tasks.size()}, {"critical_path_tasks", critical_path_tasks(plan)},

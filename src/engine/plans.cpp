@@ -19,10 +19,10 @@ uint64_t fingerprint_of(const LoadedModel& model) {
 }
 
 Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens, int workers, int64_t max_context, bool fuse,
-                  int64_t light_task_elements, const std::vector<std::string>& disabled_rules) {
+                  const PlanTuning& tuning) {
   CompileOptions options;
   options.fusion = fuse;
-  for (const std::string& name : disabled_rules) {
+  for (const std::string& name : tuning.disabled_rules) {
     std::string known;
     bool found = false;
     for (const Rule& rule : all_rules()) {
@@ -44,7 +44,8 @@ Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens,
   }
   const CompiledGraph compiled = compile_graph(model.graph, options);
   LowerOptions lower{phase, max_tokens, workers, max_context, fingerprint_of(model)};
-  lower.light_task_elements = light_task_elements;
+  lower.light_task_elements = tuning.light_task_elements;
+  lower.shadow_tail_workers = tuning.shadow_tail_workers;
   Plan plan = lower_to_plan(compiled.graph, lower);
   plan.compile.ops_before_fusion = static_cast<int64_t>(compiled.report.ops_before);
   plan.compile.rules_fired = compiled.report.rules_fired();

@@ -15,11 +15,19 @@ namespace plow {
 // its config with random weights (the weights' values are not hashed, their names and shapes are).
 uint64_t fingerprint_of(const LoadedModel& model);
 
-// Compiles (e-graph fusion with the certified rules unless `fuse` is false, less `disabled_rules`:
-// names of compiler rules, an unknown name an error) and lowers to one bucket (light_task_elements:
-// LowerOptions'). The plan records the graph's op count before fusion and the rules that fired.
+// What a benchmark may vary in a plan, to time it against the defaults: LowerOptions' task sizes and
+// placement, and compiler rules left out (their names; an unknown name is an error).
+struct PlanTuning {
+  int64_t light_task_elements = LowerOptions::kLightTaskElements;
+  int32_t shadow_tail_workers = LowerOptions::kShadowTailWorkers;
+  std::vector<std::string> disabled_rules;
+};
+
+// Compiles (e-graph fusion with the certified rules unless `fuse` is false, less the tuning's
+// disabled rules) and lowers to one bucket. The plan records the graph's op count before fusion and
+// the rules that fired.
 Plan compile_plan(const LoadedModel& model, PlanPhase phase, int64_t max_tokens, int workers, int64_t max_context, bool fuse = true,
-                  int64_t light_task_elements = LowerOptions::kLightTaskElements, const std::vector<std::string>& disabled_rules = {});
+                  const PlanTuning& tuning = {});
 
 // The plans a server needs: decode buckets 1, 2, 4, … up to num_slots, and one prefill plan for steps
 // of step_tokens (mixed prefill + decode steps run on it). The cuda backend asks for the prefill plan

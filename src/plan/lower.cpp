@@ -91,6 +91,7 @@ void check_options(const LowerOptions& options) {
     fail("lower_to_plan: workers {} outside 1..{}", options.workers, PlanLimits::kMaxWorkers);
   }
   if (options.light_task_elements < 1) fail("lower_to_plan: light_task_elements {} is below 1", options.light_task_elements);
+  if (options.shadow_tail_workers < 0) fail("lower_to_plan: shadow_tail_workers {} is below 0", options.shadow_tail_workers);
   if (options.max_context < 0 || (options.max_context > 0 && options.max_context < options.max_tokens)) {
     fail("lower_to_plan: max_context {} is below the bucket's {} tokens", options.max_context, options.max_tokens);
   }
@@ -305,13 +306,44 @@ Plan lower_to_plan(const Graph& graph, const LowerOptions& options) {
     for (int32_t j = static_cast<int32_t>(i) + 1; j < readers[i].front(); ++j) shadow_of[static_cast<size_t>(j)] = static_cast<int32_t>(i);
   }
 
+  // A shadow's tail: its last ops, but light ones, that neither the serial op's first reader nor an op
+  // before that reads (the shared expert's down projection, read by the routed down op; K3's shadow
+  // holds the shared expert's situ_mul, two light tasks, and keeps it). With shadow_tail_workers D, a
+  // tail op runs on D workers of its own and the first reader (the routed gate/up) on the others, so
+  // the tail runs beside the first reader instead of before it on every worker: the shared expert's
+  // two projections overran the top-k's shadow by ~9 µs a MoE layer, all of it on the critical path
+  // (48B decode, docs/cuda.md). tail_of[j]: the serial op whose tail j is; tail_beside[r]: the serial
+  // op whose tail runs beside r.
+  std::vector<int32_t> tail_of(n, -1), tail_beside(n, -1);
+  const int64_t tail_workers = options.shadow_tail_workers;
+  if (tail_workers > 0 && tail_workers * 4 <= plan.workers) {
+    for (size_t serial = 0; serial < n; ++serial) {
+      if (plan.ops[serial].op() != Op::kMoeTopK || readers[serial].empty()) continue;
+      const int32_t first_reader = readers[serial].front();
+      if (shadow_of[static_cast<size_t>(first_reader) - 1] != static_cast<int32_t>(serial) || spreads_over_workers(plan.ops[static_cast<size_t>(first_reader)].op())) continue;
+      // The tail is the shadow's last ops: one before an op the first reader needs would hold that op back
+      // on the tail's workers (K3's full config puts the shared gate/up before the latent down projection).
+      for (int32_t j = first_reader - 1; j > static_cast<int32_t>(serial); --j) {
+        const PlanOp& op = plan.ops[static_cast<size_t>(j)];
+        if (op.is_view()) continue;
+        const bool tail = !is_light(op.op()) && !readers[static_cast<size_t>(j)].empty() && readers[static_cast<size_t>(j)].front() > first_reader &&
+                          spread_tasks(graph.node(j), plan.workers, plan.max_tokens) <= tail_workers;  // a light op fits the shadow
+        if (!tail) break;
+        tail_of[static_cast<size_t>(j)] = static_cast<int32_t>(serial);
+        tail_beside[static_cast<size_t>(first_reader)] = static_cast<int32_t>(serial);
+      }
+    }
+  }
+
   // kTokens is written by the backend before the workers start, and a view is read in place: neither
   // has tasks.
   std::vector<std::vector<int32_t>> tasks_of(n);
   for (size_t i = 0; i < n; ++i) {
     if (plan.ops[i].op() == Op::kTokens || plan.ops[i].is_view()) continue;
     const int32_t serial = shadow_of[i];
-    const int64_t reserved = serial >= 0 && !spreads_over_workers(plan.ops[i].op()) ? static_cast<int64_t>(tasks_of[static_cast<size_t>(serial)].size()) : 0;
+    int64_t reserved = serial >= 0 && !spreads_over_workers(plan.ops[i].op()) ? static_cast<int64_t>(tasks_of[static_cast<size_t>(serial)].size()) : 0;
+    if (tail_of[i] >= 0) reserved = plan.workers - tail_workers;
+    if (tail_beside[i] >= 0) reserved = tail_workers;
     add_tasks(plan, graph, static_cast<int32_t>(i), options.light_task_elements, reserved, tasks_of);
   }
 
@@ -338,9 +370,24 @@ Plan lower_to_plan(const Graph& graph, const LowerOptions& options) {
   // for belongs to earlier ops, so it is finished; everything ahead of it in its queue belongs to
   // earlier ops, so that is finished too. Its worker therefore reaches it and runs it; by induction
   // every task runs, whatever the interleaving and whatever the delays.
-  // An op in a serial op's shadow skips that op's workers (its tasks fit the others: add_tasks).
+  // An op in a serial op's shadow skips that op's workers (its tasks fit the others: add_tasks). A
+  // shadow's tail runs on the tail_workers workers after the serial op's first worker, and the serial
+  // op's first reader skips those.
   plan.queues.assign(static_cast<size_t>(plan.workers), {});
   std::vector<int32_t> worker_of(plan.tasks.size(), -1);
+  const auto tail_set = [&](int32_t serial) {  // the tail_workers workers after the serial op's first one, not its own
+    const auto workers = static_cast<size_t>(plan.workers);
+    std::vector<bool> serial_runs(workers, false), in(workers, false);
+    for (int32_t t : tasks_of[static_cast<size_t>(serial)]) serial_runs[static_cast<size_t>(worker_of[static_cast<size_t>(t)])] = true;
+    size_t w = static_cast<size_t>(worker_of[static_cast<size_t>(tasks_of[static_cast<size_t>(serial)].front())]);
+    for (int64_t taken = 0; taken < tail_workers;) {
+      w = (w + 1) % workers;
+      if (serial_runs[w]) continue;
+      in[w] = true;
+      ++taken;
+    }
+    return in;
+  };
   int32_t first_worker = 0;
   for (size_t i = 0; i < n; ++i) {
     const auto& list = tasks_of[i];
@@ -348,6 +395,11 @@ Plan lower_to_plan(const Graph& graph, const LowerOptions& options) {
     if (shadow_of[i] >= 0 && list.size() + tasks_of[static_cast<size_t>(shadow_of[i])].size() <= static_cast<size_t>(plan.workers)) {
       for (int32_t t : tasks_of[static_cast<size_t>(shadow_of[i])]) skip[static_cast<size_t>(worker_of[static_cast<size_t>(t)])] = true;
     }
+    if (tail_of[i] >= 0 && !list.empty()) {
+      skip = tail_set(tail_of[i]);
+      skip.flip();
+    }
+    if (tail_beside[i] >= 0) skip = tail_set(tail_beside[i]);
     size_t w = static_cast<size_t>(first_worker);
     for (int32_t t : list) {
       while (skip[w]) w = (w + 1) % static_cast<size_t>(plan.workers);

@@ -23,6 +23,12 @@ struct LowerOptions {
   // 256: 5.72 / 11.16; 512: 5.72 / 11.03; 1,024: 5.75 / 11.06; 4,096: 6.06 / 11.33.
   static constexpr int64_t kLightTaskElements = 512;
   int64_t light_task_elements = kLightTaskElements;
+  // Workers a serial op's shadow tail runs on, beside the serial op's first reader (lower.cpp: the
+  // shared expert's down projection beside the routed gate/up); 0 keeps the tail in the shadow on
+  // every worker. Taken when the plan has at least 4× as many workers. Off by default until timed on a
+  // GPU (`plow bench decode --shadow-tail-workers N`; docs/cuda.md).
+  static constexpr int32_t kShadowTailWorkers = 0;
+  int32_t shadow_tail_workers = kShadowTailWorkers;
 };
 
 // The graph must pass Graph::verify(). Throws plow::Error for options out of range.

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <set>
 
 #include "certify.h"
@@ -216,8 +217,8 @@ TEST(FusedModels, DecodePlansReadTheResidualSumsTerms) {
   }
   const Plan prefill = compile_plan(*model, PlanPhase::kPrefill, 64, 8, 64);
   EXPECT_EQ(count(prefill, Op::kAddNormRouterLogits) + count(prefill, Op::kAddNormMultiLinear), 0);
-  const Plan without = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements,
-                                    {"add-norm-into-router", "add-norm-into-multi-linear"});
+  const Plan without = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true,
+                                    PlanTuning{.disabled_rules = {"add-norm-into-router", "add-norm-into-multi-linear"}});
   EXPECT_EQ(count(without, Op::kAddNormRouterLogits) + count(without, Op::kAddNormMultiLinear), 0);
   EXPECT_EQ(count(without, Op::kRouterLogits), moe_layers);
   // At 132 workers a router task takes 4 of the 256 experts (lower.cpp, kRouterTaskColumns): 64 tasks,
@@ -248,18 +249,18 @@ TEST(FusedModels, DecodePlanWithoutARule) {
     }
   }
   EXPECT_EQ(count(with, Op::kGatedNormLinear), 0);
-  const Plan no_norm = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements, {"kda-core-gated-norm"});
+  const Plan no_norm = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, PlanTuning{.disabled_rules = {"kda-core-gated-norm"}});
   EXPECT_EQ(count(no_norm, Op::kKdaFusedCore), kda_layers);
   EXPECT_EQ(count(no_norm, Op::kGatedNormLinear), kda_layers);
   EXPECT_EQ(count(with, Op::kKdaDeltaRule), 0);
   EXPECT_EQ(count(with, Op::kLinearKdaGate), 0);
-  const Plan no_core = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements, {"kda-core-fuse"});
+  const Plan no_core = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, PlanTuning{.disabled_rules = {"kda-core-fuse"}});
   EXPECT_EQ(count(no_core, Op::kKdaFusedCore), 0);
   EXPECT_EQ(count(no_core, Op::kKdaDeltaRule), kda_layers);
   EXPECT_EQ(count(no_core, Op::kLinearKdaGate), kda_layers);
   EXPECT_EQ(count(no_core, Op::kGatedNormLinear), kda_layers);
   EXPECT_EQ(fired(no_core, "kda-core-fuse"), 0);
-  const Plan without = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements, {"kda-core-fuse", "kda-gate-into-linear"});
+  const Plan without = compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, PlanTuning{.disabled_rules = {"kda-core-fuse", "kda-gate-into-linear"}});
   EXPECT_EQ(count(without, Op::kLinearKdaGate), 0);
   EXPECT_EQ(count(without, Op::kKdaGate), kda_layers);
   EXPECT_EQ(fired(without, "kda-gate-into-linear"), 0);
@@ -267,7 +268,7 @@ TEST(FusedModels, DecodePlanWithoutARule) {
   EXPECT_EQ(count(prefill, Op::kKdaFusedCore), 0);
   EXPECT_EQ(count(prefill, Op::kKdaDeltaRule), kda_layers);
   try {
-    compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, LowerOptions::kLightTaskElements, {"kda-gate-into-linears"});
+    compile_plan(*model, PlanPhase::kDecode, 1, 8, 64, true, PlanTuning{.disabled_rules = {"kda-gate-into-linears"}});
     ADD_FAILURE() << "an unknown rule was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("'kda-gate-into-linears' is not a compiler rule"), std::string::npos) << e.what();
@@ -391,6 +392,72 @@ TEST(DecodePlans, ATopKsWorkerRunsNothingInItsShadow) {
     }
     EXPECT_GT(topks, 0);
     EXPECT_GE(shadowed, topks);  // the shared expert is in every top-k's shadow (Schedule.SharedExpertFillsTheTopKWait)
+  }
+}
+
+// A top-k's shadow tail (the shadow's last ops, those the routed gate/up does not read: the shared
+// expert's down projection) runs on shadow_tail_workers workers of its own (here 8), beside the
+// routed gate/up, which the others run (the top-k's worker among them); with shadow_tail_workers 0
+// it runs in the shadow on every worker but the top-k's, before the routed gate/up. K3's shadows end
+// in a light op (the shared expert's situ_mul) or in the latent down projection that the routed
+// experts read: no tail, and the routed gate/up on every worker.
+TEST(DecodePlans, AShadowTailRunsBesideTheRoutedExperts) {
+  for (const auto& [name, expected_tails] : {std::pair{"kimi-linear-48b-a3b.json", 26}, std::pair{"k3-tp8-rank.json", 0}}) {
+    const auto model = LoadedModel::describe((fs::path(PLOW_SOURCE_DIR) / "bench/configs" / name).string());
+    for (int32_t tail_workers : {8, 0}) {
+      for (int64_t batch : {1, 4}) {
+        PlanTuning tuning;
+        tuning.shadow_tail_workers = tail_workers;
+        const Plan plan = compile_plan(*model, PlanPhase::kDecode, batch, 132, 0, true, tuning);
+        std::vector<int32_t> worker_of(plan.tasks.size(), -1);
+        for (size_t w = 0; w < plan.queues.size(); ++w) {
+          for (int32_t t : plan.queues[w]) worker_of[static_cast<size_t>(t)] = static_cast<int32_t>(w);
+        }
+        std::vector<std::set<int32_t>> workers_of(plan.ops.size());
+        for (size_t t = 0; t < plan.tasks.size(); ++t) workers_of[static_cast<size_t>(plan.tasks[t].op)].insert(worker_of[t]);
+        const auto first_reader = [&](size_t op) {
+          for (size_t r = op + 1; r < plan.ops.size(); ++r) {
+            for (int32_t input : plan.ops[r].inputs) {
+              if (activation_view(plan, input).owner == static_cast<int32_t>(op)) return r;
+            }
+          }
+          return plan.ops.size();
+        };
+        int tails = 0;
+        for (size_t k = 0; k < plan.ops.size(); ++k) {
+          if (plan.ops[k].op() != Op::kMoeTopK) continue;
+          const size_t routed = first_reader(k);
+          ASSERT_LT(routed, plan.ops.size());
+          ASSERT_EQ(plan.ops[routed].op(), Op::kMoeGateUp);
+          if (expected_tails == 0) {
+            EXPECT_EQ(workers_of[routed].size(), plan.queues.size()) << name << ": no tail, no worker set aside";
+          }
+          size_t tail_begin = routed;  // the shadow's last ops that stream weights and that nothing up to the routed gate/up reads
+          while (tail_begin - 1 > k && (plan.ops[tail_begin - 1].is_view() || (!plan.ops[tail_begin - 1].weights.empty() && first_reader(tail_begin - 1) > routed))) {
+            --tail_begin;
+          }
+          for (size_t j = tail_begin; j < routed; ++j) {
+            if (plan.ops[j].is_view()) continue;
+            ++tails;
+            const std::string where = plan.ops[j].label + " beside " + plan.ops[routed].label + ", batch " + std::to_string(batch);
+            EXPECT_EQ(workers_of[j].count(*workers_of[k].begin()), 0u) << where;  // never the top-k's worker
+            std::set<int32_t> both;
+            std::set_intersection(workers_of[j].begin(), workers_of[j].end(), workers_of[routed].begin(), workers_of[routed].end(),
+                                  std::inserter(both, both.begin()));
+            if (tail_workers > 0) {
+              EXPECT_EQ(workers_of[j].size(), static_cast<size_t>(tail_workers)) << where;
+              EXPECT_TRUE(both.empty()) << where << ": " << both.size() << " workers run both";
+              EXPECT_EQ(workers_of[routed].size() + workers_of[j].size(), plan.queues.size()) << where;
+              EXPECT_EQ(workers_of[routed].count(*workers_of[k].begin()), 1u) << where;  // the top-k's worker goes on to the routed experts
+            } else {
+              EXPECT_EQ(workers_of[j].size(), plan.queues.size() - 1) << where;
+              EXPECT_EQ(both.size(), workers_of[j].size()) << where;
+            }
+          }
+        }
+        EXPECT_EQ(tails, expected_tails) << name << ", tail workers " << tail_workers << ", batch " << batch;  // 48B: the shared down projection of every MoE layer
+      }
+    }
   }
 }
 
