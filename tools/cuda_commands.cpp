@@ -291,10 +291,9 @@ int run_bench_decode(const BenchDecodeArgs& args) {
   if (ranked) comm = std::make_unique<cuda::NcclComm>(read_nccl_id_file(args.tp_id_file), shard.rank, shard.size, gpu);
   const int sms = cuda::CudaBackend::sm_count(gpu);
   const int workers = args.workers > 0 ? args.workers : sms;
-  // lower_to_plan takes a tail only where the plan has 4× its workers; a record of a D it ignored would mislead.
-  if (static_cast<int64_t>(args.shadow_tail_workers) * 4 > workers) {
-    fail("bench decode: --shadow-tail-workers {} needs at least {} workers; the plans have {}", args.shadow_tail_workers, 4 * args.shadow_tail_workers, workers);
-  }
+  // lower_to_plan takes a tail only where the plan has kWorkersPerTailWorker × its workers; a record of a D it ignored would mislead.
+  const int64_t tail_needs = LowerOptions::kWorkersPerTailWorker * args.shadow_tail_workers;
+  if (tail_needs > workers) fail("bench decode: --shadow-tail-workers {} needs at least {} workers; the plans have {}", args.shadow_tail_workers, tail_needs, workers);
   const std::string device = cuda::CudaBackend::device_name(gpu);
   const std::string rev = git_revision();
   const double roofline_gbps = cuda::measure_read_bandwidth_gbps(int64_t{4} << 30, gpu);

@@ -316,7 +316,7 @@ Plan lower_to_plan(const Graph& graph, const LowerOptions& options) {
   // op whose tail runs beside r.
   std::vector<int32_t> tail_of(n, -1), tail_beside(n, -1);
   const int64_t tail_workers = options.shadow_tail_workers;
-  if (tail_workers > 0 && tail_workers * 4 <= plan.workers) {
+  if (tail_workers > 0 && tail_workers * LowerOptions::kWorkersPerTailWorker <= plan.workers) {
     for (size_t serial = 0; serial < n; ++serial) {
       if (plan.ops[serial].op() != Op::kMoeTopK || readers[serial].empty()) continue;
       const int32_t first_reader = readers[serial].front();
@@ -326,8 +326,9 @@ Plan lower_to_plan(const Graph& graph, const LowerOptions& options) {
       for (int32_t j = first_reader - 1; j > static_cast<int32_t>(serial); --j) {
         const PlanOp& op = plan.ops[static_cast<size_t>(j)];
         if (op.is_view()) continue;
+        // A light op fits the shadow; a tail op's tasks must fit its workers.
         const bool tail = !is_light(op.op()) && !readers[static_cast<size_t>(j)].empty() && readers[static_cast<size_t>(j)].front() > first_reader &&
-                          spread_tasks(graph.node(j), plan.workers, plan.max_tokens) <= tail_workers;  // a light op fits the shadow
+                          spread_tasks(graph.node(j), plan.workers, plan.max_tokens) <= tail_workers;
         if (!tail) break;
         tail_of[static_cast<size_t>(j)] = static_cast<int32_t>(serial);
         tail_beside[static_cast<size_t>(first_reader)] = static_cast<int32_t>(serial);

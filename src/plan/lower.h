@@ -25,9 +25,10 @@ struct LowerOptions {
   int64_t light_task_elements = kLightTaskElements;
   // Workers a serial op's shadow tail runs on, beside the serial op's first reader (lower.cpp: the
   // shared expert's down projection beside the routed gate/up); 0 keeps the tail in the shadow on
-  // every worker. Taken when the plan has at least 4× as many workers. Off by default until timed on a
-  // GPU (`plow bench decode --shadow-tail-workers N`; docs/cuda.md).
+  // every worker. Taken when the plan has at least kWorkersPerTailWorker times as many workers. Off by
+  // default until timed on a GPU (`plow bench decode --shadow-tail-workers N`; docs/cuda.md).
   static constexpr int32_t kShadowTailWorkers = 0;
+  static constexpr int64_t kWorkersPerTailWorker = 4;
   int32_t shadow_tail_workers = kShadowTailWorkers;
 };
 
