@@ -161,9 +161,17 @@ TEST_P(CudaGemvTest, MatchesTheReference) {
   const BoundWeights bound(graph, checkpoint);
   auto weights = cuda::upload_weights(graph, bound);
   const std::array<int64_t, 5> batches = {1, 3, 8, 13, 19};  // 19: one prefill sequence
-  for (int workers : {3, 7, 132}) {
+#ifdef PLOW_EMU_TEST
+  // The host emulator (tests/gpu/emu) runs a task at a time, eager or not: two worker counts, one mode.
+  const std::vector<int> worker_counts = {3, 132};
+  const std::vector<bool> modes = {false};
+#else
+  const std::vector<int> worker_counts = {3, 7, 132};
+  const std::vector<bool> modes = {false, true};
+#endif
+  for (int workers : worker_counts) {
     std::vector<std::vector<float>> megakernel_out;  // per step below: eager must give the same bits
-    for (bool eager : {false, true}) {
+    for (bool eager : modes) {
       std::vector<Plan> plans;
       for (int64_t batch : {1, 3, 8, 13}) plans.push_back(lower_to_plan(graph, {PlanPhase::kDecode, batch, workers, 0, 0}));
       plans.push_back(lower_to_plan(graph, {PlanPhase::kPrefill, 19, workers, 0, 0}));
@@ -256,11 +264,21 @@ std::vector<GemvCase> cases() {
   // Wide rows: 4,104 and 7,176 columns (K3's hidden plus 8; in bf16 513 and 897 16-byte chunks, one
   // past a multiple of a warp's 32), and 4,100 (not a multiple of 8: the scalar tail).
   for (Op op : {Op::kLinear, Op::kNormMultiLinear, Op::kGatedNormLinear, Op::kLinearAdd}) {
-    for (int64_t hidden : {4104, 7176, 4100}) {
+#ifdef PLOW_EMU_TEST
+    const std::vector<int64_t> widths = {4104, 4100};  // the emulator's 7,176 cases took ~95 s and run 4,104's paths
+#else
+    const std::vector<int64_t> widths = {4104, 7176, 4100};
+#endif
+    for (int64_t hidden : widths) {
       for (DType dtype : {DType::F32, DType::BF16}) {
         all.push_back({std::string(op_name(op)) + "_" + std::to_string(hidden) + "x45_" + std::string(dtype_name(dtype)), op, hidden, 45, dtype});
       }
     }
+  }
+  // Rows wider than shared memory (36,832 floats): staged in the block's global scratch, where the dots
+  // take their compact generic loops (gemv_dot.cuh, the __isShared branch); gate_up_act's rows through lane_dot2.
+  for (Op op : {Op::kLinear, Op::kNormLinear, Op::kGateUpAct}) {
+    all.push_back({std::string(op_name(op)) + "_36880x9_bf16", op, 36880, 9, DType::BF16});
   }
   // Router logits (out = experts): odd expert counts and widths (unaligned rows take the scalar path),
   // the 48B shape (256 × 2304) and more experts than a block has warps; the same with the residual
@@ -301,12 +319,6 @@ std::vector<GemvCase> cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ops, CudaGemvTest, ::testing::ValuesIn(cases()), [](const auto& param_info) { return param_info.param.name; });
-
-TEST(CudaBandwidth, ReadProbeReportsAPlausibleFigure) {
-  const double gbps = cuda::measure_read_bandwidth_gbps(int64_t{1} << 30);
-  EXPECT_GT(gbps, 100.0);    // any data-centre GPU reads faster than this
-  EXPECT_LT(gbps, 20000.0);  // and no HBM reads faster than this: a figure outside means a broken timer
-}
 
 }  // namespace
 }  // namespace plow

@@ -257,5 +257,12 @@ TEST(CudaBackend, OutOfVocabularyTokenIsAnErrorAndTheBackendKeepsWorking) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModelTest, ::testing::ValuesIn(gpu_test::fixture_cases()),
                          [](const auto& param_info) { return gpu_test::case_name(param_info.param); });
 
+// The roofline's denominator (bench decode); not in the GEMV table, which runs on the host emulator too.
+TEST(CudaBandwidth, ReadProbeReportsAPlausibleFigure) {
+  const double gbps = cuda::measure_read_bandwidth_gbps(int64_t{1} << 30);
+  EXPECT_GT(gbps, 100.0);    // any data-centre GPU reads faster than this
+  EXPECT_LT(gbps, 20000.0);  // and no HBM reads faster than this: a figure outside means a broken timer
+}
+
 }  // namespace
 }  // namespace plow

@@ -29,51 +29,6 @@ namespace {
 // Slot `slot`'s buffer of a state.
 uint8_t* slot_bytes(const DeviceState& s, int64_t slot) { return static_cast<uint8_t*>(s.base) + slot * s.slot_elems * state_elem_bytes(s.elem); }
 
-// OpDesc::attr for the weight-streaming ops (gemv.cuh documents each layout); the others come from
-// pack_misc_attrs.
-void pack_attrs(const PlanOp& op, float* attr) {
-  const Attrs& a = op.attrs;
-  auto get = [&](const char* name, double fallback = 0.0) { return static_cast<float>(a.has(name) ? a.get(name) : fallback); };
-  switch (op.op()) {
-    case Op::kTokens:
-    case Op::kEmbedding:
-    case Op::kLinear:
-    case Op::kRouterLogits:
-    case Op::kMultiLinear:
-    case Op::kLinearAdd:
-    case Op::kSlice:  // a view: no body
-      return;
-    case Op::kNormLinear:
-    case Op::kNormMultiLinear:
-    case Op::kAddNormMultiLinear:
-    case Op::kAddNormRouterLogits:
-      attr[0] = get("eps");
-      return;
-    case Op::kGateUpAct:
-    case Op::kActLinear:
-      attr[0] = get("act");
-      attr[1] = get("beta");
-      attr[2] = get("linear_beta");
-      return;
-    case Op::kGatedNormLinear:
-      attr[0] = get("eps");
-      attr[1] = get("head_dim");
-      return;
-    case Op::kMoeGateUp:
-      attr[0] = get("top_k");
-      attr[1] = get("situ");
-      attr[2] = get("beta");
-      attr[3] = get("linear_beta");
-      return;
-    case Op::kMoeDown:
-    case Op::kMoeDownAdd:
-      attr[0] = get("top_k");
-      return;
-    default:
-      if (!pack_misc_attrs(op, attr)) fail("cuda: no attribute layout for op '{}' ({})", op.label, op_name(op.op()));
-  }
-}
-
 // Tasks of each op of the plan.
 std::vector<int32_t> tasks_per_op(const Plan& plan) {
   std::vector<int32_t> count(plan.ops.size(), 0);
@@ -243,7 +198,7 @@ CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> we
       d.in_width = d.in_offset + op.inputs.size();
       d.in_stride = d.in_width + op.inputs.size();
       d.weights = prepared.op_weights.as<DeviceWeight>() + weight_at[i].first;
-      pack_attrs(op, d.attr);
+      pack_op_attrs(op, d.attr);
       if (op.op() == Op::kAllReduce) d.attr[0] = static_cast<float>(reduce_ordinal++);
       if (op.op() == Op::kAttnResMix || op.op() == Op::kAttnResNorm) d.attr[2] = static_cast<float>(options.attn_res_min_chunk);
       d.tasks = op_task_count[i];

@@ -27,51 +27,12 @@ __device__ void run_task(const TaskCtx& ctx, int32_t opcode) {
     return;
   }
   if (opcode == kOpHostDone) return;
-  switch (static_cast<Op>(opcode)) {
-    case Op::kLinear: op_linear<kCap>(ctx); return;
-    case Op::kRouterLogits: op_router_logits<kCap>(ctx); return;
-    case Op::kNormLinear: op_norm_linear<kCap>(ctx); return;
-    case Op::kMultiLinear: op_multi_linear<kCap>(ctx); return;
-    case Op::kNormMultiLinear: op_norm_multi_linear<kCap>(ctx); return;
-    case Op::kAddNormMultiLinear: op_add_norm_multi_linear<kCap>(ctx); return;
-    case Op::kAddNormRouterLogits: op_add_norm_router_logits<kCap>(ctx); return;
-    case Op::kLinearAdd: op_linear_add<kCap>(ctx); return;
-    case Op::kLinearKdaGate: op_linear_kda_gate<kCap>(ctx); return;
-    case Op::kGateUpAct: op_gate_up_act<kCap>(ctx); return;
-    case Op::kActLinear: op_act_linear<kCap>(ctx); return;
-    case Op::kGatedNormLinear: op_gated_norm_linear<kCap>(ctx); return;
-    case Op::kMoeGateUp: op_moe_gate_up(ctx); return;
-    case Op::kMoeDown: op_moe_down_impl<false>(ctx); return;
-    case Op::kMoeDownAdd: op_moe_down_impl<true>(ctx); return;
-    default:
-      if (!run_misc_op(ctx) && threadIdx.x == 0) report_error(ctx, kErrOpcode);
-      return;
-  }
+  if (!run_gemv_op<kCap>(ctx, opcode) && !run_misc_op(ctx) && threadIdx.x == 0) report_error(ctx, kErrOpcode);
 }
 
 constexpr bool host_has_op(Op op) {
-  switch (op) {
-    case Op::kTokens:
-    case Op::kLinear:
-    case Op::kRouterLogits:
-    case Op::kNormLinear:
-    case Op::kMultiLinear:
-    case Op::kNormMultiLinear:
-    case Op::kAddNormMultiLinear:
-    case Op::kAddNormRouterLogits:
-    case Op::kLinearAdd:
-    case Op::kLinearKdaGate:
-    case Op::kGateUpAct:
-    case Op::kActLinear:
-    case Op::kGatedNormLinear:
-    case Op::kMoeGateUp:
-    case Op::kMoeDown:
-    case Op::kMoeDownAdd:
-    case Op::kSlice:  // a view: its readers read its source in place, and validate_plan gives it no tasks
-      return true;
-    default:
-      return is_misc_op(static_cast<uint8_t>(op));
-  }
+  // kSlice: a view, its readers read its source in place, and validate_plan gives it no tasks
+  return op == Op::kTokens || op == Op::kSlice || is_gemv_op(static_cast<uint8_t>(op)) || is_misc_op(static_cast<uint8_t>(op));
 }
 
 __device__ __forceinline__ uint32_t load_acquire(const unsigned* p) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "graph/op_table.h"
 #include "runtime/cuda/ops/limits.h"
 
 namespace plow::cuda {
@@ -121,6 +122,50 @@ bool pack_misc_attrs(const PlanOp& op, float* attr) {
       return true;
     default:
       return false;
+  }
+}
+
+void pack_op_attrs(const PlanOp& op, float* attr) {
+  std::fill(attr, attr + kPackedAttrs, 0.0f);
+  const Attrs& a = op.attrs;
+  auto get = [&](const char* name, double fallback = 0.0) { return static_cast<float>(a.has(name) ? a.get(name) : fallback); };
+  switch (op.op()) {
+    case Op::kTokens:
+    case Op::kEmbedding:
+    case Op::kLinear:
+    case Op::kRouterLogits:
+    case Op::kMultiLinear:
+    case Op::kLinearAdd:
+    case Op::kSlice:  // a view: no body
+      return;
+    case Op::kNormLinear:
+    case Op::kNormMultiLinear:
+    case Op::kAddNormMultiLinear:
+    case Op::kAddNormRouterLogits:
+      attr[0] = get("eps");
+      return;
+    case Op::kGateUpAct:
+    case Op::kActLinear:
+      attr[0] = get("act");
+      attr[1] = get("beta");
+      attr[2] = get("linear_beta");
+      return;
+    case Op::kGatedNormLinear:
+      attr[0] = get("eps");
+      attr[1] = get("head_dim");
+      return;
+    case Op::kMoeGateUp:
+      attr[0] = get("top_k");
+      attr[1] = get("situ");
+      attr[2] = get("beta");
+      attr[3] = get("linear_beta");
+      return;
+    case Op::kMoeDown:
+    case Op::kMoeDownAdd:
+      attr[0] = get("top_k");
+      return;
+    default:
+      if (!pack_misc_attrs(op, attr)) fail("cuda: no attribute layout for op '{}' ({})", op.label, op_name(op.op()));
   }
 }
 

@@ -16,6 +16,11 @@ inline constexpr int kPackedAttrs = 16;  // = kMaxAttrs of device.cuh (static_as
 // rank > 512 or rank + rope > 576, moe_topk experts > 1024 or top_k > 64, inconsistent groups).
 bool pack_misc_attrs(const PlanOp& op, float* attr);
 
+// Fills attr[0..kPackedAttrs) for any op with a body: the weight-streaming family (gemv.cuh documents
+// each layout; most have none), the rest through pack_misc_attrs. Throws plow::Error for an op without
+// a layout, or with a shape the bodies do not support.
+void pack_op_attrs(const PlanOp& op, float* attr);
+
 // Whether the op's tasks cooperate within a step through a global workspace and OpDesc::sync counters
 // (MLA split-KV, ops/mla.cuh; chunked KDA prefill, ops/kda_chunked.cuh; AttnRes, ops/attn_res.cuh),
 // and the floats of workspace such an op needs for steps of up to max_tokens rows and max_seqs sequences, run by `tasks` tasks.

@@ -1,8 +1,9 @@
-// A host stand-in for CudaBackend that runs the real CUDA op bodies (runtime/cuda/ops/misc_ops.cuh) on
+// A host stand-in for CudaBackend that runs the real CUDA op bodies (ops/gemv.cuh, ops/misc_ops.cuh) on
 // 512 emulated threads per task (emu_prelude.h), tasks one after another in plan order, the arena
 // poisoned with NaN before every step. It checks the bodies' logic (indexing, slices, state, barriers:
 // a divergent one aborts) without a GPU; it says nothing about speed, races across blocks or nvcc.
-// Only the ops of the op test graphs exist here: kTokens and the bodies of run_misc_op (kEmbedding among them).
+// Every op body exists here (run_gemv_op, run_misc_op), but not the prefill plans' GEMM path, the
+// launches between megakernel segments (moe_gemm, prefill_gemm) or the planned KDA prefill.
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -12,12 +13,55 @@
 #include "core/error.h"
 #include "runtime/cuda/backend.h"
 #include "runtime/cuda/device.cuh"  // the emulation copy made by tests/CMakeLists.txt
+#include "runtime/cuda/ops/gemv.cuh"
 #include "runtime/cuda/ops/misc_ops.cuh"
 
 namespace plow::cuda {
 
-struct DeviceWeightSet { const Graph* graph; const BoundWeights* bound; };
-std::shared_ptr<DeviceWeightSet> upload_weights(const Graph& g, const BoundWeights& w) { return std::make_shared<DeviceWeightSet>(DeviceWeightSet{&g, &w}); }
+// The weights as upload_weights lays them out on the device (device_weights.cpp), in host memory:
+// stacked parts back to back, MXFP4 codes and scales apart. Tied weights share one copy.
+struct DeviceWeightSet {
+  std::vector<DeviceWeight> by_id;
+  std::map<std::string, int> by_name;
+  std::vector<std::vector<uint8_t>> buffers;
+};
+std::shared_ptr<DeviceWeightSet> upload_weights(const Graph& g, const BoundWeights& bound) {
+  auto set = std::make_shared<DeviceWeightSet>();
+  std::map<const TensorView*, DeviceWeight> done;
+  for (size_t id = 0; id < g.weights().size(); ++id) {
+    const BoundWeight& b = bound[static_cast<int>(id)];
+    set->by_name.emplace(g.weights()[id].name, static_cast<int>(id));
+    if (auto it = done.find(b.parts.front()); it != done.end()) {
+      set->by_id.push_back(it->second);
+      continue;
+    }
+    const std::vector<int64_t>& shape = g.weights()[id].shape;
+    DeviceWeight w;
+    w.rows = shape.size() >= 2 ? shape[0] : 1;
+    w.cols = 1;
+    for (size_t i = shape.size() >= 2 ? 1 : 0; i < shape.size(); ++i) w.cols *= shape[i];
+    w.parts = static_cast<int32_t>(b.parts.size());
+    const TensorView& first = *b.parts.front();
+    if (first.is_mxfp4()) {
+      w.type = kWMXFP4, w.part_bytes = w.rows * w.cols / 2, w.scale_part_bytes = w.rows * w.cols / 32;
+    } else {
+      w.type = first.dtype == DType::BF16 ? kWBF16 : first.dtype == DType::F16 ? kWF16 : kWF32;
+      w.part_bytes = w.rows * w.cols * (w.type == kWF32 ? 4 : 2);
+    }
+    std::vector<uint8_t> data(static_cast<size_t>(w.part_bytes * w.parts)), scales(static_cast<size_t>(w.scale_part_bytes * w.parts));
+    for (int p = 0; p < w.parts; ++p) {
+      const TensorView& part = *b.parts[static_cast<size_t>(p)];
+      std::memcpy(data.data() + p * w.part_bytes, part.data, static_cast<size_t>(w.part_bytes));
+      if (w.type == kWMXFP4) std::memcpy(scales.data() + p * w.scale_part_bytes, part.mx_scales, static_cast<size_t>(w.scale_part_bytes));
+    }
+    w.data = data.data(), w.scales = scales.data();  // the heap buffers move with the vectors
+    set->buffers.push_back(std::move(data));
+    set->buffers.push_back(std::move(scales));
+    done.emplace(&first, w);
+    set->by_id.push_back(w);
+  }
+  return set;
+}
 
 struct CudaBackend::Impl {
   std::shared_ptr<DeviceWeightSet> weights;
@@ -32,22 +76,6 @@ struct CudaBackend::Impl {
 
 // Bytes of one slot of a state.
 static int64_t slot_bytes(const DeviceState& s) { return s.slot_elems * state_elem_bytes(s.elem); }
-
-static DeviceWeight device_weight(const DeviceWeightSet& set, const WeightDecl& decl) {
-  for (size_t i = 0; i < set.graph->weights().size(); ++i) {
-    if (set.graph->weights()[i].name != decl.name) continue;
-    const TensorView& t = *(*set.bound)[static_cast<int>(i)].parts[0];
-    DeviceWeight w;
-    w.data = t.data;
-    int64_t n = 1;
-    for (int64_t d : t.shape) n *= d;
-    w.rows = t.shape.size() >= 2 ? t.shape[0] : 1;
-    w.cols = n / w.rows;
-    w.type = t.dtype == DType::BF16 ? kWBF16 : t.dtype == DType::F16 ? kWF16 : kWF32;
-    return w;
-  }
-  fail("emu: weight {} not found", decl.name);
-}
 
 CudaBackend::CudaBackend(const Graph& graph, std::shared_ptr<DeviceWeightSet> weights, std::vector<Plan> plans, const CudaOptions& o)
     : impl_(std::make_unique<Impl>()) {
@@ -124,12 +152,17 @@ int64_t CudaBackend::context_tokens(int s) const { return impl_->context[static_
 int CudaBackend::num_slots() const { return impl_->opt.num_slots; }
 DType CudaBackend::act_dtype() const { return impl_->opt.act_dtype; }
 bool CudaBackend::draws_rows() const { return false; }  // the emulated backend answers with logits
-bool CudaBackend::has_op(uint8_t op) { return is_misc_op(op) || op == uint8_t(Op::kTokens) || op == uint8_t(Op::kEmbedding) || op == uint8_t(Op::kSlice); }
+bool CudaBackend::has_op(uint8_t op) { return is_gemv_op(op) || is_misc_op(op) || op == uint8_t(Op::kTokens) || op == uint8_t(Op::kSlice); }
 
-static void run_block(TaskCtx ctx) {
+// kCap as the backend's kernels: 1 for one-row plans (kernels.cu launch_megakernel / launch_eager).
+static void run_block(TaskCtx ctx, bool one_row) {
   static EmuBlock* block = new EmuBlock;  // 128 MiB of fiber stacks, made once
   bool unknown = false;
-  block->run([&] { if (!run_misc_op(ctx)) unknown = true; });
+  block->run([&] {
+    const int32_t opcode = ctx.op->opcode;
+    const bool ran = one_row ? run_gemv_op<1>(ctx, opcode) : run_gemv_op<kMaxGroup>(ctx, opcode);
+    if (!ran && !run_misc_op(ctx)) unknown = true;
+  });
   if (unknown) fail("emu: no body for opcode {}", ctx.op->opcode);
 }
 
@@ -163,7 +196,11 @@ StepOutput CudaBackend::step(const StepInputs& in) {
   view.seq_tokens = seq_tokens.data(), view.seq_context = seq_context.data(), view.states = dstates.data(), view.error = &error;
   std::vector<float> arena(size_t(plan->arena_floats), NAN);  // poisoned every step
   std::vector<DeviceWeight> all_weights;
-  for (const WeightDecl& d : plan->weights) all_weights.push_back(device_weight(*m.weights, d));
+  for (const WeightDecl& d : plan->weights) {
+    auto it = m.weights->by_name.find(d.name);
+    if (it == m.weights->by_name.end()) fail("emu: weight {} not found", d.name);
+    all_weights.push_back(m.weights->by_id[static_cast<size_t>(it->second)]);
+  }
   const int32_t act = m.opt.act_dtype == DType::BF16 ? kABF16 : m.opt.act_dtype == DType::F16 ? kAF16 : kAF32;
   for (size_t oi = 0; oi < plan->ops.size(); ++oi) {
     const PlanOp& op = plan->ops[oi];
@@ -178,7 +215,7 @@ StepOutput CudaBackend::step(const StepInputs& in) {
     d.opcode = op.opcode, d.act = act, d.round_out = op.dtype == OutDType::kAct ? 1 : 0;
     d.num_inputs = int32_t(op.inputs.size()), d.num_weights = int32_t(op.weights.size()), d.state = op.state;
     d.width = op.width, d.out_offset = op.offset, d.in_offset = in_off.data(), d.in_width = in_w.data(), d.in_stride = in_stride.data(), d.weights = ws.data();
-    if (is_misc_op(op.opcode) && !pack_misc_attrs(op, d.attr)) fail("emu: no attrs");
+    pack_op_attrs(op, d.attr);
     d.tasks = int32_t(std::count_if(plan->tasks.begin(), plan->tasks.end(), [&](const PlanTask& t) { return t.op == int32_t(oi); }));
     std::vector<float> workspace;
     std::array<unsigned, kOpCounters>& sync = m.sync[{plan, oi}];
@@ -198,7 +235,9 @@ StepOutput CudaBackend::step(const StepInputs& in) {
       std::vector<unsigned char> smem(kSharedBytes);
       std::vector<float> scratch(size_t(kScratchFloats), NAN);
       ctx.smem = smem.data(), ctx.scratch = scratch.data();
-      run_block(ctx);
+      emu_shared_base = smem.data(), emu_shared_bytes = smem.size();
+      run_block(ctx, plan->max_tokens == 1);
+      emu_shared_base = nullptr, emu_shared_bytes = 0;
       for (const auto& pending : emu_cp.pending) {  // the copies' shared memory dies with the task
         if (!pending.empty()) fail("emu: a task of op {} ended with cp.async copies never waited for", op.label);
       }

@@ -7,6 +7,7 @@
 // one warp reduction per (column, token). Rounding points are those of src/runtime/cpu/ops.
 #pragma once
 
+#include "graph/op_table.h"
 #include "runtime/cuda/ops/common.cuh"
 #include "runtime/cuda/ops/gemv_dot.cuh"
 #include "runtime/cuda/ops/norm.cuh"
@@ -547,6 +548,43 @@ __device__ __noinline__ void op_moe_down_impl(const TaskCtx& ctx) {
       }
       __syncthreads();  // the next token rewrites the dots
     }
+  }
+}
+
+// Whether `opcode` is one of this file's bodies (host side too: for the backends' has_op).
+__host__ __device__ constexpr bool is_gemv_op(uint8_t opcode) {
+  switch (static_cast<Op>(opcode)) {
+    case Op::kLinear: case Op::kRouterLogits: case Op::kNormLinear: case Op::kMultiLinear: case Op::kNormMultiLinear:
+    case Op::kAddNormMultiLinear: case Op::kAddNormRouterLogits: case Op::kLinearAdd: case Op::kLinearKdaGate: case Op::kGateUpAct:
+    case Op::kActLinear: case Op::kGatedNormLinear: case Op::kMoeGateUp: case Op::kMoeDown: case Op::kMoeDownAdd:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Runs the body of `opcode` (ctx.op's) when it is one of this file's (the linear family, the router
+// logits, the routed experts) and returns true; false for any other opcode. kCap as gemv_task's. The kernels'
+// dispatch (kernels.cu) and the host emulator's (tests/gpu/emu) both come through here.
+template <int kCap>
+__device__ __forceinline__ bool run_gemv_op(const TaskCtx& ctx, int32_t opcode) {
+  switch (static_cast<Op>(opcode)) {
+    case Op::kLinear: op_linear<kCap>(ctx); return true;
+    case Op::kRouterLogits: op_router_logits<kCap>(ctx); return true;
+    case Op::kNormLinear: op_norm_linear<kCap>(ctx); return true;
+    case Op::kMultiLinear: op_multi_linear<kCap>(ctx); return true;
+    case Op::kNormMultiLinear: op_norm_multi_linear<kCap>(ctx); return true;
+    case Op::kAddNormMultiLinear: op_add_norm_multi_linear<kCap>(ctx); return true;
+    case Op::kAddNormRouterLogits: op_add_norm_router_logits<kCap>(ctx); return true;
+    case Op::kLinearAdd: op_linear_add<kCap>(ctx); return true;
+    case Op::kLinearKdaGate: op_linear_kda_gate<kCap>(ctx); return true;
+    case Op::kGateUpAct: op_gate_up_act<kCap>(ctx); return true;
+    case Op::kActLinear: op_act_linear<kCap>(ctx); return true;
+    case Op::kGatedNormLinear: op_gated_norm_linear<kCap>(ctx); return true;
+    case Op::kMoeGateUp: op_moe_gate_up(ctx); return true;
+    case Op::kMoeDown: op_moe_down_impl<false>(ctx); return true;
+    case Op::kMoeDownAdd: op_moe_down_impl<true>(ctx); return true;
+    default: return false;
   }
 }
 
