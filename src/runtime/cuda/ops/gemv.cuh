@@ -103,6 +103,133 @@ __device__ __forceinline__ void gemv_pass_mx(const TaskCtx& ctx, const float* xs
   }
 }
 
+// One token row's pass with the task's columns spread evenly over the warps, where one column a warp
+// would leave them uneven: a task of C columns with C not a multiple of kWarps (a 2,304-wide output
+// over 132 workers is 17–18 columns a task, so two warps ran a second row while fourteen waited at the
+// task's end barrier). The C·NDOT rows' 16-byte chunks, column after column, are dealt to the warps in
+// equal contiguous ranges, at most kBalancedCols columns a warp; each warp sums its part of each column
+// it touches, the parts meet in shared memory (before stage_red's floats), and lane 0 of column c's
+// warp (c mod kWarps) adds them in warp order and calls epi. Taken when every row streams by lane_dot2's
+// rules (half precision, one type, 16-byte aligned, n a multiple of 8 and ≥ 256) and the staged row is
+// in shared memory; returns false (nothing done) otherwise. A column's sum runs in another order than
+// gemv_pass's: within the bounds of the op tests, and the same in both kernels (eager and megakernel,
+// one-row and general) since both take this pass for a one-row group.
+inline constexpr int kBalancedCols = 4;  // columns a warp may touch: C ≤ (kBalancedCols − 1)·kWarps
+// 16-byte loads a lane keeps in flight on each of its NDOT rows (fewer than kRowBatch<1>: the pass also
+// holds the row pointers and sums of kBalancedCols columns; 18 spilled every body).
+template <int NDOT>
+inline constexpr int kBalancedBatch = NDOT == 1 ? 12 : 6;
+
+template <int NDOT, class Ref, class Epi>
+__device__ __forceinline__ bool gemv_pass_balanced(const TaskCtx& ctx, const float* xs, int ld, int n, int t, Ref ref, Epi epi) {
+  constexpr int K = kBalancedCols;
+  const int cols = static_cast<int>(ctx.col_end - ctx.col_begin), cpr = n / 8;
+  const int64_t in_smem = kSharedBytes / static_cast<int64_t>(sizeof(float)) - kStageRedFloats;
+  if (cols % kWarps == 0 || cols > (K - 1) * kWarps || n % 8 != 0 || cpr < 32 || ld + kWarps * K * NDOT > in_smem) return false;
+  if (!__isShared(xs)) return false;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  // Every row must stream: each lane checks columns lane and lane + 32 (cols ≤ 48), the warp agrees.
+  int32_t type = -1;
+  bool ok = true;
+  for (int c = lane; c < cols; c += 32) {
+#pragma unroll
+    for (int j = 0; j < NDOT; ++j) {
+      const RowRef r = ref(j, ctx.col_begin + c, t);
+      const DeviceWeight& w = ctx.op->weights[r.weight];
+      ok = ok && half_row(w, r.part, r.row, xs, n) != nullptr;
+      type = w.type;
+    }
+  }
+  const int32_t type0 = __shfl_sync(0xffffffffu, type, 0);
+  ok = __all_sync(0xffffffffu, ok && (lane >= cols || type == type0));
+  if (!ok) return false;
+  // This warp's chunks [begin, end) of the task's cols·cpr, its first column f and the row pointers of
+  // the (at most K) columns from f on.
+  const int total = cols * cpr, per = (total + kWarps - 1) / kWarps;
+  const int begin = warp * per < total ? warp * per : total, end = begin + per < total ? begin + per : total;
+  const int f = begin / cpr;
+  const uint8_t* rows[K][NDOT];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+#pragma unroll
+    for (int j = 0; j < NDOT; ++j) {
+      const int c = f + k < cols ? f + k : cols - 1;
+      const RowRef r = ref(j, ctx.col_begin + c, t);
+      const DeviceWeight& w = ctx.op->weights[r.weight];
+      rows[k][j] = w.data + r.part * w.part_bytes + static_cast<size_t>(r.row) * static_cast<size_t>(w.cols) * 2;
+    }
+  }
+  float acc[K][NDOT];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+#pragma unroll
+    for (int j = 0; j < NDOT; ++j) acc[k][j] = 0.0f;
+  }
+  // Lane position: chunk `begin + lane + 32i` is chunk `pos` of column f + k. The loads of a batch go
+  // out first, then the same steps again consume them (the positions recomputed, not kept: registers).
+  constexpr int U = kBalancedBatch<NDOT>;
+  int k = (begin + lane) / cpr - f, pos = (begin + lane) % cpr;
+  for (int i0 = begin + lane; i0 < end; i0 += 32 * U) {
+    uint4 v[U][NDOT];
+    int kc = k, pc = pos;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const bool in = i0 + 32 * u < end;
+#pragma unroll
+      for (int j = 0; j < NDOT; ++j) {
+        const uint8_t* row = rows[0][j];
+#pragma unroll
+        for (int kk = 1; kk < K; ++kk) row = k == kk ? rows[kk][j] : row;
+        v[u][j] = in ? load_stream(row + static_cast<size_t>(pos) * 16) : uint4{};
+      }
+      pos += 32;  // cpr ≥ 32: at most one column boundary a step
+      if (pos >= cpr) pos -= cpr, ++k;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (i0 + 32 * u >= end) break;
+#pragma unroll
+      for (int j = 0; j < NDOT; ++j) {
+        float fw[8], d[1] = {0.0f};
+        unpack8(v[u][j], type0, fw);
+        fma8<1>(fw, xs, ld, pc * 8, d);
+#pragma unroll
+        for (int kk = 0; kk < K; ++kk) {
+          if (kc == kk) acc[kk][j] += d[0];
+        }
+      }
+      pc += 32;
+      if (pc >= cpr) pc -= cpr, ++kc;
+    }
+  }
+  float* parts = smem_floats(ctx) + in_smem - kWarps * K * NDOT;  // [warp][k][j]
+#pragma unroll
+  for (int kk = 0; kk < K; ++kk) {
+#pragma unroll
+    for (int j = 0; j < NDOT; ++j) {
+      const float sum = warp_sum(acc[kk][j]);
+      if (lane == 0) parts[(warp * K + kk) * NDOT + j] = sum;
+    }
+  }
+  __syncthreads();
+  for (int c = warp; c < cols; c += kWarps) {
+    if (lane == 0) {
+      float dots[NDOT];
+#pragma unroll
+      for (int j = 0; j < NDOT; ++j) dots[j] = 0.0f;
+      const int w_last = ((c + 1) * cpr - 1) / per;
+      for (int w = c * cpr / per; w <= w_last; ++w) {  // the warps whose ranges hold column c, in order
+        const int kk = c - w * per / cpr;
+#pragma unroll
+        for (int j = 0; j < NDOT; ++j) dots[j] += parts[(w * K + kk) * NDOT + j];
+      }
+      epi(t, ctx.col_begin + c, dots);
+    }
+  }
+  __syncthreads();  // parts may sit where the next group's rows are staged
+  return true;
+}
+
 // The driver: for token groups of the step, stage(xs, ld, t0, count) fills the staged rows (all
 // threads; rows ≥ count are zero), then for each column c of the slice (one warp each) and each of
 // NDOT weight rows ref(j, c, t) the warp computes the dots; epi(t, c, dots) writes (lane 0).
@@ -114,6 +241,9 @@ __device__ __forceinline__ void gemv_pass(const TaskCtx& ctx, const float* xs, i
       gemv_pass_mx<NDOT>(ctx, smem_floats(ctx), ld, n, t0, count, ref, epi);
       return;
     }
+  }
+  if constexpr (!PER_TOKEN && G == 1) {
+    if (gemv_pass_balanced<NDOT>(ctx, xs, ld, n, t0, ref, epi)) return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   for (int64_t c = ctx.col_begin + warp; c < ctx.col_end; c += kWarps) {
