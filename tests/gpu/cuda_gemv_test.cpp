@@ -275,8 +275,8 @@ std::vector<GemvCase> cases() {
       }
     }
   }
-  // Rows wider than shared memory (36,832 floats): staged in the block's global scratch, where the dots
-  // take their compact generic loops (gemv_dot.cuh, the __isShared branch); gate_up_act's rows through lane_dot2.
+  // Rows wider than shared memory (36,832 floats): staged in the block's global scratch (gemv.cuh
+  // staging); gate_up_act's rows through lane_dot2.
   for (Op op : {Op::kLinear, Op::kNormLinear, Op::kGateUpAct}) {
     all.push_back({std::string(op_name(op)) + "_36880x9_bf16", op, 36880, 9, DType::BF16});
   }

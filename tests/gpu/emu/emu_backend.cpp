@@ -235,9 +235,7 @@ StepOutput CudaBackend::step(const StepInputs& in) {
       std::vector<unsigned char> smem(kSharedBytes);
       std::vector<float> scratch(size_t(kScratchFloats), NAN);
       ctx.smem = smem.data(), ctx.scratch = scratch.data();
-      emu_shared_base = smem.data(), emu_shared_bytes = smem.size();
       run_block(ctx, plan->max_tokens == 1);
-      emu_shared_base = nullptr, emu_shared_bytes = 0;
       for (const auto& pending : emu_cp.pending) {  // the copies' shared memory dies with the task
         if (!pending.empty()) fail("emu: a task of op {} ended with cp.async copies never waited for", op.label);
       }

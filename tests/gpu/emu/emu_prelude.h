@@ -251,14 +251,6 @@ inline int max(int a, int b) { return a > b ? a : b; }
 inline float __ldcg(const float* p) { return *p; }
 template <class T>
 inline T __ldg(const T* p) { return *p; }
-// The running task's shared memory, for __isShared (emu_backend points it at each task's buffer; null:
-// nothing is shared, every pointer takes the generic paths).
-inline const unsigned char* emu_shared_base = nullptr;
-inline size_t emu_shared_bytes = 0;
-inline bool __isShared(const void* p) {
-  const auto* b = static_cast<const unsigned char*>(p);
-  return emu_shared_base != nullptr && b >= emu_shared_base && b < emu_shared_base + emu_shared_bytes;
-}
 inline unsigned short __ldcg(const unsigned short* p) { return *p; }
 // cp.async: each fiber's copies stay pending in their commit group until a wait covers them (as late as
 // a device may land them), or land at issue with `eager` (as early); `src_bytes` < 16 zero-fills the

@@ -155,41 +155,10 @@ __device__ __forceinline__ void fma8(const float (&f)[8], const float* xs, int l
   }
 }
 
-// The dots below branch once a row on whether the staged rows xs lie in shared memory (__isShared:
-// every decode shape stages them there). NVVM takes that branch's condition as the pointer's state
-// space, so the branch reads them by LDS with 32-bit addresses, where generic LD.E.128 (two a 16-byte
-// weight chunk at G = 1) queued with the weights' global loads, as they did in the MXFP4 passes before
-// those read smem_floats(ctx). (The condition has to be __isShared itself: through an inline helper, or
-// as a __builtin_assume under it, nvcc 13.0 kept the generic loads.) Rows staged in the global scratch
-// (wider than shared memory) take a copy of the loop with one load a lane in flight: compact code for
-// a path no model shape takes.
-
-// The 16-byte chunks of a half-precision row r (16-byte aligned, as xs) against xs: lane_dot's main
-// loop, U loads a lane in flight. Returns the columns covered (n rounded down to a multiple of 8).
-template <int G, int U>
-__device__ __forceinline__ int half_chunks(int32_t type, const uint8_t* r, const float* xs, int ld, int n, float (&acc)[G]) {
-  const int lane = threadIdx.x & 31;
-  const int chunks = n / 8;
-  for (int c = lane; c < chunks; c += 32 * U) {
-    uint4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) v[u] = c + 32 * u < chunks ? load_stream(r + static_cast<size_t>(c + 32 * u) * 16) : uint4{};
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (c + 32 * u >= chunks) break;
-      float f[8];
-      unpack8(v[u], type, f);
-      fma8<G>(f, xs, ld, (c + 32 * u) * 8, acc);
-    }
-  }
-  return chunks * 8;
-}
-
 // This lane's share of dot(row `row` of part `part`, xs[g·ld + k] for k < n), added to acc[g]. The
 // caller reduces acc over the warp. xs: shared (or scratch) memory, ld a multiple of 4.
 // U: the loads a lane keeps in flight (kRowBatch<G>; a body that only falls back here passes fewer,
-// since the batch's registers count against the whole body). Each lane sums its chunks in the same
-// order whatever U and the branch, so the dots are the same bits either way.
+// since the batch's registers count against the whole body).
 template <int G, int U = kRowBatch<G>>
 __device__ __forceinline__ void lane_dot(const DeviceWeight& w, int64_t part, int64_t row, const float* xs, int ld, int n, float (&acc)[G]) {
   const int lane = threadIdx.x & 31;
@@ -198,11 +167,20 @@ __device__ __forceinline__ void lane_dot(const DeviceWeight& w, int64_t part, in
     const uint8_t* r = base + static_cast<size_t>(row) * static_cast<size_t>(w.cols) * 2;
     int k0 = 0;
     if (((reinterpret_cast<uintptr_t>(r) | reinterpret_cast<uintptr_t>(xs)) & 15) == 0) {
-      if (__isShared(xs)) {
-        k0 = half_chunks<G, U>(w.type, r, xs, ld, n, acc);
-      } else {
-        k0 = half_chunks<G, 1>(w.type, r, xs, ld, n, acc);
+      const int chunks = n / 8;
+      for (int c = lane; c < chunks; c += 32 * U) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = c + 32 * u < chunks ? load_stream(r + static_cast<size_t>(c + 32 * u) * 16) : uint4{};
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (c + 32 * u >= chunks) break;
+          float f[8];
+          unpack8(v[u], w.type, f);
+          fma8<G>(f, xs, ld, (c + 32 * u) * 8, acc);
+        }
       }
+      k0 = chunks * 8;
     }
     for (int k = k0 + lane; k < n; k += 32) {
       const uint16_t bits = reinterpret_cast<const uint16_t*>(r)[k];
@@ -245,11 +223,12 @@ __device__ __forceinline__ const uint8_t* half_row(const DeviceWeight& w, int64_
 // against their staged rows xa and xb (G rows each, row stride ld): both rows' loads in flight
 // together, one DRAM latency for the pair where two lane_dot calls wait two. Each row's sum runs in
 // lane_dot's order, so the dots are bit-identical to its.
-template <int G, int U>
-__device__ __forceinline__ void half_chunks2(int32_t type, const uint8_t* a, const float* xa, const uint8_t* b, const float* xb, int ld, int n,
-                                             float (&acc_a)[G], float (&acc_b)[G]) {
+template <int G>
+__device__ __forceinline__ void lane_dot2(int32_t type, const uint8_t* a, const float* xa, const uint8_t* b, const float* xb, int ld, int n,
+                                          float (&acc_a)[G], float (&acc_b)[G]) {
   const int lane = threadIdx.x & 31;
   const int chunks = n / 8;
+  constexpr int U = kPairBatch<G>;
   for (int c = lane; c < chunks; c += 32 * U) {
     uint4 va[U], vb[U];
 #pragma unroll
@@ -267,15 +246,6 @@ __device__ __forceinline__ void half_chunks2(int32_t type, const uint8_t* a, con
       unpack8(vb[u], type, f);
       fma8<G>(f, xb, ld, (c + 32 * u) * 8, acc_b);
     }
-  }
-}
-template <int G>
-__device__ __forceinline__ void lane_dot2(int32_t type, const uint8_t* a, const float* xa, const uint8_t* b, const float* xb, int ld, int n,
-                                          float (&acc_a)[G], float (&acc_b)[G]) {
-  if (__isShared(xa) && __isShared(xb)) {  // the staged rows by LDS (above half_chunks)
-    half_chunks2<G, kPairBatch<G>>(type, a, xa, b, xb, ld, n, acc_a, acc_b);
-  } else {
-    half_chunks2<G, 1>(type, a, xa, b, xb, ld, n, acc_a, acc_b);
   }
 }
 
