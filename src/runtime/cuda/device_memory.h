@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "runtime/cuda/device_types.h"
 #include "runtime/cuda/kernels.h"
+#include "runtime/cuda/weight_layout.h"
 
 namespace plow::cuda {
 
@@ -57,15 +58,6 @@ DeviceBuffer upload(const std::vector<T>& host, const char* what) {
   return buffer;
 }
 
-inline int32_t weight_type(DType dtype, const std::string& name) {
-  switch (dtype) {
-    case DType::F32: return kWF32;
-    case DType::BF16: return kWBF16;
-    case DType::F16: return kWF16;
-    default: fail("cuda: weight '{}' has dtype {}, expected F32, BF16 or F16 (or MXFP4)", name, dtype_name(dtype));
-  }
-}
-
 inline int32_t act_type(DType dtype) {
   switch (dtype) {
     case DType::F32: return kAF32;
@@ -74,16 +66,6 @@ inline int32_t act_type(DType dtype) {
     default: fail("cuda: activation dtype {} is not supported (expected F32, BF16 or F16)", dtype_name(dtype));
   }
 }
-
-// [rows, cols] of one part: 2-D as is; higher rank folds the trailing dimensions; 1-D is one row.
-inline std::pair<int64_t, int64_t> matrix_shape(const std::vector<int64_t>& shape) {
-  if (shape.size() <= 1) return {1, shape.empty() ? 1 : shape[0]};
-  int64_t cols = 1;
-  for (size_t i = 1; i < shape.size(); ++i) cols *= shape[i];
-  return {shape[0], cols};
-}
-
-inline size_t type_size(int32_t type) { return type == kWF32 ? 4 : 2; }
 
 inline int sm_count_of(int device) {
   int count = 0;

@@ -25,27 +25,11 @@ std::shared_ptr<DeviceWeightSet> upload_weights(const Graph& graph, const BoundW
       set->by_id.push_back(it->second);
       continue;
     }
-    const auto [rows, cols] = matrix_shape(decl.shape);
-    DeviceWeight w;
-    w.rows = rows;
-    w.cols = cols;
-    w.parts = static_cast<int32_t>(bound.parts.size());
-    const TensorView& first = *bound.parts.front();
-    if (first.is_mxfp4()) {
-      w.type = kWMXFP4;
-      w.part_bytes = rows * cols / 2;
-      w.scale_part_bytes = rows * cols / 32;
-    } else {
-      w.type = weight_type(first.dtype, first.name);
-      w.part_bytes = rows * cols * static_cast<int64_t>(type_size(w.type));
-    }
+    DeviceWeight w = weight_layout(decl, bound);
     DeviceBuffer data(static_cast<size_t>(w.part_bytes * w.parts), decl.name.c_str());
     DeviceBuffer scales(static_cast<size_t>(w.scale_part_bytes * w.parts), decl.name.c_str());
     for (int p = 0; p < w.parts; ++p) {
       const TensorView& part = *bound.parts[static_cast<size_t>(p)];
-      if ((w.type == kWMXFP4) != part.is_mxfp4() || (w.type != kWMXFP4 && weight_type(part.dtype, part.name) != w.type)) {
-        fail("cuda: the parts of stacked weight '{}' differ in dtype ('{}')", decl.name, part.name);
-      }
       check(cudaMemcpy(data.as<uint8_t>() + p * w.part_bytes, part.data, static_cast<size_t>(w.part_bytes), cudaMemcpyHostToDevice), "weight upload");
       if (w.type == kWMXFP4) {
         check(cudaMemcpy(scales.as<uint8_t>() + p * w.scale_part_bytes, part.mx_scales, static_cast<size_t>(w.scale_part_bytes), cudaMemcpyHostToDevice),
@@ -57,7 +41,7 @@ std::shared_ptr<DeviceWeightSet> upload_weights(const Graph& graph, const BoundW
     set->bytes += static_cast<int64_t>(data.bytes + scales.bytes);
     set->buffers.push_back(std::move(data));
     set->buffers.push_back(std::move(scales));
-    done.emplace(&first, w);
+    done.emplace(bound.parts.front(), w);
     set->by_id.push_back(w);
   }
   return set;

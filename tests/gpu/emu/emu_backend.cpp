@@ -15,11 +15,12 @@
 #include "runtime/cuda/device.cuh"  // the emulation copy made by tests/CMakeLists.txt
 #include "runtime/cuda/ops/gemv.cuh"
 #include "runtime/cuda/ops/misc_ops.cuh"
+#include "runtime/cuda/weight_layout.h"
 
 namespace plow::cuda {
 
-// The weights as upload_weights lays them out on the device (device_weights.cpp), in host memory:
-// stacked parts back to back, MXFP4 codes and scales apart. Tied weights share one copy.
+// The weights as upload_weights lays them out on the device (weight_layout.h), in host memory. Tied
+// weights share one copy.
 struct DeviceWeightSet {
   std::vector<DeviceWeight> by_id;
   std::map<std::string, int> by_name;
@@ -35,19 +36,8 @@ std::shared_ptr<DeviceWeightSet> upload_weights(const Graph& g, const BoundWeigh
       set->by_id.push_back(it->second);
       continue;
     }
-    const std::vector<int64_t>& shape = g.weights()[id].shape;
-    DeviceWeight w;
-    w.rows = shape.size() >= 2 ? shape[0] : 1;
-    w.cols = 1;
-    for (size_t i = shape.size() >= 2 ? 1 : 0; i < shape.size(); ++i) w.cols *= shape[i];
-    w.parts = static_cast<int32_t>(b.parts.size());
+    DeviceWeight w = weight_layout(g.weights()[id], b);
     const TensorView& first = *b.parts.front();
-    if (first.is_mxfp4()) {
-      w.type = kWMXFP4, w.part_bytes = w.rows * w.cols / 2, w.scale_part_bytes = w.rows * w.cols / 32;
-    } else {
-      w.type = first.dtype == DType::BF16 ? kWBF16 : first.dtype == DType::F16 ? kWF16 : kWF32;
-      w.part_bytes = w.rows * w.cols * (w.type == kWF32 ? 4 : 2);
-    }
     std::vector<uint8_t> data(static_cast<size_t>(w.part_bytes * w.parts)), scales(static_cast<size_t>(w.scale_part_bytes * w.parts));
     for (int p = 0; p < w.parts; ++p) {
       const TensorView& part = *b.parts[static_cast<size_t>(p)];
