@@ -1,5 +1,5 @@
 // The launches of kda_prefill.cuh's blocks: a prep block per (chunk, head), three an SM; a scan block per
-// (32 value columns, head, sequence), sixteen warps, one an SM.
+// (32 value columns, head, sequence), four warpgroups, one an SM.
 #include "runtime/cuda/kda_prefill.cuh"
 #include "runtime/cuda/kernels.h"  // cuda_failure; the launches are declared in kda_prefill.h
 

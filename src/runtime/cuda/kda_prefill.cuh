@@ -7,15 +7,17 @@
 //     U = T'·V; the record (kda_prefill_kernels.h) holds Q⊙e^γ, K⊙e^{γ_n−γ}, W, U, M and e^{γ_n}. The
 //     channels go through shared memory in two halves of 64 (A and M accumulate in shared memory across
 //     them), which keeps a block at 72.7 KB.
-//  2. scan, a block of sixteen warps per (32 value columns, head, sequence), chunk after chunk with the
-//     state slice S₀ in shared memory: level 1, V_new = U − W·S₀ and O = (Q⊙e^γ)·S₀ side by side;
-//     level 2, O += M·V_new and S ← diag(e^{γ_n})·S₀ + (K⊙e^{γ_n−γ})ᵀ·V_new side by side. The next
-//     chunk's W and Q⊙e^γ load (cp.async) during level 2, its other rows during level 1.
+//  2. scan, a block of four warpgroups per (32 value columns, head, sequence), chunk after chunk with the
+//     state slice S₀ in two warpgroups' accumulators: level 1, V_new = U − W·S₀ and O = (Q⊙e^γ)·S₀
+//     side by side; level 2, O += M·V_new and S ← diag(e^{γ_n})·S₀ + (K⊙e^{γ_n−γ})ᵀ·V_new side by
+//     side, on wgmma. Each of the next chunk's rows is copied (cp.async) as soon as its buffer is free
+//     (W into a second buffer from the chunk's start).
 // Pairwise decays are never factored over a whole chunk (the K3 gate takes γ to −320): the products
 // factor through the first position of each 16-row block row, where both factors are ≤ 1 below the
 // diagonal 16×16 blocks and bounded (kDiagMmaSpread) inside them; diagonal blocks steeper than that
 // take e^{γ_r−γ_j} per (pair, channel), as the op body (ops/kda_chunked.cuh) does for all of them.
-// Products in 3xTF32 (each operand split hi + lo, three mma.sync, fp32 accumulation).
+// Products in 3xTF32 (each operand split hi + lo, three products, fp32 accumulation): mma.sync in the
+// prep, wgmma in the scan.
 #pragma once
 
 #include "runtime/cuda/kda_prefill_kernels.h"
@@ -38,7 +40,7 @@ static_assert(kC == 64 && kD == 128, "the tilings below assume C = 64, d ≤ 128
 // 3xTF32: an operand as its TF32 head (rounded to nearest, ties away: the bits' add and mask) and the
 // rest truncated to TF32 (|rest| ≤ 2⁻¹¹|x|, so the split loses at most 2⁻²¹|x|). Four integer and float
 // instructions. With cvt.rna.tf32.f32 instead the scan issued ~1.8× the instructions counted as if the
-// cvt were one (ncu); this form and the B operands stored split (mma_split) took the scans of an 8K
+// cvt were one (ncu); this form and the B operands stored split took the mma.sync scans of an 8K
 // prompt 24.5 → 18.2 ms.
 __device__ __forceinline__ void tf32_split(float x, uint32_t& hi, uint32_t& lo) {
   hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
@@ -118,47 +120,6 @@ __device__ __forceinline__ void mma_n4(float (&acc)[4][4], const FragA& a, const
     mma_3x(acc[nt], a, f);
   }
 }
-// acc[nt] += a·B over k in [k0, k0 + 8) for NT n8 tiles at columns n0 + 8·nt, B stored already split:
-// its TF32 heads at hi, the rests at lo (store_split).
-template <int NT>
-__device__ __forceinline__ void mma_split(float (&acc)[NT][4], const FragA& a, const uint32_t* hi, const uint32_t* lo, int ld, int k0, int n0) {
-  const int lane = lane_id(), g = lane / 4, t4 = lane % 4;
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int at0 = (k0 + t4) * ld + n0 + 8 * nt + g, at1 = at0 + 4 * ld;
-    FragB f;
-    f.hi[0] = hi[at0];
-    f.hi[1] = hi[at1];
-    f.lo[0] = lo[at0];
-    f.lo[1] = lo[at1];
-    mma_3x(acc[nt], a, f);
-  }
-}
-// acc += A·B over k in [0, k_end) (k_end a multiple of 16) for NT n8 tiles at columns n0 + 8·nt, B
-// stored split, A's fragment of k-step k0 from frag(k0): the k-steps alternate between acc and a second
-// accumulator, two HMMA chains a tile where one waited on the other's latency (ncu: the scan's level-1
-// loop stalled mostly on fixed latency).
-template <int NT, class Frag>
-__device__ __forceinline__ void mma_split_2chains(float (&acc)[NT][4], int k_end, Frag frag, const uint32_t* hi, const uint32_t* lo, int ld, int n0) {
-  float odd[NT][4] = {};
-  for (int k0 = 0; k0 < k_end; k0 += 16) {
-    mma_split(acc, frag(k0), hi, lo, ld, k0, n0);
-    mma_split(odd, frag(k0 + 8), hi, lo, ld, k0 + 8, n0);
-  }
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) acc[nt][q] += odd[nt][q];
-  }
-}
-// Stores x split for mma_split.
-__device__ __forceinline__ void store_split(uint32_t* hi, uint32_t* lo, int at, float x) {
-  uint32_t h, l;
-  tf32_split(x, h, l);
-  hi[at] = h;
-  lo[at] = l;
-}
-
 // ---- prep --------------------------------------------------------------------------------------------
 
 // Shared memory of a prep block, floats. Channel-major [c][t] arrays have row stride kLd ≡ 8 (mod 32):
@@ -592,26 +553,169 @@ __device__ __forceinline__ void kda_prep_block(const KdaPrefillArgs& a, float* s
 
 // ---- scan --------------------------------------------------------------------------------------------
 
-// Shared memory of a scan block, floats. Strides: ≡ 4 (mod 32) for A operands read row-major (W, Q⊙e^γ,
-// M), ≡ 8 for B operands and for K⊙e^{γ_n−γ}, which the update reads transposed.
+// The scan's products run on Hopper's warpgroup MMA: wgmma m64n32k8 in TF32, fp32 accumulation, A (64
+// rows × 8 k) in registers — each warp the m16n8k8 A fragment of its 16 rows, split hi + lo here —
+// and B (32 columns × 8 k) in shared memory, K-major in the 128-byte-swizzled layout (wgmma.cuh's, 32
+// TF32 of k a 128-byte row, chunk c of row n at c ^ (n mod 8), 8-row atoms of 1,024 bytes), its hi and
+// lo planes written split by the block. Three products a k-step (lo·hi, hi·lo, hi·hi) as 3xTF32.
+// The accumulator of thread t: rows 16·(t/32 mod 4) + g (+ 8), columns 8j + 2·t4 (+ 1) at d[4j…4j+3].
+struct WgFrag {  // a k-step's A fragment of the warp, split
+  uint32_t hi[4], lo[4];
+};
+// The byte offset of B(k, n) in a swizzled operand of 32 columns: K tiles of 32, 4,096 bytes each.
+__device__ __forceinline__ int wg_b_offset(int k, int n) { return (k / 32) * 4096 + n * 128 + ((((k % 32) / 4) ^ (n % 8)) << 4) + (k % 4) * 4; }
+// The descriptor of k-step s (k = 8s … 8s + 7) of such an operand at shared address `at` (1,024-aligned):
+// the K tile, then 32 bytes a step inside its rows; stride 1,024 bytes (an atom), 128-byte swizzle.
+__device__ __forceinline__ uint64_t wg_b_desc(uint32_t at, int s) {
+  const uint32_t start = at + static_cast<uint32_t>((s / 4) * 4096 + (s % 4) * 32);
+  return static_cast<uint64_t>((start & 0x3FFFF) >> 4) | (uint64_t{16 >> 4} << 16) | (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+#ifndef PLOW_CUDA_EMU
+__device__ __forceinline__ uint32_t wg_shared(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void wg_fence_all() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit_all() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void wg_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// d += A·B, one m64n32k8 TF32 product (a: four registers of the warp's fragment; b: B's descriptor).
+__device__ __forceinline__ void wg_mma_tf32(float (&d)[16], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+// Values an in-flight wgmma reads or writes, pinned in their registers until this point (after a wait).
+__device__ __forceinline__ void wg_pin(float (&d)[16]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void wg_pin(WgFrag& f) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(f.hi[i]), "+r"(f.lo[i])::"memory");
+}
+#else
+// The emulator's wgmma: the warpgroup's fragments and accumulators through an exchange, B read from the
+// emulated shared memory through the descriptor and the swizzle as the hardware reads it (the address's
+// bits 4–6 XOR bits 7–9), the product in fp32 at issue (fence, commit and wait are no-ops).
+inline const char* emu_wg_smem = nullptr;  // the block's shared memory: wg_shared's addresses are offsets from it
+inline uint32_t emu_wg_a[4][128][4];
+inline float emu_wg_d[4][128][16];
+inline uint32_t wg_shared(const void* p) { return static_cast<uint32_t>(static_cast<const char*>(p) - emu_wg_smem); }
+inline void wg_fence_all() {}
+inline void wg_commit_all() {}
+template <int N>
+inline void wg_wait_all() {}
+inline void wg_proxy_fence() {}
+inline void wg_pin(float (&)[16]) {}
+inline void wg_pin(WgFrag&) {}
+inline void wg_mma_tf32(float (&d)[16], const uint32_t (&a)[4], uint64_t b) {
+  const int t = static_cast<int>(threadIdx.x), wg = t / 128, i = t % 128;
+  for (int r = 0; r < 4; ++r) emu_wg_a[wg][i][r] = a[r];
+  for (int r = 0; r < 16; ++r) emu_wg_d[wg][i][r] = d[r];
+  named_sync(12 + wg, 128);
+  const uint32_t start = static_cast<uint32_t>(b & 0x3FFF) << 4, stride = static_cast<uint32_t>((b >> 32) & 0x3FFF) << 4;
+  const auto at = [&](int row, int k) {  // A(row, k): warp row / 16, lane 4·(row mod 8) + k mod 4, register 2·(k / 4) + (row mod 16) / 8
+    return __uint_as_float(emu_wg_a[wg][32 * (row / 16) + 4 * (row % 8) + k % 4][2 * (k / 4) + (row % 16) / 8]);
+  };
+  const auto bt = [&](int k, int n) {
+    const uint32_t logical = start + static_cast<uint32_t>(n / 8) * stride + static_cast<uint32_t>(n % 8) * 128 + static_cast<uint32_t>(k) * 4;
+    const uint32_t physical = logical ^ (((logical >> 7) & 7) << 4);
+    float x;
+    std::memcpy(&x, emu_wg_smem + physical, 4);
+    return x;
+  };
+  const int lane = i % 32, g = lane / 4, t4 = lane % 4, row0 = 16 * (i / 32);
+  for (int j = 0; j < 4; ++j) {
+    for (int q = 0; q < 4; ++q) {
+      const int row = row0 + g + 8 * (q / 2), col = 8 * j + 2 * t4 + q % 2;
+      float sum = emu_wg_d[wg][i][4 * j + q];
+      for (int k = 0; k < 8; ++k) sum += at(row, k) * bt(k, col);
+      d[4 * j + q] = sum;
+    }
+  }
+  named_sync(12 + wg, 128);
+}
+#endif
+// d += A·B to about fp32's accuracy in one k-step: B's hi and lo planes at b_hi / b_lo (descriptors).
+__device__ __forceinline__ void wg_mma_3x(float (&d)[16], const WgFrag& a, uint64_t b_hi, uint64_t b_lo) {
+  wg_mma_tf32(d, a.lo, b_hi);
+  wg_mma_tf32(d, a.hi, b_lo);
+  wg_mma_tf32(d, a.hi, b_hi);
+}
+// The warp's A fragment of k-step s from fp32 rows: A(m, k) at a[(m0 + m)·ld + k] (rows) or
+// a[k·ld + m0 + m] (columns: stored transposed), m the warp's 16 rows.
+__device__ __forceinline__ WgFrag wg_frag_rows(const float* a, int ld, int m0, int s) {
+  const int lane = lane_id(), g = lane / 4, t4 = lane % 4, k0 = 8 * s;
+  const float* r = a + (m0 + g) * ld + k0 + t4;
+  WgFrag f;
+  tf32_split(r[0], f.hi[0], f.lo[0]);
+  tf32_split(r[8 * ld], f.hi[1], f.lo[1]);
+  tf32_split(r[4], f.hi[2], f.lo[2]);
+  tf32_split(r[8 * ld + 4], f.hi[3], f.lo[3]);
+  return f;
+}
+__device__ __forceinline__ WgFrag wg_frag_cols(const float* a, int ld, int m0, int s) {
+  const int lane = lane_id(), g = lane / 4, t4 = lane % 4, k0 = 8 * s;
+  const float* c = a + (k0 + t4) * ld + m0 + g;
+  WgFrag f;
+  tf32_split(c[0], f.hi[0], f.lo[0]);
+  tf32_split(c[8], f.hi[1], f.lo[1]);
+  tf32_split(c[4 * ld], f.hi[2], f.lo[2]);
+  tf32_split(c[4 * ld + 8], f.hi[3], f.lo[3]);
+  return f;
+}
+// d += A·B over k-steps [0, steps) (a multiple of 2·kWgGroup), A's fragments from frag(s), B's planes
+// at b_hi / b_lo: kWgGroup k-steps a group in flight while the next group's fragments are formed, each
+// group's fragment registers held until the group is done (wgmma reads them asynchronously).
+constexpr int kWgGroup = 1;
+template <class Frag>
+__device__ __forceinline__ void wg_product(float (&d)[16], int steps, Frag frag, uint32_t b_hi, uint32_t b_lo) {
+  WgFrag f[2][kWgGroup] = {};
+#pragma unroll 1
+  for (int s0 = 0; s0 < steps; s0 += 2 * kWgGroup) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int s1 = s0 + kWgGroup * half;
+#pragma unroll
+      for (int x = 0; x < kWgGroup; ++x) f[half][x] = frag(s1 + x);
+      wg_fence_all();  // the fragments' (and the accumulator's) registers written before wgmma reads them
+#pragma unroll
+      for (int x = 0; x < kWgGroup; ++x) wg_mma_3x(d, f[half][x], wg_b_desc(b_hi, s1 + x), wg_b_desc(b_lo, s1 + x));
+      wg_commit_all();
+      wg_wait_all<1>();  // the group before this one is done: its fragments may be rewritten
+#pragma unroll
+      for (int x = 0; x < kWgGroup; ++x) wg_pin(f[1 - half][x]);
+    }
+  }
+  wg_wait_all<0>();
+#pragma unroll
+  for (int x = 0; x < kWgGroup; ++x) wg_pin(f[0][x]), wg_pin(f[1][x]);
+  wg_pin(d);
+}
+
+// Shared memory of a scan block, floats: the record's rows as copied (strides ≡ 4 mod 32 for A read by
+// rows, ≡ 8 for K⊙e^{γ_n−γ}, read transposed), then the split B operands (wgmma's layout, 1,024-byte
+// aligned at run time: kSw plus up to 1,020 bytes): S₀ᵀ's hi and lo planes (32 columns × 128 keys,
+// 16 KB each) and V_newᵀ's (32 columns × 64 positions, 8 KB each).
 struct ScanSmem {
-  static constexpr int kSld = kCols + 8;
   static constexpr int kAld = kD + 4;
   static constexpr int kKld = kD + 8;
   static constexpr int kMld = kC + 4;
-  static constexpr int kS = 0;                     // S₀ [kD][kSld]: key rows × the block's value columns
-  static constexpr int kW = kS + kD * kSld;        // W [C][kAld]
+  static constexpr int kUld = kCols + 4;
+  static constexpr int kW = 0;                     // W [C][kAld]
   static constexpr int kQ = kW + kC * kAld;        // Q⊙e^γ [C][kAld]
   static constexpr int kKe = kQ + kC * kAld;       // K⊙e^{γ_n−γ} [C][kKld]
   static constexpr int kM = kKe + kC * kKld;       // M [C][kMld]
-  static constexpr int kU = kM + kC * kMld;        // U's columns [C][kSld]
-  static constexpr int kDecay = kU + kC * kSld;    // e^{γ_n} [kD]
-  static constexpr int kSHi = kDecay + kD;         // S₀ split for level 1's B operand (store_split)
-  static constexpr int kSLo = kSHi + kD * kSld;
-  static constexpr int kVHi = kSLo + kD * kSld;    // V_new split for level 2's [C][kSld]
-  static constexpr int kVLo = kVHi + kC * kSld;
-  static constexpr int kFloats = kVLo + kC * kSld;
-  static_assert(kW % 4 == 0 && kQ % 4 == 0 && kKe % 4 == 0 && kM % 4 == 0 && kU % 4 == 0 && kDecay % 4 == 0, "cp.async rows of 16 bytes");
+  static constexpr int kU = kM + kC * kMld;        // U's columns [C][kUld]
+  static constexpr int kDecay = kU + kC * kUld;    // e^{γ_n} [kD]
+  static constexpr int kW2 = kDecay + kD;          // W's second buffer: chunk k's W at kW or kW2 by k's parity
+  static constexpr int kSw = kW2 + kC * kAld;      // the swizzled operands, from the first 1,024-byte boundary
+  static constexpr int kSBytes = kD * kCols * 4, kVBytes = kC * kCols * 4;
+  static constexpr int kFloats = kSw + (2 * kSBytes + 2 * kVBytes + 1024) / 4;
+  static_assert(kW % 4 == 0 && kQ % 4 == 0 && kKe % 4 == 0 && kM % 4 == 0 && kU % 4 == 0 && kDecay % 4 == 0 && kW2 % 4 == 0,
+                "cp.async rows of 16 bytes");
 };
 constexpr int kKdaScanBytes = ScanSmem::kFloats * 4;
 
@@ -630,12 +734,11 @@ __device__ __forceinline__ void copy_rows(float* dst, int ld, const float* src, 
 }
 
 // One scan block: value columns [kKdaScanCols·group, …) of head h over sequence seq's chunks; sm:
-// kKdaScanBytes of shared memory. Sixteen warps: a chain of dependent products a chunk, so two warps a
-// scheduler (eight warps) left most issue slots empty (ncu: 0.31 issued a scheduler and cycle).
-//   level 1: warps 0–7 W·S₀, warps 8–15 (Q⊙e^γ)·S₀, each 16 positions (w mod 4) × 16 columns (w / 4 mod 2);
-//   then warps 0–7 V_new = U − W·S₀;
-//   level 2: warps 0–7 the state update, 16 key rows × the 32 columns each; warps 8–15 O += M·V_new
-//   over their level-1 tile (M lower triangular: 16–64 positions deep) and the output.
+// kKdaScanBytes of shared memory. Four warpgroups, each an m64n32 accumulator:
+//   level 1: warpgroup 0 W·S₀, then V_new = U − W·S₀ into V_newᵀ's planes; warpgroup 1 (Q⊙e^γ)·S₀;
+//   level 2: warpgroup 1 O += M·V_new and the output; warpgroups 2 and 3 the state update of key rows
+//     0–63 and 64–127, S ← diag(e^{γ_n})·S₀ + (K⊙e^{γ_n−γ})ᵀ·V_new, the slice kept in their
+//     accumulators from chunk to chunk and written into S₀ᵀ's planes for the next level 1.
 __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* sm, int group, int h, int seq) {
   using S = ScanSmem;
   const int c0 = kCols * group, d = a.d;
@@ -643,99 +746,103 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
   const int chunk0 = a.seq_chunk0[seq], chunks = a.seq_chunks[seq];
   float* state = a.state + a.seq_slot[seq] * a.state_slot_floats + static_cast<int64_t>(h) * d * d;
   const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id(), g = lane / 4, t4 = lane % 4;
-  float *st = sm + S::kS, *wb = sm + S::kW, *qb = sm + S::kQ, *kb = sm + S::kKe, *mb = sm + S::kM, *ub = sm + S::kU, *decay = sm + S::kDecay;
-  uint32_t *s_hi = reinterpret_cast<uint32_t*>(sm + S::kSHi), *s_lo = reinterpret_cast<uint32_t*>(sm + S::kSLo);
-  uint32_t *v_hi = reinterpret_cast<uint32_t*>(sm + S::kVHi), *v_lo = reinterpret_cast<uint32_t*>(sm + S::kVLo);
-  const auto record = [&](int k) { return a.records + (static_cast<int64_t>(chunk0 + k) * a.heads + h) * kKdaRecFloats; };
-  const auto load_level1 = [&](int k) {  // W and Q⊙e^γ
-    copy_rows<kD>(wb, S::kAld, record(k) + kKdaRecW, kD);
-    copy_rows<kD>(qb, S::kAld, record(k) + kKdaRecQg, kD);
+  const int wg = warp / 4, m0 = 16 * (warp % 4);  // the warpgroup; the warp's rows of its m64 tile
+  float *qb = sm + S::kQ, *kb = sm + S::kKe, *mb = sm + S::kM, *ub = sm + S::kU, *decay = sm + S::kDecay;
+#ifdef PLOW_CUDA_EMU
+  emu_wg_smem = reinterpret_cast<const char*>(sm);
+#endif
+  const uint32_t sw = (wg_shared(sm + S::kSw) + 1023u) & ~1023u;
+  char* sw_ptr = reinterpret_cast<char*>(sm) + (sw - wg_shared(sm));
+  const uint32_t s_hi = sw, s_lo = sw + S::kSBytes, v_hi = sw + 2 * S::kSBytes, v_lo = v_hi + S::kVBytes;
+  const auto put = [&](uint32_t plane, int k, int n, float x) {  // x split into a hi / lo pair of planes
+    uint32_t hi, lo;
+    tf32_split(x, hi, lo);
+    *reinterpret_cast<uint32_t*>(sw_ptr + (plane - sw) + wg_b_offset(k, n)) = hi;
+    *reinterpret_cast<uint32_t*>(sw_ptr + (plane - sw) + (plane == s_hi ? S::kSBytes : S::kVBytes) + wg_b_offset(k, n)) = lo;
   };
+  const auto record = [&](int k) { return a.records + (static_cast<int64_t>(chunk0 + k) * a.heads + h) * kKdaRecFloats; };
+  // The copies, each as early as its buffer is free: chunk k + 1's W (two buffers) when chunk k's
+  // level 1 starts, its Q⊙e^γ when chunk k's level 1 is done, its level-2 rows when chunk k's level 2
+  // is done; a wait for a chunk's rows leaves the one group committed after them in flight.
+  const auto w_of = [&](int k) { return sm + (k % 2 == 0 ? S::kW : S::kW2); };
+  const auto load_w = [&](int k) { copy_rows<kD>(w_of(k), S::kAld, record(k) + kKdaRecW, kD); };
+  const auto load_q = [&](int k) { copy_rows<kD>(qb, S::kAld, record(k) + kKdaRecQg, kD); };
   const auto load_level2 = [&](int k) {  // K⊙e^{γ_n−γ}, M, U's columns, e^{γ_n}
     const float* rec = record(k);
     copy_rows<kD>(kb, S::kKld, rec + kKdaRecKe, kD);
     copy_rows<kC>(mb, S::kMld, rec + kKdaRecM, kC);
-    copy_rows<kCols>(ub, S::kSld, rec + kKdaRecU + c0, kD);
+    copy_rows<kCols>(ub, S::kUld, rec + kKdaRecU + c0, kD);
     if (tid < kD / 4) cp_async16(decay + 4 * tid, rec + kKdaRecDecay + 4 * tid);
   };
-  for (int i = tid; i < kD * kCols; i += kScanThreads) {
-    const int j = i / kCols, c = i % kCols;
-    const float x = j < d && c < cols ? state[static_cast<int64_t>(j) * d + c0 + c] : 0.0f;
-    st[j * S::kSld + c] = x;
-    store_split(s_hi, s_lo, j * S::kSld + c, x);
-  }
-  load_level1(0);
+  load_w(0);
+  load_q(0);
   cp_async_commit();
   load_level2(0);
   cp_async_commit();
 
-  const bool outputs = warp >= 8;                                  // warps 8–15: Q⊙e^γ and M, the output
-  const int m0 = 16 * (warp % 4), n0 = 16 * (warp / 4 % 2);        // their level-1 tile: 16 positions × 16 columns
+  // The update warpgroups' slice: key rows j0 + m0 + g (+ 8), columns 8·nt + 2·t4 (+ 1).
+  // The one accumulator a thread holds: level 1's product (warpgroups 0 and 1, from zero each chunk),
+  // the output (warpgroup 1), the state slice (warpgroups 2 and 3, from chunk to chunk).
+  const int j0 = 64 * (wg - 2);
+  float acc[16] = {};
+  const auto each_of_slice = [&](auto visit) {  // visit(value, key row j, column c); c0 + c is the state's
+#pragma unroll
+    for (int e = 0; e < 16; ++e) visit(acc[e], j0 + m0 + g + 8 * (e % 4 / 2), 8 * (e / 4) + 2 * t4 + e % 2);
+  };
+  if (wg >= 2) {
+    each_of_slice([&](float& x, int j, int c) {
+      x = j < d && c < cols ? state[static_cast<int64_t>(j) * d + c0 + c] : 0.0f;
+      put(s_hi, j, c, x);
+    });
+  }
   for (int k = 0; k < chunks; ++k) {
     const int row0 = a.chunk_row0[chunk0 + k], n = a.chunk_len[chunk0 + k];
     cp_async_wait<1>();  // W, Q⊙e^γ (the newest group, level 2's rows, may still be in flight)
-    __syncthreads();
-    float acc[2][4] = {};
-    {
-      const float* A = outputs ? qb : wb;
-      mma_split_2chains(acc, kD, [&](int k0) { return frag_a_rows(A, S::kAld, m0, k0); }, s_hi, s_lo, S::kSld, n0);
+    wg_proxy_fence();    // S₀'s planes, written by st.shared, seen by wgmma
+    __syncthreads();     // and chunk k − 1's level 1 done with the other W buffer
+    if (k + 1 < chunks) load_w(k + 1);
+    cp_async_commit();
+    if (wg < 2) {
+#pragma unroll
+      for (int e = 0; e < 16; ++e) acc[e] = 0.0f;
+      const float* A = wg == 0 ? w_of(k) : qb;
+      wg_product(acc, kD / 8, [&](int s) { return wg_frag_rows(A, S::kAld, m0, s); }, s_hi, s_lo);
     }
-    cp_async_wait<0>();  // level 2's rows
-    __syncthreads();     // and every warp done with W and Q⊙e^γ
-    if (!outputs) {  // V_new = U − W·S₀, split for level 2
+    cp_async_wait<1>();  // level 2's rows (the next W may still be in flight)
+    __syncthreads();     // and every warpgroup done with W, Q⊙e^γ and S₀'s planes
+    if (k + 1 < chunks) load_q(k + 1);
+    cp_async_commit();
+    if (wg == 0) {  // V_new = U − W·S₀, split into V_newᵀ's planes (k = position, n = column)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int at = (m0 + g + 8 * (q / 2)) * S::kSld + n0 + 8 * nt + 2 * t4 + q % 2;
-          store_split(v_hi, v_lo, at, ub[at] - acc[nt][q]);
-        }
+      for (int e = 0; e < 16; ++e) {
+        const int t = m0 + g + 8 * (e % 4 / 2), c = 8 * (e / 4) + 2 * t4 + e % 2;
+        put(v_hi, t, c, ub[t * S::kUld + c] - acc[e]);
       }
     }
+    wg_proxy_fence();
     __syncthreads();
-    if (k + 1 < chunks) load_level1(k + 1);
-    cp_async_commit();  // possibly empty: the waits count groups
-    if (outputs) {
-      mma_split_2chains(acc, m0 + 16, [&](int k0) { return frag_a_rows(mb, S::kMld, m0, k0); }, v_hi, v_lo, S::kSld, n0);  // M is lower triangular
+    if (wg == 1) {
+      wg_product(acc, kC / 8, [&](int s) { return wg_frag_rows(mb, S::kMld, m0, s); }, v_hi, v_lo);
       float* out = a.out + static_cast<int64_t>(row0 + m0 + g) * a.out_stride + static_cast<int64_t>(h) * d + c0;
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int t = m0 + g + 8 * (q / 2), c = n0 + 8 * nt + 2 * t4 + q % 2;
-          if (t < n && c < cols) out[(q / 2) * 8 * a.out_stride + c] = round_act(a.out_act, acc[nt][q]);
-        }
+      for (int e = 0; e < 16; ++e) {
+        const int t = m0 + g + 8 * (e % 4 / 2), c = 8 * (e / 4) + 2 * t4 + e % 2;
+        if (t < n && c < cols) out[(e % 4 / 2) * 8 * a.out_stride + c] = round_act(a.out_act, acc[e]);
       }
-    } else {
-      const int j0 = 16 * warp;  // key rows
-      float upd[4][4];
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int j = j0 + g + 8 * (q / 2);
-          upd[nt][q] = st[j * S::kSld + 8 * nt + 2 * t4 + q % 2] * decay[j];
-        }
-      }
-      mma_split_2chains(upd, kC, [&](int k0) { return frag_a_cols(kb, S::kKld, j0, k0); }, v_hi, v_lo, S::kSld, 0);  // (K⊙e^{γ_n−γ})ᵀ: A(j, p) = Ke[p][j]
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int at = (j0 + g + 8 * (q / 2)) * S::kSld + 8 * nt + 2 * t4 + q % 2;
-          st[at] = upd[nt][q];
-          store_split(s_hi, s_lo, at, upd[nt][q]);
-        }
-      }
+    } else if (wg >= 2) {
+      each_of_slice([&](float& x, int j, int) { x *= decay[j]; });
+      wg_product(acc, kC / 8, [&](int s) { return wg_frag_cols(kb, S::kKld, j0 + m0, s); }, v_hi, v_lo);  // (K⊙e^{γ_n−γ})ᵀ: A(j, p) = Ke[p][j]
     }
-    __syncthreads();  // S updated; K⊙e^{γ_n−γ}, M, V_new and e^{γ_n} free
+    __syncthreads();  // every product done with V_newᵀ and S₀ᵀ's planes; K⊙e^{γ_n−γ}, M and e^{γ_n} free
+    if (wg >= 2) each_of_slice([&](float& x, int j, int c) { put(s_hi, j, c, x); });
     if (k + 1 < chunks) load_level2(k + 1);
     cp_async_commit();
   }
   cp_async_wait<0>();  // the trailing (empty) groups
-  for (int i = tid; i < kD * kCols; i += kScanThreads) {
-    const int j = i / kCols, c = i % kCols;
-    if (j < d && c < cols) state[static_cast<int64_t>(j) * d + c0 + c] = st[j * S::kSld + c];
+  if (wg >= 2) {
+    each_of_slice([&](float& x, int j, int c) {
+      if (j < d && c < cols) state[static_cast<int64_t>(j) * d + c0 + c] = x;
+    });
   }
 }
 

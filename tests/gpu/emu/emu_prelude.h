@@ -66,7 +66,7 @@ plow_emu_switch:
 #endif
 
 struct EmuBlock {
-  enum Wait { kRun, kBlock, kWarp, kDone };
+  enum Wait { kRun, kBlock, kWarp, kNamed, kDone };
   static constexpr int kN = 512;
   static constexpr size_t kStack = 256 * 1024;
 #if defined(__x86_64__)
@@ -77,6 +77,8 @@ struct EmuBlock {
   ucontext_t ctx[kN];
 #endif
   Wait wait[kN];
+  int named[kN];         // a fiber waiting at a named barrier (kNamed): its id
+  int named_threads[16];  // the threads each named barrier waits for
   std::vector<char> stacks = std::vector<char>(kN * kStack);
   uint32_t xch[kN];
   int current = 0;
@@ -125,6 +127,7 @@ inline void EmuBlock::run(std::function<void()> fn, int threads) {
   for (int i = 0; i < n; ++i) {
     make(i);
     wait[i] = kRun;
+    named[i] = 0;
   }
   for (;;) {
     bool ran = false;
@@ -154,6 +157,15 @@ inline void EmuBlock::run(std::function<void()> fn, int threads) {
         if (other + at_warp == 32 && !ran) { std::fprintf(stderr, "emu: divergent warp barrier in warp %d\n", w); std::abort(); }
       }
     }
+    int at_named[16] = {};
+    for (int i = 0; i < n; ++i) at_named[named[i]] += wait[i] == kNamed;
+    for (int id = 1; id < 16; ++id) {
+      if (at_named[id] == 0 || at_named[id] < named_threads[id]) continue;
+      for (int i = 0; i < n; ++i) {
+        if (wait[i] == kNamed && named[i] == id) wait[i] = kRun;
+      }
+      released = true;
+    }
     if (!ran && !released) { std::fprintf(stderr, "emu: deadlock\n"); std::abort(); }
   }
 }
@@ -166,6 +178,14 @@ inline void emu_wait(EmuBlock::Wait kind) {
 }
 inline void __syncthreads() { emu_wait(EmuBlock::kBlock); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_wait(EmuBlock::kWarp); }
+// bar.sync id, threads: released when `threads` fibers wait at barrier id (1…15; 0 is __syncthreads').
+inline void named_sync(int id, int threads) {
+  if (id < 1 || id > 15 || threads % 32 != 0) std::abort();
+  EmuBlock& b = *emu_block;
+  b.named[b.current] = id;
+  b.named_threads[id] = threads;
+  emu_wait(EmuBlock::kNamed);
+}
 // Lane `src` of this warp's value v (every lane of the warp must call it).
 template <typename T>
 inline T emu_shuffle(T v, unsigned src) {

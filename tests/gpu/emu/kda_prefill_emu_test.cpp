@@ -1,6 +1,6 @@
 // The planned KDA prefill kernels (runtime/cuda/kda_prefill.cuh) on the host emulator (emu_prelude.h: a
-// block's threads as fibers, 256 a prep block and 512 a scan block; mma.sync and cp.async through host
-// stand-ins) against the recurrent delta rule of spec/MODEL.md K5–K6 in double: several sequences in
+// block's threads as fibers, 256 a prep block and 512 a scan block; mma.sync, the scan's wgmma (its B
+// operands read through the descriptor and the 128-byte swizzle) and cp.async through host stand-ins) against the recurrent delta rule of spec/MODEL.md K5–K6 in double: several sequences in
 // one batch, partial chunks, cached states, head dims on and off the 32-column groups, gates from weak
 // to K3's strong bounded one (γ to −320 in a chunk) and steeper (diagonal blocks on both of the prep's
 // paths). Shared memory starts NaN before every block; outputs start NaN. Checks the kernels' logic
