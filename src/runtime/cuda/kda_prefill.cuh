@@ -780,9 +780,9 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
   load_level2(0);
   cp_async_commit();
 
-  // The update warpgroups' slice: key rows j0 + m0 + g (+ 8), columns 8·nt + 2·t4 (+ 1).
   // The one accumulator a thread holds: level 1's product (warpgroups 0 and 1, from zero each chunk),
-  // the output (warpgroup 1), the state slice (warpgroups 2 and 3, from chunk to chunk).
+  // the output (warpgroup 1), the state slice (warpgroups 2 and 3, from chunk to chunk: element e at key
+  // row j0 + m0 + g (+ 8 for e mod 4 ≥ 2), column 8·(e / 4) + 2·t4 + e mod 2).
   const int j0 = 64 * (wg - 2);
   float acc[16] = {};
   const auto each_of_slice = [&](auto visit) {  // visit(value, key row j, column c); c0 + c is the state's
