@@ -17,10 +17,11 @@
 // diagonal 16×16 blocks and bounded (kDiagMmaSpread) inside them; diagonal blocks steeper than that
 // take e^{γ_r−γ_j} per (pair, channel), as the op body (ops/kda_chunked.cuh) does for all of them.
 // Products in 3xTF32 (each operand split hi + lo, three products, fp32 accumulation): mma.sync in the
-// prep, wgmma in the scan.
+// prep, wgmma in the scan (kda_tf32.cuh).
 #pragma once
 
 #include "runtime/cuda/kda_prefill_kernels.h"
+#include "runtime/cuda/kda_tf32.cuh"  // the 3xTF32 products: mma.sync (prep), wgmma (scan)
 #include "runtime/cuda/ops/common.cuh"
 
 namespace plow::cuda::kda_planned {
@@ -37,89 +38,6 @@ constexpr int kKdaScanThreads = kScanThreads;
 constexpr int kKdaScanCols = kCols;
 static_assert(kC == 64 && kD == 128, "the tilings below assume C = 64, d ≤ 128");
 
-// 3xTF32: an operand as its TF32 head (rounded to nearest, ties away: the bits' add and mask) and the
-// rest truncated to TF32 (|rest| ≤ 2⁻¹¹|x|, so the split loses at most 2⁻²¹|x|). Four integer and float
-// instructions. With cvt.rna.tf32.f32 instead the scan issued ~1.8× the instructions counted as if the
-// cvt were one (ncu); this form and the B operands stored split took the mma.sync scans of an 8K
-// prompt 24.5 → 18.2 ms.
-__device__ __forceinline__ void tf32_split(float x, uint32_t& hi, uint32_t& lo) {
-  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
-  lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
-}
-struct FragA {  // m16n8k8 A: (g, t), (g+8, t), (g, t+4), (g+8, t+4); g = lane / 4, t = lane mod 4
-  uint32_t hi[4], lo[4];
-  __device__ __forceinline__ void set(float a0, float a1, float a2, float a3) {
-    tf32_split(a0, hi[0], lo[0]);
-    tf32_split(a1, hi[1], lo[1]);
-    tf32_split(a2, hi[2], lo[2]);
-    tf32_split(a3, hi[3], lo[3]);
-  }
-};
-struct FragB {  // m16n8k8 B: (t, g), (t+4, g)
-  uint32_t hi[2], lo[2];
-  __device__ __forceinline__ void set(float b0, float b1) {
-    tf32_split(b0, hi[0], lo[0]);
-    tf32_split(b1, hi[1], lo[1]);
-  }
-};
-#ifndef PLOW_CUDA_EMU
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-#else
-// The emulator's m16n8k8: the warp's fragments through a per-warp exchange (two warp barriers, not a
-// shuffle per element), products of the TF32 values in fp32.
-inline uint32_t emu_mma_a[16][32][4], emu_mma_b[16][32][2];
-inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32, g = lane / 4, t = lane % 4;
-  for (int i = 0; i < 4; ++i) emu_mma_a[warp][lane][i] = a[i];
-  for (int i = 0; i < 2; ++i) emu_mma_b[warp][lane][i] = b[i];
-  __syncwarp();
-  const auto at = [&](int row, int k) {  // A(row, k): lane 4·(row mod 8) + k mod 4, register 2·(k / 4) + row / 8
-    return __uint_as_float(emu_mma_a[warp][4 * (row % 8) + k % 4][2 * (k / 4) + row / 8]);
-  };
-  const auto bt = [&](int k, int col) { return __uint_as_float(emu_mma_b[warp][4 * col + k % 4][k / 4]); };  // B(k, col)
-  for (int q = 0; q < 4; ++q) {
-    const int row = g + 8 * (q / 2), col = 2 * t + q % 2;
-    float sum = d[q];
-    for (int k = 0; k < 8; ++k) sum += at(row, k) * bt(k, col);
-    d[q] = sum;
-  }
-  __syncwarp();
-}
-#endif
-// d += a·b to about fp32's accuracy, the small terms first. d: (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1).
-__device__ __forceinline__ void mma_3x(float (&d)[4], const FragA& a, const FragB& b) {
-  mma_tf32(d, a.lo, b.hi);
-  mma_tf32(d, a.hi, b.lo);
-  mma_tf32(d, a.hi, b.hi);
-}
-// The A fragment of rows [m0, m0 + 16), columns [k0, k0 + 8) from shared memory: A(m, k) at a[m·ld + k]
-// (rows) or at a[k·ld + m] (columns: the matrix stored transposed).
-__device__ __forceinline__ FragA frag_a_rows(const float* a, int ld, int m0, int k0) {
-  const int lane = lane_id(), g = lane / 4, t4 = lane % 4;
-  FragA f;
-  f.set(a[(m0 + g) * ld + k0 + t4], a[(m0 + g + 8) * ld + k0 + t4], a[(m0 + g) * ld + k0 + t4 + 4], a[(m0 + g + 8) * ld + k0 + t4 + 4]);
-  return f;
-}
-__device__ __forceinline__ FragA frag_a_cols(const float* a, int ld, int m0, int k0) {
-  const int lane = lane_id(), g = lane / 4, t4 = lane % 4;
-  FragA f;
-  f.set(a[(k0 + t4) * ld + m0 + g], a[(k0 + t4) * ld + m0 + g + 8], a[(k0 + t4 + 4) * ld + m0 + g], a[(k0 + t4 + 4) * ld + m0 + g + 8]);
-  return f;
-}
-// acc[nt] += a·B over k in [k0, k0 + 8) for four n8 tiles at columns n0 + 8·nt: B(k, n) at b[k·ld + n].
-__device__ __forceinline__ void mma_n4(float (&acc)[4][4], const FragA& a, const float* b, int ld, int k0, int n0) {
-  const int lane = lane_id(), g = lane / 4, t4 = lane % 4;
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
-    FragB f;
-    f.set(b[(k0 + t4) * ld + n0 + 8 * nt + g], b[(k0 + t4 + 4) * ld + n0 + 8 * nt + g]);
-    mma_3x(acc[nt], a, f);
-  }
-}
 // ---- prep --------------------------------------------------------------------------------------------
 
 // Shared memory of a prep block, floats. Channel-major [c][t] arrays have row stride kLd ≡ 8 (mod 32):
@@ -553,148 +471,6 @@ __device__ __forceinline__ void kda_prep_block(const KdaPrefillArgs& a, float* s
 
 // ---- scan --------------------------------------------------------------------------------------------
 
-// The scan's products run on Hopper's warpgroup MMA: wgmma m64n32k8 in TF32, fp32 accumulation, A (64
-// rows × 8 k) in registers — each warp the m16n8k8 A fragment of its 16 rows, split hi + lo here —
-// and B (32 columns × 8 k) in shared memory, K-major in the 128-byte-swizzled layout (wgmma.cuh's, 32
-// TF32 of k a 128-byte row, chunk c of row n at c ^ (n mod 8), 8-row atoms of 1,024 bytes), its hi and
-// lo planes written split by the block. Three products a k-step (lo·hi, hi·lo, hi·hi) as 3xTF32.
-// The accumulator of thread t: rows 16·(t/32 mod 4) + g (+ 8), columns 8j + 2·t4 (+ 1) at d[4j…4j+3].
-struct WgFrag {  // a k-step's A fragment of the warp, split
-  uint32_t hi[4], lo[4];
-};
-// The byte offset of B(k, n) in a swizzled operand of 32 columns: K tiles of 32, 4,096 bytes each.
-__device__ __forceinline__ int wg_b_offset(int k, int n) { return (k / 32) * 4096 + n * 128 + ((((k % 32) / 4) ^ (n % 8)) << 4) + (k % 4) * 4; }
-// The descriptor of k-step s (k = 8s … 8s + 7) of such an operand at shared address `at` (1,024-aligned):
-// the K tile, then 32 bytes a step inside its rows; stride 1,024 bytes (an atom), 128-byte swizzle.
-__device__ __forceinline__ uint64_t wg_b_desc(uint32_t at, int s) {
-  const uint32_t start = at + static_cast<uint32_t>((s / 4) * 4096 + (s % 4) * 32);
-  return static_cast<uint64_t>((start & 0x3FFFF) >> 4) | (uint64_t{16 >> 4} << 16) | (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
-}
-#ifndef PLOW_CUDA_EMU
-__device__ __forceinline__ uint32_t wg_shared(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void wg_fence_all() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit_all() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void wg_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// d += A·B, one m64n32k8 TF32 product (a: four registers of the warp's fragment; b: B's descriptor).
-__device__ __forceinline__ void wg_mma_tf32(float (&d)[16], const uint32_t (&a)[4], uint64_t b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, 1, 1, 1;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-// Values an in-flight wgmma reads or writes, pinned in their registers until this point (after a wait).
-__device__ __forceinline__ void wg_pin(float (&d)[16]) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-__device__ __forceinline__ void wg_pin(WgFrag& f) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(f.hi[i]), "+r"(f.lo[i])::"memory");
-}
-#else
-// The emulator's wgmma: the warpgroup's fragments and accumulators through an exchange, B read from the
-// emulated shared memory through the descriptor and the swizzle as the hardware reads it (the address's
-// bits 4–6 XOR bits 7–9), the product in fp32 at issue (fence, commit and wait are no-ops).
-inline const char* emu_wg_smem = nullptr;  // the block's shared memory: wg_shared's addresses are offsets from it
-inline uint32_t emu_wg_a[4][128][4];
-inline float emu_wg_d[4][128][16];
-inline uint32_t wg_shared(const void* p) { return static_cast<uint32_t>(static_cast<const char*>(p) - emu_wg_smem); }
-inline void wg_fence_all() {}
-inline void wg_commit_all() {}
-template <int N>
-inline void wg_wait_all() {}
-inline void wg_proxy_fence() {}
-inline void wg_pin(float (&)[16]) {}
-inline void wg_pin(WgFrag&) {}
-inline void wg_mma_tf32(float (&d)[16], const uint32_t (&a)[4], uint64_t b) {
-  const int t = static_cast<int>(threadIdx.x), wg = t / 128, i = t % 128;
-  for (int r = 0; r < 4; ++r) emu_wg_a[wg][i][r] = a[r];
-  for (int r = 0; r < 16; ++r) emu_wg_d[wg][i][r] = d[r];
-  named_sync(12 + wg, 128);
-  const uint32_t start = static_cast<uint32_t>(b & 0x3FFF) << 4, stride = static_cast<uint32_t>((b >> 32) & 0x3FFF) << 4;
-  const auto at = [&](int row, int k) {  // A(row, k): warp row / 16, lane 4·(row mod 8) + k mod 4, register 2·(k / 4) + (row mod 16) / 8
-    return __uint_as_float(emu_wg_a[wg][32 * (row / 16) + 4 * (row % 8) + k % 4][2 * (k / 4) + (row % 16) / 8]);
-  };
-  const auto bt = [&](int k, int n) {
-    const uint32_t logical = start + static_cast<uint32_t>(n / 8) * stride + static_cast<uint32_t>(n % 8) * 128 + static_cast<uint32_t>(k) * 4;
-    const uint32_t physical = logical ^ (((logical >> 7) & 7) << 4);
-    float x;
-    std::memcpy(&x, emu_wg_smem + physical, 4);
-    return x;
-  };
-  const int lane = i % 32, g = lane / 4, t4 = lane % 4, row0 = 16 * (i / 32);
-  for (int j = 0; j < 4; ++j) {
-    for (int q = 0; q < 4; ++q) {
-      const int row = row0 + g + 8 * (q / 2), col = 8 * j + 2 * t4 + q % 2;
-      float sum = emu_wg_d[wg][i][4 * j + q];
-      for (int k = 0; k < 8; ++k) sum += at(row, k) * bt(k, col);
-      d[4 * j + q] = sum;
-    }
-  }
-  named_sync(12 + wg, 128);
-}
-#endif
-// d += A·B to about fp32's accuracy in one k-step: B's hi and lo planes at b_hi / b_lo (descriptors).
-__device__ __forceinline__ void wg_mma_3x(float (&d)[16], const WgFrag& a, uint64_t b_hi, uint64_t b_lo) {
-  wg_mma_tf32(d, a.lo, b_hi);
-  wg_mma_tf32(d, a.hi, b_lo);
-  wg_mma_tf32(d, a.hi, b_hi);
-}
-// The warp's A fragment of k-step s from fp32 rows: A(m, k) at a[(m0 + m)·ld + k] (rows) or
-// a[k·ld + m0 + m] (columns: stored transposed), m the warp's 16 rows.
-__device__ __forceinline__ WgFrag wg_frag_rows(const float* a, int ld, int m0, int s) {
-  const int lane = lane_id(), g = lane / 4, t4 = lane % 4, k0 = 8 * s;
-  const float* r = a + (m0 + g) * ld + k0 + t4;
-  WgFrag f;
-  tf32_split(r[0], f.hi[0], f.lo[0]);
-  tf32_split(r[8 * ld], f.hi[1], f.lo[1]);
-  tf32_split(r[4], f.hi[2], f.lo[2]);
-  tf32_split(r[8 * ld + 4], f.hi[3], f.lo[3]);
-  return f;
-}
-__device__ __forceinline__ WgFrag wg_frag_cols(const float* a, int ld, int m0, int s) {
-  const int lane = lane_id(), g = lane / 4, t4 = lane % 4, k0 = 8 * s;
-  const float* c = a + (k0 + t4) * ld + m0 + g;
-  WgFrag f;
-  tf32_split(c[0], f.hi[0], f.lo[0]);
-  tf32_split(c[8], f.hi[1], f.lo[1]);
-  tf32_split(c[4 * ld], f.hi[2], f.lo[2]);
-  tf32_split(c[4 * ld + 8], f.hi[3], f.lo[3]);
-  return f;
-}
-// d += A·B over k-steps [0, steps) (a multiple of 2·kWgGroup), A's fragments from frag(s), B's planes
-// at b_hi / b_lo: kWgGroup k-steps a group in flight while the next group's fragments are formed, each
-// group's fragment registers held until the group is done (wgmma reads them asynchronously).
-constexpr int kWgGroup = 1;
-template <class Frag>
-__device__ __forceinline__ void wg_product(float (&d)[16], int steps, Frag frag, uint32_t b_hi, uint32_t b_lo) {
-  WgFrag f[2][kWgGroup] = {};
-#pragma unroll 1
-  for (int s0 = 0; s0 < steps; s0 += 2 * kWgGroup) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int s1 = s0 + kWgGroup * half;
-#pragma unroll
-      for (int x = 0; x < kWgGroup; ++x) f[half][x] = frag(s1 + x);
-      wg_fence_all();  // the fragments' (and the accumulator's) registers written before wgmma reads them
-#pragma unroll
-      for (int x = 0; x < kWgGroup; ++x) wg_mma_3x(d, f[half][x], wg_b_desc(b_hi, s1 + x), wg_b_desc(b_lo, s1 + x));
-      wg_commit_all();
-      wg_wait_all<1>();  // the group before this one is done: its fragments may be rewritten
-#pragma unroll
-      for (int x = 0; x < kWgGroup; ++x) wg_pin(f[1 - half][x]);
-    }
-  }
-  wg_wait_all<0>();
-#pragma unroll
-  for (int x = 0; x < kWgGroup; ++x) wg_pin(f[0][x]), wg_pin(f[1][x]);
-  wg_pin(d);
-}
-
 // Shared memory of a scan block, floats: the record's rows as copied (strides ≡ 4 mod 32 for A read by
 // rows, ≡ 8 for K⊙e^{γ_n−γ}, read transposed), then the split B operands (wgmma's layout, 1,024-byte
 // aligned at run time: kSw plus up to 1,020 bytes): S₀ᵀ's hi and lo planes (32 columns × 128 keys,
@@ -751,16 +527,15 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
 #ifdef PLOW_CUDA_EMU
   emu_wg_smem = reinterpret_cast<const char*>(sm);
 #endif
-  const uint32_t sw = (wg_shared(sm + S::kSw) + 1023u) & ~1023u;
-  char* sw_ptr = reinterpret_cast<char*>(sm) + (sw - wg_shared(sm));
+  const uint32_t sw = (wg_smem(sm + S::kSw) + 1023u) & ~1023u;
+  char* sw_ptr = reinterpret_cast<char*>(sm) + (sw - wg_smem(sm));
   const uint32_t s_hi = sw, s_lo = sw + S::kSBytes, v_hi = sw + 2 * S::kSBytes, v_lo = v_hi + S::kVBytes;
   const auto put = [&](uint32_t plane, int k, int n, float x) {  // x split into a hi / lo pair of planes
     uint32_t hi, lo;
     tf32_split(x, hi, lo);
     *reinterpret_cast<uint32_t*>(sw_ptr + (plane - sw) + wg_b_offset(k, n)) = hi;
     *reinterpret_cast<uint32_t*>(sw_ptr + (plane - sw) + (plane == s_hi ? S::kSBytes : S::kVBytes) + wg_b_offset(k, n)) = lo;
-  };
-  const auto record = [&](int k) { return a.records + (static_cast<int64_t>(chunk0 + k) * a.heads + h) * kKdaRecFloats; };
+  };  const auto record = [&](int k) { return a.records + (static_cast<int64_t>(chunk0 + k) * a.heads + h) * kKdaRecFloats; };
   // The copies, each as early as its buffer is free: chunk k + 1's W (two buffers) when chunk k's
   // level 1 starts, its Q⊙e^γ when chunk k's level 1 is done, its level-2 rows when chunk k's level 2
   // is done; a wait for a chunk's rows leaves the one group committed after them in flight.
@@ -798,7 +573,7 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
   for (int k = 0; k < chunks; ++k) {
     const int row0 = a.chunk_row0[chunk0 + k], n = a.chunk_len[chunk0 + k];
     cp_async_wait<1>();  // W, Q⊙e^γ (the newest group, level 2's rows, may still be in flight)
-    wg_proxy_fence();    // S₀'s planes, written by st.shared, seen by wgmma
+    wg_fence_proxy();    // S₀'s planes, written by st.shared, seen by wgmma
     __syncthreads();     // and chunk k − 1's level 1 done with the other W buffer
     if (k + 1 < chunks) load_w(k + 1);
     cp_async_commit();
@@ -819,7 +594,7 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
         put(v_hi, t, c, ub[t * S::kUld + c] - acc[e]);
       }
     }
-    wg_proxy_fence();
+    wg_fence_proxy();
     __syncthreads();
     if (wg == 1) {
       wg_product(acc, kC / 8, [&](int s) { return wg_frag_rows(mb, S::kMld, m0, s); }, v_hi, v_lo);

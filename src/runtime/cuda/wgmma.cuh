@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "runtime/cuda/wgmma_layout.h"  // wg_swizzle, wg_desc
+
 namespace plow::cuda {
 
 __device__ __forceinline__ uint32_t wg_smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
@@ -20,16 +22,6 @@ __device__ __forceinline__ uint32_t wg_smem(const void* p) { return static_cast<
 // 16 bytes into shared memory at `dst`: from src (bytes 16) or zeros (bytes 0; src is not read).
 __device__ __forceinline__ void wg_cp16(uint32_t dst, const void* src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-
-// The byte offset of 16-byte chunk c (0..7) of row r in a swizzled tile.
-__device__ __forceinline__ uint32_t wg_swizzle(int r, int c) { return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) << 4)); }
-
-// The descriptor of a K-major swizzled tile at shared address `at` (1,024-byte aligned, or advanced by
-// a multiple of 32 bytes inside the first row for the k16 steps): leading offset 16 bytes (unused by
-// this layout), stride 1,024 bytes (one atom), swizzle mode 1 (128 bytes).
-__device__ __forceinline__ uint64_t wg_desc(uint32_t at) {
-  return static_cast<uint64_t>((at & 0x3FFFF) >> 4) | (uint64_t{16 >> 4} << 16) | (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
