@@ -2,6 +2,7 @@
 // (32 value columns, head, sequence), four warpgroups, one an SM.
 #include "runtime/cuda/kda_prefill.cuh"
 #include "runtime/cuda/kernels.h"  // cuda_failure; the launches are declared in kda_prefill.h
+#include "runtime/cuda/tensor_map.h"
 
 namespace plow::cuda {
 
@@ -18,9 +19,9 @@ __global__ void __launch_bounds__(kKdaPrefillThreads, 3) kda_prep_kernel(KdaPref
   kda_prep_block(a, sm, static_cast<int>(blockIdx.x));
 }
 
-__global__ void __launch_bounds__(kKdaScanThreads, 1) kda_scan_kernel(KdaPrefillArgs a) {
-  extern __shared__ __align__(16) float sm[];
-  kda_scan_block(a, sm, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z));
+__global__ void __launch_bounds__(kKdaScanThreads, 1) kda_scan_kernel(KdaPrefillArgs a, const __grid_constant__ KdaScanMaps maps) {
+  extern __shared__ __align__(128) float sm[];  // the tensor copies' destinations are 128-byte aligned
+  kda_scan_block(a, maps, sm, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z));
 }
 
 }  // namespace
@@ -37,7 +38,11 @@ void launch_kda_scan(const KdaPrefillArgs& a, cudaStream_t stream) {
   if (a.chunks < 1 || a.seqs < 1) return;
   if (a.d < 1 || a.d > kD) cuda_failure("KDA prefill head dim", cudaErrorInvalidValue);
   check_cuda(cudaFuncSetAttribute(kda_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kKdaScanBytes), "KDA scan shared memory");
-  kda_scan_kernel<<<dim3((a.d + kCols - 1) / kCols, a.heads, a.seqs), kKdaScanThreads, kKdaScanBytes, stream>>>(a);
+  const KdaScanMaps maps = kda_scan_maps(a, [](const float* base, int64_t rows, int64_t cols, int box_cols, int box_rows) {
+    return tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, rows, cols, cols, static_cast<uint32_t>(box_cols), static_cast<uint32_t>(box_rows),
+                         CU_TENSOR_MAP_SWIZZLE_NONE, "KDA prefill scan");
+  });
+  kda_scan_kernel<<<dim3((a.d + kCols - 1) / kCols, a.heads, a.seqs), kKdaScanThreads, kKdaScanBytes, stream>>>(a, maps);
   check_cuda(cudaGetLastError(), "KDA prefill scan");
 }
 

@@ -10,8 +10,9 @@
 //  2. scan, a block of four warpgroups per (32 value columns, head, sequence), chunk after chunk with the
 //     state slice S₀ in two warpgroups' accumulators: level 1, V_new = U − W·S₀ and O = (Q⊙e^γ)·S₀
 //     side by side; level 2, O += M·V_new and S ← diag(e^{γ_n})·S₀ + (K⊙e^{γ_n−γ})ᵀ·V_new side by
-//     side, on wgmma. Each of the next chunk's rows is copied (cp.async) as soon as its buffer is free
-//     (W into a second buffer from the chunk's start).
+//     side, on wgmma. Each of the next chunk's arrays comes in one tensor copy (TMA, on an mbarrier) as
+//     soon as its buffer is free (W into a second buffer from the chunk's start), the record's rows
+//     landing in padded shared rows.
 // Pairwise decays are never factored over a whole chunk (the K3 gate takes γ to −320): the products
 // factor through the first position of each 16-row block row, where both factors are ≤ 1 below the
 // diagonal 16×16 blocks and bounded (kDiagMmaSpread) inside them; diagonal blocks steeper than that
@@ -22,6 +23,7 @@
 
 #include "runtime/cuda/kda_prefill_kernels.h"
 #include "runtime/cuda/kda_tf32.cuh"  // the 3xTF32 products: mma.sync (prep), wgmma (scan)
+#include "runtime/cuda/mbarrier.cuh"   // the scan's tensor copies
 #include "runtime/cuda/ops/common.cuh"
 
 namespace plow::cuda::kda_planned {
@@ -472,9 +474,10 @@ __device__ __forceinline__ void kda_prep_block(const KdaPrefillArgs& a, float* s
 // ---- scan --------------------------------------------------------------------------------------------
 
 // Shared memory of a scan block, floats: the record's rows as copied (strides ≡ 4 mod 32 for A read by
-// rows, ≡ 8 for K⊙e^{γ_n−γ}, read transposed), then the split B operands (wgmma's layout, 1,024-byte
-// aligned at run time: kSw plus up to 1,020 bytes): S₀ᵀ's hi and lo planes (32 columns × 128 keys,
-// 16 KB each) and V_newᵀ's (32 columns × 64 positions, 8 KB each).
+// rows, ≡ 8 for K⊙e^{γ_n−γ}, read transposed; every array 128-byte aligned), the copies' four
+// mbarriers, then the split B operands (wgmma's layout, 1,024-byte aligned at run time: kSw plus up to
+// 1,020 bytes): S₀ᵀ's hi and lo planes (32 columns × 128 keys, 16 KB each) and V_newᵀ's (32 columns ×
+// 64 positions, 8 KB each).
 struct ScanSmem {
   static constexpr int kAld = kD + 4;
   static constexpr int kKld = kD + 8;
@@ -487,27 +490,37 @@ struct ScanSmem {
   static constexpr int kU = kM + kC * kMld;        // U's columns [C][kUld]
   static constexpr int kDecay = kU + kC * kUld;    // e^{γ_n} [kD]
   static constexpr int kW2 = kDecay + kD;          // W's second buffer: chunk k's W at kW or kW2 by k's parity
-  static constexpr int kSw = kW2 + kC * kAld;      // the swizzled operands, from the first 1,024-byte boundary
+  static constexpr int kBars = kW2 + kC * kAld;    // mbarriers: W at kW, W at kW2, Q⊙e^γ, level 2's rows
+  static constexpr int kSw = kBars + 8;            // the swizzled operands, from the first 1,024-byte boundary
   static constexpr int kSBytes = kD * kCols * 4, kVBytes = kC * kCols * 4;
   static constexpr int kFloats = kSw + (2 * kSBytes + 2 * kVBytes + 1024) / 4;
-  static_assert(kW % 4 == 0 && kQ % 4 == 0 && kKe % 4 == 0 && kM % 4 == 0 && kU % 4 == 0 && kDecay % 4 == 0 && kW2 % 4 == 0,
-                "cp.async rows of 16 bytes");
+  static_assert(kW % 32 == 0 && kQ % 32 == 0 && kKe % 32 == 0 && kM % 32 == 0 && kU % 32 == 0 && kDecay % 32 == 0 && kW2 % 32 == 0 &&
+                    kAld % 4 == 0 && kKld % 4 == 0 && kMld % 4 == 0 && kUld % 4 == 0 && kBars % 2 == 0,
+                "tensor copies to 128-byte boundaries, box rows of 16-byte multiples; 8-byte mbarriers");
+  // The bytes that land on a barrier a chunk (whole boxes, the padding's zeros included): W or
+  // Q⊙e^γ; K⊙e^{γ_n−γ}, M, U's columns and e^{γ_n}.
+  static constexpr uint32_t kRowsBytes = kC * kAld * 4, kLevel2Bytes = kC * (kKld + kMld + kUld) * 4 + kD * 4;
 };
-constexpr int kKdaScanBytes = ScanSmem::kFloats * 4;
 
-// Starts copying rows [C][width] of a record (row stride src_ld) into shared rows of stride ld.
-// Thread i copies 16 bytes at column 4·(i mod kWidth/4) of rows i / (kWidth/4), then every
-// kScanThreads / (kWidth/4) rows: one address a thread, stepped.
-template <int kWidth>
-__device__ __forceinline__ void copy_rows(float* dst, int ld, const float* src, int src_ld) {
-  constexpr int kVec = kWidth / 4, kPer = kC * kVec / kScanThreads, kRowStep = kScanThreads / kVec;
-  static_assert(kScanThreads % kVec == 0 && kC * kVec % kScanThreads == 0, "whole rows a round");
-  const int tid = static_cast<int>(threadIdx.x), row = tid / kVec, col = 4 * (tid % kVec);
-  dst += row * ld + col;
-  src += row * src_ld + col;
-#pragma unroll
-  for (int e = 0; e < kPer; ++e) cp_async16(dst + e * kRowStep * ld, src + e * kRowStep * src_ld);
+// The scan's tensor maps over a batch's records ([chunks · heads] records of kKdaRecFloats floats): the
+// records as rows of kD floats (W, Q⊙e^γ, K⊙e^{γ_n−γ} and U) or of kC (M), each box one chunk's array
+// (U: a block's columns) landing in the scan's padded rows, the padding past the matrix's last column
+// filled with zeros by the copy. make(base, rows, cols, box_cols, box_rows) encodes one (the driver's
+// encoder on the device: kda_prefill.cu; the emulator's stand-in in its test).
+struct KdaScanMaps {
+  TensorMap a, ke, u, m;  // boxes of kAld (W, Q⊙e^γ), kKld, kUld and kMld columns, kC rows each
+};
+static_assert(kKdaRecFloats % kD == 0 && kKdaRecQg % kD == 0 && kKdaRecKe % kD == 0 && kKdaRecW % kD == 0 && kKdaRecU % kD == 0 &&
+                  kKdaRecM % kC == 0,
+              "a record's arrays start on rows of its tensor maps");
+template <typename Make>
+KdaScanMaps kda_scan_maps(const KdaPrefillArgs& a, Make make) {
+  using S = ScanSmem;
+  const int64_t records = static_cast<int64_t>(a.chunks) * a.heads, rows = records * (kKdaRecFloats / kD);
+  return {make(a.records, rows, kD, S::kAld, kC), make(a.records, rows, kD, S::kKld, kC), make(a.records, rows, kD, S::kUld, kC),
+          make(a.records, records * (kKdaRecFloats / kC), kC, S::kMld, kC)};
 }
+constexpr int kKdaScanBytes = ScanSmem::kFloats * 4;
 
 // One scan block: value columns [kKdaScanCols·group, …) of head h over sequence seq's chunks; sm:
 // kKdaScanBytes of shared memory. Four warpgroups, each an m64n32 accumulator:
@@ -515,7 +528,7 @@ __device__ __forceinline__ void copy_rows(float* dst, int ld, const float* src, 
 //   level 2: warpgroup 1 O += M·V_new and the output; warpgroups 2 and 3 the state update of key rows
 //     0–63 and 64–127, S ← diag(e^{γ_n})·S₀ + (K⊙e^{γ_n−γ})ᵀ·V_new, the slice kept in their
 //     accumulators from chunk to chunk and written into S₀ᵀ's planes for the next level 1.
-__device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* sm, int group, int h, int seq) {
+__device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, const KdaScanMaps& maps, float* sm, int group, int h, int seq) {
   using S = ScanSmem;
   const int c0 = kCols * group, d = a.d;
   const int cols = d - c0 < kCols ? d - c0 : kCols;
@@ -526,6 +539,7 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
   float *qb = sm + S::kQ, *kb = sm + S::kKe, *mb = sm + S::kM, *ub = sm + S::kU, *decay = sm + S::kDecay;
 #ifdef PLOW_CUDA_EMU
   emu_wg_smem = reinterpret_cast<const char*>(sm);
+  emu_mbar_smem = reinterpret_cast<char*>(sm);
 #endif
   const uint32_t sw = (wg_smem(sm + S::kSw) + 1023u) & ~1023u;
   char* sw_ptr = reinterpret_cast<char*>(sm) + (sw - wg_smem(sm));
@@ -535,25 +549,43 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
     tf32_split(x, hi, lo);
     *reinterpret_cast<uint32_t*>(sw_ptr + (plane - sw) + wg_b_offset(k, n)) = hi;
     *reinterpret_cast<uint32_t*>(sw_ptr + (plane - sw) + (plane == s_hi ? S::kSBytes : S::kVBytes) + wg_b_offset(k, n)) = lo;
-  };  const auto record = [&](int k) { return a.records + (static_cast<int64_t>(chunk0 + k) * a.heads + h) * kKdaRecFloats; };
-  // The copies, each as early as its buffer is free: chunk k + 1's W (two buffers) when chunk k's
-  // level 1 starts, its Q⊙e^γ when chunk k's level 1 is done, its level-2 rows when chunk k's level 2
-  // is done; a wait for a chunk's rows leaves the one group committed after them in flight.
-  const auto w_of = [&](int k) { return sm + (k % 2 == 0 ? S::kW : S::kW2); };
-  const auto load_w = [&](int k) { copy_rows<kD>(w_of(k), S::kAld, record(k) + kKdaRecW, kD); };
-  const auto load_q = [&](int k) { copy_rows<kD>(qb, S::kAld, record(k) + kKdaRecQg, kD); };
-  const auto load_level2 = [&](int k) {  // K⊙e^{γ_n−γ}, M, U's columns, e^{γ_n}
-    const float* rec = record(k);
-    copy_rows<kD>(kb, S::kKld, rec + kKdaRecKe, kD);
-    copy_rows<kC>(mb, S::kMld, rec + kKdaRecM, kC);
-    copy_rows<kCols>(ub, S::kUld, rec + kKdaRecU + c0, kD);
-    if (tid < kD / 4) cp_async16(decay + 4 * tid, rec + kKdaRecDecay + 4 * tid);
   };
-  load_w(0);
-  load_q(0);
-  cp_async_commit();
-  load_level2(0);
-  cp_async_commit();
+  const auto record = [&](int k) { return a.records + (static_cast<int64_t>(chunk0 + k) * a.heads + h) * kKdaRecFloats; };
+  // The copies, one tensor copy an array (the record's rows into the padded shared rows) issued by one
+  // thread, each as early as its buffer is free: chunk k + 1's W (two buffers) when chunk k's level 1
+  // starts, its Q⊙e^γ when chunk k's level 1 is done, its level-2 rows when chunk k's level 2 is done.
+  // A barrier's n-th phase is its n-th chunk; the thread arrives on it with the bytes to land.
+  constexpr int kCopier = 128;  // warpgroup 1's first thread (its products are off the chain)
+  const uint32_t bars = wg_smem(sm + S::kBars), bar_q = bars + 16, bar_level2 = bars + 24;
+  const auto w_of = [&](int k) { return sm + (k % 2 == 0 ? S::kW : S::kW2); };
+  const auto bar_w = [&](int k) { return bars + 8 * (k % 2); };
+  // Chunk k's record as rows of kD floats (M's as rows of kC).
+  const auto row_of = [&](int k, int64_t offset, int width) {
+    return static_cast<int>((static_cast<int64_t>(chunk0 + k) * a.heads + h) * (kKdaRecFloats / width) + offset / width);
+  };
+  const auto load_w = [&](int k) {
+    mbar_expect_tx(bar_w(k), S::kRowsBytes);
+    tensor_g2s_2d(wg_smem(w_of(k)), &maps.a, 0, row_of(k, kKdaRecW, kD), bar_w(k));
+  };
+  const auto load_q = [&](int k) {
+    mbar_expect_tx(bar_q, S::kRowsBytes);
+    tensor_g2s_2d(wg_smem(qb), &maps.a, 0, row_of(k, kKdaRecQg, kD), bar_q);
+  };
+  const auto load_level2 = [&](int k) {  // K⊙e^{γ_n−γ}, M, U's columns, e^{γ_n}
+    mbar_expect_tx(bar_level2, S::kLevel2Bytes);
+    tensor_g2s_2d(wg_smem(kb), &maps.ke, 0, row_of(k, kKdaRecKe, kD), bar_level2);
+    tensor_g2s_2d(wg_smem(mb), &maps.m, 0, row_of(k, kKdaRecM, kC), bar_level2);
+    tensor_g2s_2d(wg_smem(ub), &maps.u, c0, row_of(k, kKdaRecU, kD), bar_level2);
+    bulk_g2s(wg_smem(decay), record(k) + kKdaRecDecay, kD * 4, bar_level2);
+  };
+  if (tid == kCopier) {
+    for (int b = 0; b < 4; ++b) mbar_init(bars + 8 * b, 1);
+    mbar_init_fence();
+    load_w(0);
+    load_q(0);
+    load_level2(0);
+  }
+  __syncthreads();  // the barriers initialized before anyone waits on them
 
   // The one accumulator a thread holds: level 1's product (warpgroups 0 and 1, from zero each chunk),
   // the output (warpgroup 1), the state slice (warpgroups 2 and 3, from chunk to chunk: element e at key
@@ -572,21 +604,22 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
   }
   for (int k = 0; k < chunks; ++k) {
     const int row0 = a.chunk_row0[chunk0 + k], n = a.chunk_len[chunk0 + k];
-    cp_async_wait<1>();  // W, Q⊙e^γ (the newest group, level 2's rows, may still be in flight)
-    wg_fence_proxy();    // S₀'s planes, written by st.shared, seen by wgmma
-    __syncthreads();     // and chunk k − 1's level 1 done with the other W buffer
-    if (k + 1 < chunks) load_w(k + 1);
-    cp_async_commit();
+    if (wg < 2) {  // W, Q⊙e^γ
+      mbar_wait(bar_w(k), k / 2 % 2);
+      mbar_wait(bar_q, k % 2);
+    }
+    wg_fence_proxy();  // S₀'s planes, written by st.shared, seen by wgmma
+    __syncthreads();   // and chunk k − 1's level 1 done with the other W buffer
+    if (tid == kCopier && k + 1 < chunks) load_w(k + 1);
     if (wg < 2) {
 #pragma unroll
       for (int e = 0; e < 16; ++e) acc[e] = 0.0f;
       const float* A = wg == 0 ? w_of(k) : qb;
       wg_product(acc, kD / 8, [&](int s) { return wg_frag_rows(A, S::kAld, m0, s); }, s_hi, s_lo);
     }
-    cp_async_wait<1>();  // level 2's rows (the next W may still be in flight)
-    __syncthreads();     // and every warpgroup done with W, Q⊙e^γ and S₀'s planes
-    if (k + 1 < chunks) load_q(k + 1);
-    cp_async_commit();
+    mbar_wait(bar_level2, k % 2);  // level 2's rows
+    __syncthreads();               // and every warpgroup done with W, Q⊙e^γ and S₀'s planes
+    if (tid == kCopier && k + 1 < chunks) load_q(k + 1);
     if (wg == 0) {  // V_new = U − W·S₀, split into V_newᵀ's planes (k = position, n = column)
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
@@ -610,10 +643,8 @@ __device__ __forceinline__ void kda_scan_block(const KdaPrefillArgs& a, float* s
     }
     __syncthreads();  // every product done with V_newᵀ and S₀ᵀ's planes; K⊙e^{γ_n−γ}, M and e^{γ_n} free
     if (wg >= 2) each_of_slice([&](float& x, int j, int c) { put(s_hi, j, c, x); });
-    if (k + 1 < chunks) load_level2(k + 1);
-    cp_async_commit();
+    if (tid == kCopier && k + 1 < chunks) load_level2(k + 1);
   }
-  cp_async_wait<0>();  // the trailing (empty) groups
   if (wg >= 2) {
     each_of_slice([&](float& x, int j, int c) {
       if (j < d && c < cols) state[static_cast<int64_t>(j) * d + c0 + c] = x;

@@ -26,13 +26,10 @@
 // The warpgroups share each K/V tile: at one warpgroup a block (64 rows, two blocks an SM) the tiles'
 // copies from L2 came to ~10 MB a block at 32K positions (168 GB a 48B layer); two halve them (MLA ops
 // over 32K: 288 → 265 ms). 161 KB of shared memory, ~200 registers: one block an SM.
-#include <cudaTypedefs.h>  // CUtensorMap, the driver entry point's type
-
-#include <cstdio>
-
 #include "runtime/cuda/kernels.h"  // declared in mla_gemm.h (host headers nvcc need not see)
 #include "runtime/cuda/mbarrier.cuh"
 #include "runtime/cuda/mla_flash.cuh"
+#include "runtime/cuda/tensor_map.h"
 #include "runtime/cuda/wgmma.cuh"
 
 namespace plow::cuda {
@@ -53,12 +50,6 @@ constexpr int kBytes = kStages * kStageBytes + kBarBytes + 1024;  // + the slack
 static_assert(kQk % 64 == 0 && kDv == 128, "whole 64-column tiles of q·k; P·V is one m64n128 product");
 static_assert(kKBytes % 1024 == 0 && kStageBytes % 1024 == 0, "tiles start on swizzle atoms");
 
-// Box (c0, c1) of a 2D tensor map into shared memory at `dst` (128-byte swizzled, as wgmma reads it).
-__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
-               "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-               : "memory");
-}
 // The 128 threads of warpgroup `group` (barrier 1 + group; 0 is __syncthreads).
 __device__ __forceinline__ void group_sync(int group) { asm volatile("bar.sync %0, 128;" ::"r"(1 + group) : "memory"); }
 
@@ -91,8 +82,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(MlaFlashArgs a, 
     const uint32_t at = stage_at(t), bar = full_bar(t);
     mbar_expect_tx(bar, kStageBytes);
 #pragma unroll
-    for (int q = 0; q < kQkTiles; ++q) tma_load(at + q * (kKeys * 128), &k_map, 64 * q, k_row + t * kKeys, bar);
-    tma_load(at + kKBytes, &v_map, t * kKeys, v_row, bar);
+    for (int q = 0; q < kQkTiles; ++q) tensor_g2s_2d(at + q * (kKeys * 128), &k_map, 64 * q, k_row + t * kKeys, bar);
+    tensor_g2s_2d(at + kKBytes, &v_map, t * kKeys, v_row, bar);
   };
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) mbar_init(bars + 8u * st, 1), done[st] = 0;
@@ -175,36 +166,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_wgmma_kernel(MlaFlashArgs a, 
   flash_store_rows(a, o, rows, h, c);
 }
 
-// The driver's cuTensorMapEncodeTiled through the runtime (no libcuda link), found once.
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* entry = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    const cudaError_t error = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry, 12000, cudaEnableDefault, &found);
-    if (error != cudaSuccess) cuda_failure("MLA wgmma attention: the driver's cuTensorMapEncodeTiled", error);
-    if (found != cudaDriverEntryPointSuccess || entry == nullptr) cuda_failure("MLA wgmma attention: the driver has no cuTensorMapEncodeTiled", cudaErrorNotSupported);
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(entry);
-  }();
-  return fn;
-}
-
 // A row-major [rows, cols] matrix of 16-bit elements (row stride cols) in boxes of 64 columns × box_rows,
 // 128-byte swizzled, zeros outside.
 CUtensorMap tensor_map(const uint16_t* data, int64_t rows, int64_t cols, uint32_t box_rows, bool f16) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
-  const cuuint32_t box[2] = {64, box_rows}, element_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(&map, f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<uint16_t*>(data), dims,
-                                    strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {  // the driver's code and the shape it refused (the runtime's error names no cause of its own)
-    char what[192];
-    std::snprintf(what, sizeof what, "MLA wgmma attention: cuTensorMapEncodeTiled returned CUresult %d for [%lld, %lld] in boxes of 64 x %u", static_cast<int>(r),
-                  static_cast<long long>(rows), static_cast<long long>(cols), box_rows);
-    cuda_failure(what, cudaErrorInvalidValue);
-  }
-  return map;
+  return tensor_map_2d(f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, data, rows, cols, cols, 64, box_rows,
+                       CU_TENSOR_MAP_SWIZZLE_128B, "MLA wgmma attention");
 }
 
 template <typename T>

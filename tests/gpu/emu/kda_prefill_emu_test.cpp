@@ -1,6 +1,7 @@
 // The planned KDA prefill kernels (runtime/cuda/kda_prefill.cuh) on the host emulator (emu_prelude.h: a
 // block's threads as fibers, 256 a prep block and 512 a scan block; mma.sync, the scan's wgmma (its B
-// operands read through the descriptor and the 128-byte swizzle) and cp.async through host stand-ins) against the recurrent delta rule of spec/MODEL.md K5–K6 in double: several sequences in
+// operands read through the descriptor and the 128-byte swizzle) and its tensor and bulk copies on mbarriers (the maps' zero fill past the
+// last column included) through host stand-ins) against the recurrent delta rule of spec/MODEL.md K5–K6 in double: several sequences in
 // one batch, partial chunks, cached states, head dims on and off the 32-column groups, gates from weak
 // to K3's strong bounded one (γ to −320 in a chunk) and steeper (diagonal blocks on both of the prep's
 // paths). Shared memory starts NaN before every block; outputs start NaN. Checks the kernels' logic
@@ -151,17 +152,22 @@ std::vector<float> run_blocks(const KdaEmuCase& c, const KdaEmuData& x, std::vec
   std::vector<float> smem(static_cast<size_t>(std::max(kda_planned::kKdaPrepBytes, kda_planned::kKdaScanBytes)) / sizeof(float));
   const auto check_copies = [&](const std::string& where) {
     for (int t = 0; t < std::max(kKdaPrefillThreads, kKdaScanThreads); ++t) EXPECT_TRUE(emu_cp.pending[t].empty()) << where << ": copies never waited for";
+    EXPECT_TRUE(emu_mbar_idle()) << where << ": bulk copies never waited for";
   };
   for (int item = 0; item < a.chunks * a.heads; ++item) {
     std::fill(smem.begin(), smem.end(), std::numeric_limits<float>::quiet_NaN());
     block.run([&] { kda_planned::kda_prep_block(a, smem.data(), item); }, kKdaPrefillThreads);
     check_copies("prep item " + std::to_string(item));
   }
+  // The scan's tensor maps as launch_kda_scan encodes them, read by the emulator's tensor copies.
+  const kda_planned::KdaScanMaps maps = kda_planned::kda_scan_maps(a, [](const float* base, int64_t rows, int64_t cols, int box_cols, int box_rows) {
+    return TensorMap{reinterpret_cast<const char*>(base), rows, cols, cols, 4, box_cols, box_rows};
+  });
   for (int seq = 0; seq < a.seqs; ++seq) {
     for (int h = 0; h < a.heads; ++h) {
       for (int group = 0; group * kda_planned::kKdaScanCols < a.d; ++group) {
         std::fill(smem.begin(), smem.end(), std::numeric_limits<float>::quiet_NaN());
-        block.run([&] { kda_planned::kda_scan_block(a, smem.data(), group, h, seq); }, kKdaScanThreads);
+        block.run([&] { kda_planned::kda_scan_block(a, maps, smem.data(), group, h, seq); }, kKdaScanThreads);
         check_copies("scan block " + std::to_string(seq) + "/" + std::to_string(h) + "/" + std::to_string(group));
       }
     }
@@ -214,7 +220,7 @@ TEST(KdaPrefillEmu, MatchesTheRecurrentDeltaRule) {
       EXPECT_GT(gentle, 0);
     }
     for (bool eager : {false, true}) {
-      emu_cp.eager = eager;
+      emu_cp.eager = emu_mbar_eager = eager;
       const std::string where = std::string(c.name) + (eager ? ", copies at issue" : ", copies at their wait");
       std::vector<double> want_state(x.state.begin(), x.state.end());
       const std::vector<double> want = reference(c, x, want_state);
@@ -233,7 +239,7 @@ TEST(KdaPrefillEmu, MatchesTheRecurrentDeltaRule) {
       EXPECT_LE(worst_state, 2e-5 * state_scale) << where;
     }
   }
-  emu_cp.eager = false;
+  emu_cp.eager = emu_mbar_eager = false;
 }
 
 }  // namespace
