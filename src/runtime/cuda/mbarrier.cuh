@@ -147,10 +147,12 @@ inline void tensor_g2s_2d(uint32_t dst, const TensorMap* map, int c0, int c1, ui
 }
 inline void mbar_wait(uint32_t bar, uint32_t parity) {
   EmuMbar& b = emu_mbar(bar);
-  for (const EmuMbar::Copy& c : b.pending) emu_mbar_land(b, c);
-  b.pending.clear();
-  for (long spins = 0; (b.phase & 1) == parity; ++spins) {  // the phase of this parity has not completed
-    if (spins > 100'000) { std::fprintf(stderr, "emu: an mbarrier wait that never completes\n"); std::abort(); }
+  for (long spins = 0;; ++spins) {
+    for (const EmuMbar::Copy& c : b.pending) emu_mbar_land(b, c);  // copies issued while this thread waits land too
+    b.pending.clear();
+    if ((b.phase & 1) != parity) return;  // the phase of this parity completed
+    if (spins > 100'000) { std::fprintf(stderr, "emu: an mbarrier wait that never completes (thread %u, barrier %u, parity %u)\n", threadIdx.x, bar, parity); std::abort(); }
+    emu_block->spun = true;
     emu_wait(EmuBlock::kRun);
   }
 }

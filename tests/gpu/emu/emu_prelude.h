@@ -83,6 +83,13 @@ struct EmuBlock {
   uint32_t xch[kN];
   int current = 0;
   int n = kN;  // fibers of the block being run
+  // 0: every runnable fiber runs in each pass, in order; otherwise the seed of a random half each pass,
+  // so warps and warpgroups drift apart as on the device (orderings a missing barrier would break).
+  uint64_t schedule_seed = 0;
+  // A warpgroup (threads 128·w …) whose fibers run only when no other fiber can: it falls behind the
+  // others as far as the barriers let it (−1: none).
+  int slow_group = -1;
+  bool spun = false;  // the fiber just resumed only polled (a wait on an mbarrier): no progress
   std::function<void()> body;
   static void entry();
   void make(int i);    // fiber i, to start at entry()
@@ -130,13 +137,29 @@ inline void EmuBlock::run(std::function<void()> fn, int threads) {
     named[i] = 0;
   }
   for (;;) {
-    bool ran = false;
+    bool ran = false, skipped = false, progress = false;
     for (int i = 0; i < n; ++i) {
       if (wait[i] != kRun) continue;
+      if (i / 128 == slow_group) { skipped = true; continue; }
+      if (schedule_seed != 0) {  // each runnable fiber runs in a pass with probability 1/2 (xorshift)
+        schedule_seed ^= schedule_seed << 13, schedule_seed ^= schedule_seed >> 7, schedule_seed ^= schedule_seed << 17;
+        if ((schedule_seed & 1u) != 0) { skipped = true; continue; }
+      }
       current = i;
       threadIdx.x = static_cast<unsigned>(i);
+      spun = false;
       resume(i);
       ran = true;
+      progress = progress || !spun;
+    }
+    if (!progress && slow_group >= 0) {  // nothing else moved: the slow warpgroup's turn
+      for (int i = 0; i < n; ++i) {
+        if (wait[i] != kRun || i / 128 != slow_group) continue;
+        current = i;
+        threadIdx.x = static_cast<unsigned>(i);
+        resume(i);
+        ran = true;
+      }
     }
     int done = 0, at_block = 0;
     for (int i = 0; i < n; ++i) done += wait[i] == kDone, at_block += wait[i] == kBlock;
@@ -166,7 +189,7 @@ inline void EmuBlock::run(std::function<void()> fn, int threads) {
       }
       released = true;
     }
-    if (!ran && !released) { std::fprintf(stderr, "emu: deadlock\n"); std::abort(); }
+    if (!ran && !released && !skipped) { std::fprintf(stderr, "emu: deadlock\n"); std::abort(); }
   }
 }
 inline void emu_wait(EmuBlock::Wait kind) {

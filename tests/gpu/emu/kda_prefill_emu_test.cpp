@@ -6,7 +6,8 @@
 // to K3's strong bounded one (γ to −320 in a chunk) and steeper (diagonal blocks on both of the prep's
 // paths). Shared memory starts NaN before every block; outputs start NaN. Checks the kernels' logic
 // (fragment layouts, the record, the triangular inverse, the scan's two levels and its copies landing
-// as late or as early as a device may land them) without a GPU.
+// as late or as early as a device may land them; the barriers, with the fibers in a random order and
+// each warpgroup in turn as late as the barriers let it be) without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -108,8 +109,10 @@ std::vector<double> reference(const KdaEmuCase& c, const KdaEmuData& x, std::vec
 
 // The batch's blocks one after another on the emulator, as launch_kda_prep and launch_kda_scan run
 // them: every prep block, then every scan block.
-std::vector<float> run_blocks(const KdaEmuCase& c, const KdaEmuData& x, std::vector<float>& state) {
+std::vector<float> run_blocks(const KdaEmuCase& c, const KdaEmuData& x, std::vector<float>& state, uint64_t schedule_seed, int slow_group) {
   static EmuBlock block;  // fiber stacks: once
+  block.schedule_seed = schedule_seed;
+  block.slow_group = slow_group;
   std::vector<int32_t> chunk_row0, chunk_len, seq_chunk0, seq_chunks, seq_slot;
   int row = 0;
   for (size_t s = 0; s < c.tokens.size(); ++s) {
@@ -219,13 +222,21 @@ TEST(KdaPrefillEmu, MatchesTheRecurrentDeltaRule) {
       EXPECT_GT(steep, 0);
       EXPECT_GT(gentle, 0);
     }
-    for (bool eager : {false, true}) {
+    // Copies landing at their wait (the latest a device lands them) or at issue (the earliest), fibers
+    // in order; then at their wait with a random half of the fibers a pass (warpgroups drifting apart),
+    // and with each warpgroup in turn as late as the barriers let it be.
+    for (int mode = 0; mode < 7; ++mode) {
+      const bool eager = mode == 1;
+      const int slow = mode >= 3 ? mode - 3 : -1;
       emu_cp.eager = emu_mbar_eager = eager;
-      const std::string where = std::string(c.name) + (eager ? ", copies at issue" : ", copies at their wait");
+      const std::string where = std::string(c.name) + (mode == 0   ? ", copies at their wait"
+                                                       : mode == 1 ? ", copies at issue"
+                                                       : mode == 2 ? ", copies at their wait, fibers in random order"
+                                                                   : ", copies at their wait, warpgroup " + std::to_string(slow) + " last");
       std::vector<double> want_state(x.state.begin(), x.state.end());
       const std::vector<double> want = reference(c, x, want_state);
       std::vector<float> state = x.state;
-      const std::vector<float> have = run_blocks(c, x, state);
+      const std::vector<float> have = run_blocks(c, x, state, mode == 2 ? 0x9E3779B97F4A7C15ull : 0, slow);
       double scale = 0, state_scale = 0, worst = 0, worst_state = 0;
       for (double w : want) scale = std::max(scale, std::fabs(w));
       for (double w : want_state) state_scale = std::max(state_scale, std::fabs(w));
