@@ -38,6 +38,10 @@ void launch_kda_scan(const KdaPrefillArgs& a, cudaStream_t stream) {
   if (a.chunks < 1 || a.seqs < 1) return;
   if (a.d < 1 || a.d > kD) cuda_failure("KDA prefill head dim", cudaErrorInvalidValue);
   check_cuda(cudaFuncSetAttribute(kda_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kKdaScanBytes), "KDA scan shared memory");
+  // The maps' row coordinates are 32-bit: M's rows (kKdaRecFloats / kC a record) must stay below 2³¹.
+  if (static_cast<int64_t>(a.chunks) * a.heads > (int64_t{1} << 31) / (kKdaRecFloats / kC)) {
+    cuda_failure("KDA prefill scan: a batch of more records than its tensor maps' rows address", cudaErrorInvalidValue);
+  }
   const KdaScanMaps maps = kda_scan_maps(a, [](const float* base, int64_t rows, int64_t cols, int box_cols, int box_rows) {
     return tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, rows, cols, cols, static_cast<uint32_t>(box_cols), static_cast<uint32_t>(box_rows),
                          CU_TENSOR_MAP_SWIZZLE_NONE, "KDA prefill scan");
