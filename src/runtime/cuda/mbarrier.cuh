@@ -1,7 +1,7 @@
 // Hopper's shared-memory mbarriers as the bulk and tensor copies complete them (the megakernel's task
 // slots in kernels.cu, the MLA attention's K/V stages in mla_wgmma.cu, the KDA scan's record rows in
 // kda_prefill.cuh). `bar` is a shared-memory address (cvta to shared). The host emulator's stand-ins
-// (bulk copies landing at issue or at the first wait, phases, a wait that never completes reported)
+// (copies landing at issue or at a wait's next poll, phases, a wait that never completes reported)
 // follow the device's.
 #pragma once
 
@@ -123,27 +123,24 @@ inline void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   b.left -= 1;
   emu_mbar_step(b);
 }
-inline void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  // The device faults on a bulk copy whose size or addresses are not multiples of 16.
-  if (((dst | bytes | reinterpret_cast<uintptr_t>(src)) & 15) != 0) { std::fprintf(stderr, "emu: misaligned bulk copy\n"); std::abort(); }
+// A copy issued on bar: landed now (eager), else at the next poll of a wait on bar.
+inline void emu_mbar_issue(uint32_t bar, const EmuMbar::Copy& c) {
   EmuMbar& b = emu_mbar(bar);
-  const EmuMbar::Copy c{dst, src, bytes};
   if (emu_mbar_eager) {
     emu_mbar_land(b, c);
   } else {
     b.pending.push_back(c);
   }
 }
+inline void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  // The device faults on a bulk copy whose size or addresses are not multiples of 16.
+  if (((dst | bytes | reinterpret_cast<uintptr_t>(src)) & 15) != 0) { std::fprintf(stderr, "emu: misaligned bulk copy\n"); std::abort(); }
+  emu_mbar_issue(bar, EmuMbar::Copy{dst, src, bytes});
+}
 inline void tensor_g2s_2d(uint32_t dst, const TensorMap* map, int c0, int c1, uint32_t bar) {
   // The device faults on a tensor copy to a shared address off 128 bytes, or a box row off 16 bytes.
   if ((dst & 127) != 0 || (map->box_cols * map->elem_bytes) % 16 != 0) { std::fprintf(stderr, "emu: misaligned tensor copy\n"); std::abort(); }
-  EmuMbar& b = emu_mbar(bar);
-  const EmuMbar::Copy c{dst, nullptr, static_cast<uint32_t>(map->box_cols * map->box_rows * map->elem_bytes), *map, c0, c1};
-  if (emu_mbar_eager) {
-    emu_mbar_land(b, c);
-  } else {
-    b.pending.push_back(c);
-  }
+  emu_mbar_issue(bar, EmuMbar::Copy{dst, nullptr, static_cast<uint32_t>(map->box_cols * map->box_rows * map->elem_bytes), *map, c0, c1});
 }
 inline void mbar_wait(uint32_t bar, uint32_t parity) {
   EmuMbar& b = emu_mbar(bar);
