@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <functional>
 #include <iostream>
@@ -72,6 +73,38 @@ std::map<std::pair<int64_t, int64_t>, int> linear_shapes(const Plan& plan) {
     shapes[{decl.shape[0], decl.shape[1]}] += 1;
   }
   return shapes;
+}
+
+// A step's GEMM work over the plan's plain linears but its output op (a step's logits are its last
+// rows', a GEMM of a few rows), and the input conversions it makes: GemmRunner keeps a bf16 copy of
+// each GEMM input in kStagingSlots slots (the least recently used overwritten), keyed by the op read,
+// so the GEMMs in plan order (the router logits too: they share the copies) say which convert.
+struct StepGemms {
+  std::map<std::pair<int64_t, int64_t>, int> shapes;  // (out, in) → linears
+  std::map<int64_t, int> conversions;                  // in → inputs converted
+};
+StepGemms step_gemms(const Plan& plan) {
+  StepGemms step;
+  std::array<std::pair<int32_t, uint64_t>, cuda::GemmRunner::kStagingSlots> slots;  // (the op read, last use)
+  slots.fill({-1, 0});
+  uint64_t uses = 0;
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const PlanOp& op = plan.ops[i];
+    if ((op.op() != Op::kLinear && op.op() != Op::kRouterLogits) || op.weights.size() != 1 || op.inputs.size() != 1) continue;
+    if (static_cast<int32_t>(i) == plan.output_op) continue;
+    const WeightDecl& decl = plan.weights[static_cast<size_t>(op.weights.front())];
+    if (decl.parts.size() != 1 || decl.mxfp4 || decl.shape.size() != 2) continue;
+    if (op.op() == Op::kLinear) step.shapes[{decl.shape[0], decl.shape[1]}] += 1;
+    const int32_t x = op.inputs.front();
+    auto slot = std::ranges::find(slots, x, &std::pair<int32_t, uint64_t>::first);
+    if (slot == slots.end()) {
+      slot = std::ranges::min_element(slots, {}, &std::pair<int32_t, uint64_t>::second);
+      slot->first = x;
+      step.conversions[decl.shape[1]] += 1;
+    }
+    slot->second = ++uses;
+  }
+  return step;
 }
 
 // How unevenly a routing read spread its pairs: the busiest expert's pairs over the mean (1 = even).
@@ -319,6 +352,11 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
     json shapes = json::array();
     double gemm_ms_per_chunk = 0;
     std::vector<double> of_cublas, gemm_of_cublas;  // cuBLAS's time over ours: with the input's conversion, and without
+    // The step as a whole (its output op left out): every linear's GEMM on a converted input plus each
+    // conversion the step makes (by its input's width, step_gemms), against cuBLAS alone on each linear.
+    const StepGemms step = step_gemms(*plan);
+    std::map<int64_t, double> convert_ms;  // by the input's width: its conversion at this chunk
+    double step_gemm_ms = 0, step_cublas_ms = 0;
     for (const auto& [shape, count] : linear_shapes(*plan)) {
       const auto [out, in] = shape;
       const cuda::GemmTimes t = cuda::time_prefill_gemm(chunk, out, in, 20, gpu);
@@ -326,15 +364,39 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
       gemm_ms_per_chunk += t.ours_ms * count;
       of_cublas.push_back(t.cublas_ms / t.ours_ms);
       gemm_of_cublas.push_back(t.cublas_ms / t.ours_gemm_ms);
+      convert_ms.emplace(in, t.convert_ms);
+      if (auto it = step.shapes.find(shape); it != step.shapes.end()) {
+        step_gemm_ms += t.ours_gemm_ms * it->second;
+        step_cublas_ms += t.cublas_ms * it->second;
+      }
       shapes.push_back({{"rows", chunk}, {"in", in}, {"out", out}, {"count", count}, {"ours_ms", t.ours_ms}, {"ours_tflops", f / (t.ours_ms * 1e9)},
                         {"ours_gemm_ms", t.ours_gemm_ms}, {"ours_gemm_tflops", f / (t.ours_gemm_ms * 1e9)},
-                        {"cublas_bf16_ms", t.cublas_ms}, {"cublas_bf16_tflops", f / (t.cublas_ms * 1e9)}});
+                        {"cublas_bf16_ms", t.cublas_ms}, {"cublas_bf16_tflops", f / (t.cublas_ms * 1e9)}, {"convert_ms", t.convert_ms}});
+    }
+    double step_convert_ms = 0;
+    int step_conversions = 0;
+    for (const auto& [in, count] : step.conversions) {
+      const auto it = convert_ms.find(in);  // a width only router logits read: timed here
+      const double ms = it != convert_ms.end() ? it->second : cuda::time_prefill_gemm(chunk, 1, in, 20, gpu).convert_ms;
+      step_convert_ms += ms * count;
+      step_conversions += count;
+    }
+    json step_record = nullptr;
+    if (step_cublas_ms > 0) {
+      step_record = {{"ours_ms", step_gemm_ms + step_convert_ms}, {"gemms_ms", step_gemm_ms}, {"conversions", step_conversions},
+                     {"conversions_ms", step_convert_ms}, {"cublas_bf16_ms", step_cublas_ms},
+                     {"of_cublas", step_cublas_ms / (step_gemm_ms + step_convert_ms)}};
     }
     if (!of_cublas.empty()) {
       std::cerr << fmt::format("  projection GEMMs, {} shapes at {} rows: {:.0f}–{:.0f}% of cuBLAS's speed (bf16 in and out) with the input's conversion, "
                                "{:.0f}–{:.0f}% on a converted input\n",
                                of_cublas.size(), chunk, 100 * std::ranges::min(of_cublas), 100 * std::ranges::max(of_cublas),
                                100 * std::ranges::min(gemm_of_cublas), 100 * std::ranges::max(gemm_of_cublas));
+    }
+    if (step_cublas_ms > 0) {
+      std::cerr << fmt::format("  a step's linears but the LM head: {:.2f} ms of GEMMs and {:.2f} ms for its {} input conversions, {:.0f}% of cuBLAS's speed "
+                               "({:.2f} ms, bf16 in and out)\n",
+                               step_gemm_ms, step_convert_ms, step_conversions, 100 * step_cublas_ms / (step_gemm_ms + step_convert_ms), step_cublas_ms);
     }
     const double load = load_max_over_mean(backend->last_expert_tokens());
     json record = {{"kind", "prefill"},
@@ -376,6 +438,7 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
                    {"device", device},
                    {"git_rev", rev},
                    {"command", args.command_line},
+                   {"gemm_step", step_record},  // step_gemms: the step's linears (not its LM head) with each input's conversion once
                    {"peers", {{"gemm_shapes", shapes}}}};
     std::cerr << fmt::format("prompt {:6d}{} (chunk {:5d}): TTFT {:9.1f} ms, {:8.0f} tokens/s, {:6.1f} TFLOP/s; routed experts {:8.1f} ms (busiest expert {:.1f}x the mean); MLA {:8.1f} ms{}; KDA {}\n", p,
                              args.cached_prefix > 0 ? fmt::format(" after {} cached", args.cached_prefix) : "", chunk, ttft, static_cast<double>(p) / ttft * 1e3, flops.total() / (ttft * 1e9), expert_ms, load, mla_ms, mla_gemm ? "" : " (op body: not timed)",

@@ -342,6 +342,8 @@ GemmTimes time_prefill_gemm(int64_t rows, int64_t out, int64_t in, int reps, int
       ours.run(op, arena.as<float>(), rows);
     });
     times.ours_gemm_ms = median_ms(stream, reps, [&] { ours.run(op, arena.as<float>(), rows); });  // the staged copy reused
+    // The conversion alone, into the peer's input (bf16 values of the same kind as its fill).
+    times.convert_ms = median_ms(stream, reps, [&] { launch_to_half(arena.as<float>(), rows, in, in, x.ptr, kWBF16, stream); });
     // The library alone: bf16 in, bf16 out, no conversion (its best case at this shape).
     DeviceBuffer y(static_cast<size_t>(rows * out) * 2, "GEMM peer");
     const float alpha = 1.0f, beta = 0.0f;

@@ -164,9 +164,10 @@ void launch_round_in_place(float* y, int64_t rows, int64_t cols, int32_t act, cu
 // random operands, median of `reps` timed calls each: `ours` is GemmRunner::run as a step's first linear
 // over its input runs it (fp32 arena → bf16 copy → GEMM, fp32 out; the rounding tasks not included),
 // `ours_gemm` the same call on an input already converted (every later linear over that input in the
-// step: a KDA layer's six projections read one), `cublas` the library alone (bf16 in and out).
+// step: a KDA layer's six projections read one), `cublas` the library alone (bf16 in and out),
+// `convert` the input's conversion alone (what a step pays once per input it converts).
 struct GemmTimes {
-  double ours_ms = 0, ours_gemm_ms = 0, cublas_ms = 0;
+  double ours_ms = 0, ours_gemm_ms = 0, cublas_ms = 0, convert_ms = 0;
 };
 GemmTimes time_prefill_gemm(int64_t rows, int64_t out, int64_t in, int reps, int device);
 
