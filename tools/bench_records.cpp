@@ -1,10 +1,13 @@
 #include "tools/bench_records.h"
 
+#include <fmt/format.h>
+
 #include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 
 #include "core/error.h"
 
@@ -49,6 +52,29 @@ void append_records(const std::string& path, const json& records) {
   std::ofstream out(path);
   out << all.dump(1) << "\n";
   if (!out) fail("{}: cannot write the benchmark records", path);
+}
+
+std::map<int64_t, json> run_length_peer(const std::string& bench, const std::string& name, const std::string& command) {
+  std::map<int64_t, json> records;
+  int status = 0;
+  const std::string out = run_and_capture(command, &status);
+  try {
+    for (const json& r : json::parse(out.substr(out.find('[') == std::string::npos ? 0 : out.find('[')))) records[r.at("tokens").get<int64_t>()] = r;
+  } catch (const json::exception& e) {
+    std::cerr << fmt::format("{}: the {} peer printed no JSON array of records (status {}): {}\n", bench, name, status, e.what());
+  }
+  return records;
+}
+
+json peer_entry(const std::map<int64_t, json>& peer, int64_t p, double ours, const std::string& what, const std::string& name) {
+  json entry = peer.contains(p) ? peer.at(p) : json{{"skipped", "the peer did not report this length"}};
+  entry["what"] = what;
+  if (ours >= 0) entry["ours_ms_per_layer"] = ours;
+  if (ours > 0 && entry.contains("ms")) {
+    entry["speedup_vs_peer"] = entry["ms"].get<double>() / ours;
+    std::cerr << fmt::format("  {}, one layer: ours {:.3f} ms, peer {:.3f} ms ({:.2f}x)\n", name, ours, entry["ms"].get<double>(), entry["ms"].get<double>() / ours);
+  }
+  return entry;
 }
 
 std::string cpu_model() {

@@ -187,36 +187,6 @@ std::unique_ptr<cuda::CudaBackend> make_backend(const LoadedModel& model, std::s
 
 }  // namespace
 
-namespace {
-
-// A kernel peer's records ({"tokens", "ms"} or {"tokens", "skipped"}) by prompt length; what it printed
-// is reported, not thrown, when it is no JSON array (a missing package is a finding, not a crash).
-std::map<int64_t, json> run_length_peer(const std::string& name, const std::string& command) {
-  std::map<int64_t, json> records;
-  int status = 0;
-  const std::string out = run_and_capture(command, &status);
-  try {
-    for (const json& r : json::parse(out.substr(out.find('[') == std::string::npos ? 0 : out.find('[')))) records[r.at("tokens").get<int64_t>()] = r;
-  } catch (const json::exception& e) {
-    std::cerr << fmt::format("bench prefill: the {} peer printed no JSON array of records (status {}): {}\n", name, status, e.what());
-  }
-  return records;
-}
-
-// The peer's record for prompt length p with ours beside it (ours < 0: not measured in this run).
-json peer_entry(const std::map<int64_t, json>& peer, int64_t p, double ours, const std::string& what, const std::string& name) {
-  json entry = peer.contains(p) ? peer.at(p) : json{{"skipped", "the peer did not report this length"}};
-  entry["what"] = what;
-  if (ours >= 0) entry["ours_ms_per_layer"] = ours;
-  if (ours > 0 && entry.contains("ms")) {
-    entry["speedup_vs_peer"] = entry["ms"].get<double>() / ours;
-    std::cerr << fmt::format("  {}, one layer: ours {:.3f} ms, peer {:.3f} ms ({:.2f}x)\n", name, ours, entry["ms"].get<double>(), entry["ms"].get<double>() / ours);
-  }
-  return entry;
-}
-
-}  // namespace
-
 void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
   auto* config = cmd->add_option("--config", args.config_path, "config.json of a model to draw on the device")->required();
   cmd->add_flag("--random-weights", args.random_weights, "draw every weight on the device from --seed (required)")->needs(config);
@@ -283,11 +253,11 @@ int run_bench_prefill(const BenchPrefillArgs& args) {
   const std::map<int64_t, json> kda_peer =
       args.kda_peer.empty() || kda_layers == 0
           ? std::map<int64_t, json>{}
-          : run_length_peer("KDA", fmt::format("{} --tokens {} --heads {} --dim {}", args.kda_peer, lengths, cfg.kda.num_heads, cfg.kda.head_dim));
+          : run_length_peer("bench prefill", "KDA", fmt::format("{} --tokens {} --heads {} --dim {}", args.kda_peer, lengths, cfg.kda.num_heads, cfg.kda.head_dim));
   const std::map<int64_t, json> mla_peer =
       args.mla_peer.empty() || mla_layers == 0
           ? std::map<int64_t, json>{}
-          : run_length_peer("MLA", fmt::format("{} --tokens {} --heads {} --qk-dim {} --v-dim {}", args.mla_peer, lengths, cfg.num_attention_heads,
+          : run_length_peer("bench prefill", "MLA", fmt::format("{} --tokens {} --heads {} --qk-dim {} --v-dim {}", args.mla_peer, lengths, cfg.num_attention_heads,
                                                cfg.mla_qk_head_dim(), cfg.v_head_dim));
 
   const double roofline_gbps = cuda::measure_read_bandwidth_gbps(int64_t{4} << 30, gpu);

@@ -137,6 +137,22 @@ struct BenchPrefillArgs {
 void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args);
 int run_bench_prefill(const BenchPrefillArgs& args);
 
+// `plow bench kda` (cuda_bench_kda.cpp): the planned KDA prefill launches on one layer's shape over
+// synthetic inputs, with chosen log-decay distributions, beside fla's chunk_kda.
+struct BenchKdaArgs {
+  std::vector<int64_t> tokens{1024, 8192, 32768};
+  int64_t heads = 32, dim = 128;  // the 48B's KDA layers
+  std::vector<std::string> gates{"logsigmoid", "kimi-form"};
+  int reps = 10;
+  uint64_t seed = 0;
+  std::string kda_peer;  // command printing fla chunk_kda's records for --tokens/--heads/--dim
+  std::string output = "bench/results/kda.json";
+  std::string command_line;
+};
+
+void add_bench_kda_options(CLI::App* cmd, BenchKdaArgs& args);
+int run_bench_kda(const BenchKdaArgs& args);
+
 // Bytes of one part of `decl` on the device with activations/weights in `dtype` (MXFP4 parts packed,
 // the fp32 gate and bias weights in fp32): a routed expert stack's part is one expert's matrix.
 double weight_bytes(const WeightDecl& decl, DType dtype);

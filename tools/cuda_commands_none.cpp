@@ -34,4 +34,8 @@ void add_bench_prefill_options(CLI::App* cmd, BenchPrefillArgs& args) {
 
 int run_bench_prefill(const BenchPrefillArgs&) { fail("bench prefill: this build of plow has no cuda backend (configure with a CUDA toolkit and -DPLOW_CUDA=ON)"); }
 
+void add_bench_kda_options(CLI::App* cmd, BenchKdaArgs&) { cmd->allow_extras(); }
+
+int run_bench_kda(const BenchKdaArgs&) { fail("bench kda: this build of plow has no cuda backend (configure with a CUDA toolkit and -DPLOW_CUDA=ON)"); }
+
 }  // namespace plow::tools

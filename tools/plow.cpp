@@ -499,6 +499,10 @@ int main(int argc, char** argv) {
   CLI::App* bench_prefill_cmd = bench_cmd->add_subcommand("prefill", "time to first token on the GPU: prefill GEMMs on tensor cores, cuBLAS peer");
   tools::add_bench_prefill_options(bench_prefill_cmd, bench_prefill);
   bench_prefill.command_line = bench_decode.command_line;
+  tools::BenchKdaArgs bench_kda;
+  CLI::App* bench_kda_cmd = bench_cmd->add_subcommand("kda", "KDA prefill's planned launches on one layer's shape, synthetic inputs, fla peer");
+  tools::add_bench_kda_options(bench_kda_cmd, bench_kda);
+  bench_kda.command_line = bench_decode.command_line;
 
   const SubcommandEntry eval_ppl = add_eval_ppl_command(app);
 
@@ -524,6 +528,7 @@ int main(int argc, char** argv) {
     if (tp_worker_cmd->parsed()) return tools::run_tp_worker(tp_worker);
     if (bench_decode_cmd->parsed()) return tools::run_bench_decode(bench_decode);
     if (bench_prefill_cmd->parsed()) return tools::run_bench_prefill(bench_prefill);
+    if (bench_kda_cmd->parsed()) return tools::run_bench_kda(bench_kda);
     if (chat_cmd.command->parsed()) return chat_cmd.run();
     if (bench_serve_cmd.command->parsed()) return bench_serve_cmd.run();
     if (bench_sample_cmd.command->parsed()) return bench_sample_cmd.run();

@@ -199,6 +199,19 @@ TEST_F(BadInput, ServeChatAndBenchServeOptions) {
   expect_rejected(run("bench serve" + m + " --turns 0"), "--turns must be >= 1, found 0");
 }
 
+// `bench kda` checks its options before it asks for a GPU; a build without the cuda backend says that
+// it has none instead.
+TEST_F(BadInput, BenchKdaOptions) {
+  const auto expect = [&](const std::string& args, const std::string& needle) {
+    expect_rejected(run("bench kda " + args), PLOW_TEST_CUDA ? needle : std::string("this build of plow has no cuda backend"));
+  };
+  expect("--tokens 1024,0", "--tokens 0: expected 1..1048576");
+  expect("--dim 200", "--dim 200: expected 1..128");
+  expect("--heads 0", "--heads 0: expected 1..256");
+  expect("--gate logsigmoid,steep", "--gate steep: expected logsigmoid or kimi-form");
+  expect("--reps 0", "--reps must be >= 1, found 0");
+}
+
 TEST_F(BadInput, InspectRejectsTheSameWay) {
   fs::remove(model_ / "config.json");
   expect_rejected(run("inspect --model " + model_.string()), "cannot open config file");

@@ -94,7 +94,7 @@ __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
 // e^−60 (their TF32 rests normal) and the column factors e^{γ_16R−γ_j} ≤ e^60 (no overflow, products
 // above the diagonal included). Steeper blocks (the K3 gate allows 75) take e^{γ_r−γ_j} per (pair,
 // channel) on SIMT.
-constexpr float kDiagMmaSpread = 60.0f;
+constexpr float kDiagMmaSpread = kKdaDiagMmaSpread;
 
 // SIMT unit u of the steep diagonal blocks (set bits of steep): 160 a block, quarter u mod 4 of
 // (row, column group) w = u / 4 mod 40, rows 0–3 of the block having one group of 4 columns, rows 4–7

@@ -20,6 +20,11 @@ inline constexpr int64_t kKdaRecM = kKdaRecU + int64_t{kKdaChunk} * kKdaMaxHeadD
 inline constexpr int64_t kKdaRecDecay = kKdaRecM + int64_t{kKdaChunk} * kKdaChunk;
 inline constexpr int64_t kKdaRecFloats = kKdaRecDecay + kKdaMaxHeadDim;
 
+// How far a channel's γ may fall across a diagonal 16×16 block for the prep to take the block on tensor
+// cores (kda_prefill.cuh, kDiagMmaSpread); steeper blocks go to SIMT. Here for the benchmark, which
+// reports how many blocks of its inputs are steep.
+inline constexpr float kKdaDiagMmaSpread = 60.0f;
+
 // One batch of a step's sequences. Rows are the step's (row r of q at q + r·q_stride); the tables are
 // on the device: per chunk of the batch its first row and length (1…C), per sequence its first chunk
 // (within the batch), its chunks and its slot.
