@@ -191,7 +191,7 @@ int run_bench_kda(const BenchKdaArgs& args) {
         const double floor_ms = bytes / (roofline_gbps * 1e6);
         const double steep = steep_fraction(g, tokens, heads, d);
         std::cerr << fmt::format("tokens {:6d}, gate {:10s}: {:.3f} ms a layer (prep {:.3f}, scan {:.3f}); {:.0f}% of the diagonal blocks steep; "
-                                 "DRAM floor {:.3f} ms ({:.0f}% of it)\n",
+                                 "DRAM floor {:.3f} ms, {:.0f}% of the time\n",
                                  tokens, gate, ms, prep_ms, ms - prep_ms, 100 * steep, floor_ms, 100 * floor_ms / ms);
         json record = {{"kind", "kda"},
                        {"tokens", tokens},
