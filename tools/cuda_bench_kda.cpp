@@ -36,7 +36,7 @@ using cuda::kKdaRecFloats;
 constexpr const char* kGates[] = {"logsigmoid", "kimi-form"};
 
 // g[t, h·d + c] for `gate`: "logsigmoid", log σ(x) with x ~ N(0, 1) (fla_kda.py's); "kimi-form", the
-// Kimi gate's form −exp(A_log[h])·softplus(x) with A_log[h] = ln U(1, 16) (the checkpoints' init, and
+// Kimi gate's form −exp(A_log[h])·softplus(x) with A_log[h] = ln U(1, 16) (the model's initialization, and
 // the random weights') and x ~ N(0, 1), which falls several times faster.
 std::vector<float> draw_gate(const std::string& gate, int64_t rows, int64_t heads, int64_t d, uint64_t seed) {
   std::mt19937_64 rng(seed);
