@@ -42,8 +42,10 @@ std::vector<float> draw_gate(const std::string& gate, int64_t rows, int64_t head
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_real_distribution<float> uniform(1.0f, 16.0f);
+  const auto softplus = [](float y) { return y > 0 ? y + std::log1p(std::exp(-y)) : std::log1p(std::exp(y)); };
+  const bool logsigmoid = gate == "logsigmoid";  // log σ(x) = −softplus(−x)
   std::vector<float> decay_scale(static_cast<size_t>(heads), 1.0f);
-  if (gate == "kimi-form") {
+  if (!logsigmoid) {
     for (float& s : decay_scale) s = uniform(rng);  // exp(ln U(1, 16))
   }
   std::vector<float> g(static_cast<size_t>(rows * heads * d));
@@ -51,9 +53,7 @@ std::vector<float> draw_gate(const std::string& gate, int64_t rows, int64_t head
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t c = 0; c < d; ++c) {
         const float x = normal(rng);
-        const float softplus_neg = x < 0 ? -x + std::log1p(std::exp(x)) : std::log1p(std::exp(-x));  // softplus(−x)
-        const float softplus = x > 0 ? x + std::log1p(std::exp(-x)) : std::log1p(std::exp(x));
-        g[static_cast<size_t>((t * heads + h) * d + c)] = gate == "logsigmoid" ? -softplus_neg : -decay_scale[static_cast<size_t>(h)] * softplus;
+        g[static_cast<size_t>((t * heads + h) * d + c)] = logsigmoid ? -softplus(-x) : -decay_scale[static_cast<size_t>(h)] * softplus(x);
       }
     }
   }
@@ -66,17 +66,12 @@ std::vector<float> draw_gate(const std::string& gate, int64_t rows, int64_t head
 double steep_fraction(const std::vector<float>& g, int64_t tokens, int64_t heads, int64_t d) {
   int64_t steep = 0, blocks = 0;
   for (int64_t c0 = 0; c0 < tokens; c0 += kKdaChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kKdaChunk, tokens - c0));
     for (int64_t h = 0; h < heads; ++h) {
-      for (int64_t half = 0; half * 64 < d; ++half) {
-        for (int64_t r = 0; r < kKdaChunk / 16; ++r) {
-          if (c0 + 16 * r >= tokens) break;
-          bool is_steep = false;
-          for (int64_t c = half * 64; c < std::min(d, half * 64 + 64) && !is_steep; ++c) {
-            float fall = 0;
-            for (int64_t t = c0 + 16 * r + 1; t < std::min(tokens, c0 + 16 * r + 16); ++t) fall -= g[static_cast<size_t>((t * heads + h) * d + c)];
-            is_steep = fall > kKdaDiagMmaSpread;
-          }
-          steep += is_steep ? 1 : 0;
+      const float* chunk = g.data() + (c0 * heads + h) * d;
+      for (int half = 0; 64 * half < d; ++half) {
+        for (int first = 0; first < n; first += 16) {
+          steep += cuda::kda_diag_block_steep(chunk, heads * d, first, n, 64 * half, static_cast<int>(std::min<int64_t>(d, 64 * half + 64))) ? 1 : 0;
           blocks += 1;
         }
       }

@@ -14,6 +14,7 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "core/error.h"
@@ -63,14 +64,20 @@ PrefillFlops prefill_flops(const LoadedModel& model, int64_t tokens, int64_t pre
   return flops;
 }
 
+// The [out, in] of op's one dense 2-D weight (not an expert stack, not MXFP4), or nullopt.
+std::optional<std::pair<int64_t, int64_t>> dense_weight_shape(const Plan& plan, const PlanOp& op) {
+  if (op.weights.size() != 1) return std::nullopt;
+  const WeightDecl& decl = plan.weights[static_cast<size_t>(op.weights.front())];
+  if (decl.parts.size() != 1 || decl.mxfp4 || decl.shape.size() != 2) return std::nullopt;
+  return std::pair{decl.shape[0], decl.shape[1]};
+}
+
 // The plain linear shapes [out, in] of a plan with how often each occurs (the GEMMs of one chunk).
 std::map<std::pair<int64_t, int64_t>, int> linear_shapes(const Plan& plan) {
   std::map<std::pair<int64_t, int64_t>, int> shapes;
   for (const PlanOp& op : plan.ops) {
-    if (op.op() != Op::kLinear || op.weights.size() != 1) continue;
-    const WeightDecl& decl = plan.weights[static_cast<size_t>(op.weights.front())];
-    if (decl.parts.size() != 1 || decl.mxfp4 || decl.shape.size() != 2) continue;
-    shapes[{decl.shape[0], decl.shape[1]}] += 1;
+    if (op.op() != Op::kLinear) continue;
+    if (const auto shape = dense_weight_shape(plan, op)) shapes[*shape] += 1;
   }
   return shapes;
 }
@@ -90,17 +97,16 @@ StepGemms step_gemms(const Plan& plan) {
   uint64_t uses = 0;
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
-    if ((op.op() != Op::kLinear && op.op() != Op::kRouterLogits) || op.weights.size() != 1 || op.inputs.size() != 1) continue;
-    if (static_cast<int32_t>(i) == plan.output_op) continue;
-    const WeightDecl& decl = plan.weights[static_cast<size_t>(op.weights.front())];
-    if (decl.parts.size() != 1 || decl.mxfp4 || decl.shape.size() != 2) continue;
-    if (op.op() == Op::kLinear) step.shapes[{decl.shape[0], decl.shape[1]}] += 1;
+    if ((op.op() != Op::kLinear && op.op() != Op::kRouterLogits) || op.inputs.size() != 1 || static_cast<int32_t>(i) == plan.output_op) continue;
+    const auto shape = dense_weight_shape(plan, op);
+    if (!shape) continue;
+    if (op.op() == Op::kLinear) step.shapes[*shape] += 1;
     const int32_t x = op.inputs.front();
     auto slot = std::ranges::find(slots, x, &std::pair<int32_t, uint64_t>::first);
     if (slot == slots.end()) {
       slot = std::ranges::min_element(slots, {}, &std::pair<int32_t, uint64_t>::second);
       slot->first = x;
-      step.conversions[decl.shape[1]] += 1;
+      step.conversions[shape->second] += 1;
     }
     slot->second = ++uses;
   }

@@ -21,9 +21,21 @@ inline constexpr int64_t kKdaRecDecay = kKdaRecM + int64_t{kKdaChunk} * kKdaChun
 inline constexpr int64_t kKdaRecFloats = kKdaRecDecay + kKdaMaxHeadDim;
 
 // How far a channel's γ may fall across a diagonal 16×16 block for the prep to take the block on tensor
-// cores (kda_prefill.cuh, kDiagMmaSpread); steeper blocks go to SIMT. Here for the benchmark, which
-// reports how many blocks of its inputs are steep.
+// cores (kda_prefill.cuh, kDiagMmaSpread); steeper blocks go to SIMT.
 inline constexpr float kKdaDiagMmaSpread = 60.0f;
+
+// Host side (the benchmark's and the emulator test's count of steep blocks): whether the prep takes the
+// diagonal block of positions [first, first + 16) of a chunk of n positions on SIMT, i.e. γ of some
+// channel in [c_begin, c_end) falls by more than kKdaDiagMmaSpread across it. g points at the chunk's
+// first row of the head's log-decays, rows `stride` floats apart; positions past n add nothing.
+inline bool kda_diag_block_steep(const float* g, int64_t stride, int first, int n, int c_begin, int c_end) {
+  for (int c = c_begin; c < c_end; ++c) {
+    float fall = 0.0f;  // γ_first − γ_{first+15}
+    for (int t = first + 1; t < first + 16 && t < n; ++t) fall -= g[t * stride + c];
+    if (fall > kKdaDiagMmaSpread) return true;
+  }
+  return false;
+}
 
 // One batch of a step's sequences. Rows are the step's (row r of q at q + r·q_stride); the tables are
 // on the device: per chunk of the batch its first row and length (1…C), per sequence its first chunk

@@ -188,13 +188,8 @@ std::pair<int, int> steep_and_gentle_blocks(const KdaEmuCase& c, const KdaEmuDat
       for (int h = 0; h < x.heads; ++h) {
         for (int half = 0; half < 2; ++half) {
           for (int first = 0; first < n; first += 16) {
-            bool is_steep = false;
-            for (int ch = 64 * half; ch < std::min(64 * half + 64, x.d); ++ch) {
-              float fall = 0.0f;  // γ_first − γ_{first+15}, positions past n adding nothing
-              for (int t = first + 1; t < std::min(first + 16, n); ++t) fall -= x.g[static_cast<size_t>((row0 + start + t) * x.width + h * x.d + ch)];
-              is_steep = is_steep || fall > kda_planned::kDiagMmaSpread;
-            }
-            (is_steep ? steep : gentle) += 1;
+            const float* g = x.g.data() + static_cast<size_t>((row0 + start) * x.width + h * x.d);
+            (kda_diag_block_steep(g, x.width, first, n, 64 * half, std::min(64 * half + 64, x.d)) ? steep : gentle) += 1;
           }
         }
       }
