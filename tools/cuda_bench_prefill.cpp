@@ -9,7 +9,6 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <functional>
 #include <iostream>
@@ -83,32 +82,23 @@ std::map<std::pair<int64_t, int64_t>, int> linear_shapes(const Plan& plan) {
 }
 
 // A step's GEMM work over the plan's plain linears but its output op (a step's logits are its last
-// rows', a GEMM of a few rows), and the input conversions it makes: GemmRunner keeps a bf16 copy of
-// each GEMM input in kStagingSlots slots (the least recently used overwritten), keyed by the op read,
-// so the GEMMs in plan order (the router logits too: they share the copies) say which convert.
+// rows', a GEMM of a few rows), and the input conversions it makes: the GEMMs in plan order (the router
+// logits too: they share the copies) through GemmRunner's staging rule (StagingLru, keyed by the op
+// read) say which convert.
 struct StepGemms {
   std::map<std::pair<int64_t, int64_t>, int> shapes;  // (out, in) → linears
   std::map<int64_t, int> conversions;                  // in → inputs converted
 };
 StepGemms step_gemms(const Plan& plan) {
   StepGemms step;
-  std::array<std::pair<int32_t, uint64_t>, cuda::GemmRunner::kStagingSlots> slots;  // (the op read, last use)
-  slots.fill({-1, 0});
-  uint64_t uses = 0;
+  cuda::StagingLru<int32_t, cuda::GemmRunner::kStagingSlots> staged;
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const PlanOp& op = plan.ops[i];
     if ((op.op() != Op::kLinear && op.op() != Op::kRouterLogits) || op.inputs.size() != 1 || static_cast<int32_t>(i) == plan.output_op) continue;
     const auto shape = dense_weight_shape(plan, op);
     if (!shape) continue;
     if (op.op() == Op::kLinear) step.shapes[*shape] += 1;
-    const int32_t x = op.inputs.front();
-    auto slot = std::ranges::find(slots, x, &std::pair<int32_t, uint64_t>::first);
-    if (slot == slots.end()) {
-      slot = std::ranges::min_element(slots, {}, &std::pair<int32_t, uint64_t>::second);
-      slot->first = x;
-      step.conversions[shape->second] += 1;
-    }
-    slot->second = ++uses;
+    if (!staged.use(op.inputs.front()).hit) step.conversions[shape->second] += 1;
   }
   return step;
 }

@@ -243,17 +243,11 @@ GemmRunner::~GemmRunner() {
 
 const void* GemmRunner::staged_input(const GemmOp& op, const float* x, int64_t rows) {
   if (rows * op.in > slot_elems_) fail("cuda: a GEMM input of {}x{} outgrows its staging buffer", rows, op.in);
-  Staged* pick = &slots_[0];
-  for (Staged& s : slots_) {
-    if (s.step == step_ && op.x_op >= 0 && s.op == op.x_op && s.x == x && s.rows == rows && s.cols == op.in && s.stride == op.x_stride && s.type == op.weight.type) {
-      s.used = ++uses_;
-      return staging_.as<uint8_t>() + (&s - slots_) * slot_elems_ * 2;
-    }
-    if (s.used < pick->used) pick = &s;
-  }
-  void* out = staging_.as<uint8_t>() + (pick - slots_) * slot_elems_ * 2;
-  launch_to_half(x, rows, op.in, op.x_stride, out, op.weight.type, stream_);
-  *pick = Staged{op.x_op, x, rows, op.in, op.x_stride, op.weight.type, step_, ++uses_};
+  using Lru = StagingLru<StagedKey, kStagingSlots>;
+  const Lru::Use use = op.x_op >= 0 ? staged_.use(StagedKey{op.x_op, x, rows, op.in, op.x_stride, op.weight.type})
+                                    : Lru::Use{staged_.take(), false};  // an input no op names: converted each time
+  void* out = staging_.as<uint8_t>() + use.slot * slot_elems_ * 2;
+  if (!use.hit) launch_to_half(x, rows, op.in, op.x_stride, out, op.weight.type, stream_);
   return out;
 }
 
@@ -285,9 +279,8 @@ bool GemmRunner::run_output(const GemmOp& op, float* arena, int64_t rows, const 
   const bool compact = last != nullptr && op.weight.type != kWF32;
   if (compact) {
     if (last->num_seqs * op.in > slot_elems_) fail("cuda: the last rows of {} sequences outgrow the GEMM staging buffer", last->num_seqs);
-    Staged& slot = slots_[0];  // not reusable: a gather
     launch_to_half(arena + op.x_offset, last->num_seqs, op.in, op.x_stride, staging_.ptr, op.weight.type, stream_, last);
-    slot = Staged{};
+    staged_.forget(0);  // a gather of the last rows, which no later GEMM reads
     rows = last->num_seqs;
     gemm(op, staging_.ptr, op.in, y, rows);
   } else {

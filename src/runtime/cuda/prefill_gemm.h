@@ -17,6 +17,7 @@
 #include "runtime/cuda/last_rows.h"
 #include "runtime/cuda/mla_gemm.h"
 #include "runtime/cuda/moe_gemm.h"
+#include "runtime/cuda/staging_lru.h"
 
 namespace plow::cuda {
 
@@ -111,8 +112,8 @@ GemmPath plan_gemm_path(const Plan& plan, const std::vector<DeviceWeight>& weigh
 // GEMMs often read one input (a KDA layer's six projections of the normed hidden state, an MoE
 // layer's router and shared expert): a copy of op X's output stays valid for the step (X's rows are
 // not rewritten while an op still reads them), so each input is converted once a step, into one of
-// kStagingSlots buffers (the least recently used is overwritten). Copies are keyed by the producing
-// op, never by address alone: the arena gives a dead op's rows to later ops.
+// kStagingSlots buffers (StagingLru: the least recently used is overwritten). Copies are keyed by the
+// producing op, never by address alone: the arena gives a dead op's rows to later ops.
 class GemmRunner {
  public:
   static constexpr int kStagingSlots = 2;
@@ -123,7 +124,7 @@ class GemmRunner {
   GemmRunner& operator=(const GemmRunner&) = delete;
 
   // A new step: the staged copies are stale.
-  void new_step() { step_ += 1; }
+  void new_step() { staged_.clear(); }
   // y = x·Wᵀ over `rows` rows, fp32 accumulate, fp32 out (unrounded: the op's tasks round).
   void run(const GemmOp& op, float* arena, int64_t rows);
   // The output op, rounded here to op.round_to (its tasks do not run). With `last` and 16-bit weights
@@ -134,12 +135,13 @@ class GemmRunner {
   int64_t calls() const { return calls_; }
 
  private:
-  struct Staged {
+  // What a staging slot holds: a copy of `op`'s output rows (or a view of them) at x.
+  struct StagedKey {
     int32_t op = -1;
     const float* x = nullptr;
     int64_t rows = 0, cols = 0, stride = 0;
     int32_t type = -1;
-    uint64_t step = 0, used = 0;
+    bool operator==(const StagedKey&) const = default;
   };
   // op's input rows as a packed 16-bit array (its weight's type), converted unless a slot holds them.
   const void* staged_input(const GemmOp& op, const float* x, int64_t rows);
@@ -149,8 +151,7 @@ class GemmRunner {
   cudaStream_t stream_ = nullptr;
   DeviceBuffer staging_, workspace_;
   int64_t slot_elems_ = 0;
-  Staged slots_[kStagingSlots];
-  uint64_t step_ = 1, uses_ = 0;
+  StagingLru<StagedKey, kStagingSlots> staged_;
   int64_t calls_ = 0;
 };
 
